@@ -1,0 +1,202 @@
+"""Block allocator: reference counts, holders, a free stack and an LRU of cached blocks.
+
+Pure Python, no torch and no HTTP, so it can be tested and reasoned about alone. Every operation costs O(1)
+per block it touches. A block is in exactly one of three states, and the books always balance:
+
+* free: ref 0, holds nothing anyone can look up; on the free stack.
+* in use: ref > 0; each ref belongs to a *holder* (a session, or a parked handoff).
+* cached: ref 0 but committed (its KV is findable by hash); on the LRU, evicted oldest-first when the free
+  stack runs dry. Eviction never takes a block with a ref.
+
+A holder can hold several refs on one block (two lookups of one prefix take two refs), so each holder keeps a
+count per block. Every mutating call validates its whole input first and raises before touching any state.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.ref_cnt: list[int] = [0] * num_blocks
+        self.committed: list[bool] = [False] * num_blocks
+        # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._holders: dict[str, dict[int, int]] = {}
+        self._on_evict = on_evict
+        self.num_evictions = 0
+
+    # -- counts ---------------------------------------------------------------------------------------
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Committed blocks at ref 0: reusable by lookup, evictable by alloc."""
+        return len(self._lru)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_blocks - len(self._free) - len(self._lru)
+
+    @property
+    def num_available(self) -> int:
+        return len(self._free) + len(self._lru)
+
+    def holders(self) -> list[str]:
+        return list(self._holders)
+
+    def held(self, holder: str) -> dict[int, int]:
+        """{block: refs} that ``holder`` holds (a copy)."""
+        return dict(self._holders.get(holder, {}))
+
+    # -- operations -----------------------------------------------------------------------------------
+
+    def allocate(self, holder: str, n: int) -> list[int]:
+        """Take ``n`` blocks with ref 1 for ``holder``: free blocks first, then the least recently used cached."""
+        if n < 1:
+            raise InvalidRequest(f"num_blocks must be at least 1, got {n}")
+        if n > self.num_available:
+            raise PoolExhausted(
+                f"asked for {n} blocks but only {self.num_available} of {self.num_blocks} are free or "
+                f"evictable ({self.num_in_use} are in use): free blocks, wait, or start the pool larger"
+            )
+        free = self._free
+        take = min(n, len(free))
+        ids = free[len(free) - take :]
+        del free[len(free) - take :]
+        ids.reverse()
+        for _ in range(n - take):
+            block, _ = self._lru.popitem(last=False)
+            self.committed[block] = False
+            self.num_evictions += 1
+            if self._on_evict is not None:
+                self._on_evict(block)
+            ids.append(block)
+        ref = self.ref_cnt
+        held = self._holders.setdefault(holder, {})
+        for block in ids:
+            ref[block] = 1
+            held[block] = 1
+        return ids
+
+    def acquire(self, holder: str, ids: Iterable[int]) -> None:
+        """Take one more ref on blocks that are in use or cached (a prefix hit)."""
+        ids = list(ids)
+        self._check_range(ids)
+        for block in ids:
+            if self.ref_cnt[block] == 0 and not self.committed[block]:
+                raise InvalidRequest(f"block {block} is free: only cached or in-use blocks can be shared")
+        held = self._holders.setdefault(holder, {})
+        for block in ids:
+            if self.ref_cnt[block] == 0:
+                del self._lru[block]
+            self.ref_cnt[block] += 1
+            held[block] = held.get(block, 0) + 1
+
+    def free(self, holder: str, ids: Sequence[int]) -> int:
+        """Drop one of ``holder``'s refs on each block; return how many blocks reached ref 0."""
+        self.check_held(holder, ids)
+        held = self._holders[holder]
+        released = 0
+        # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
+        for block in reversed(ids):
+            left = held[block] - 1
+            if left:
+                held[block] = left
+            else:
+                del held[block]
+            self.ref_cnt[block] -= 1
+            if self.ref_cnt[block] == 0:
+                released += 1
+                if self.committed[block]:
+                    self._lru[block] = None
+                else:
+                    self._free.append(block)
+        if not held:
+            del self._holders[holder]
+        return released
+
+    def transfer(self, src: str, dst: str, ids: Sequence[int]) -> None:
+        """Move one of ``src``'s refs on each block to ``dst``; ref counts stay as they are."""
+        self.check_held(src, ids)
+        if src == dst:
+            return
+        held = self._holders[src]
+        target = self._holders.setdefault(dst, {})
+        for block in ids:
+            left = held[block] - 1
+            if left:
+                held[block] = left
+            else:
+                del held[block]
+            target[block] = target.get(block, 0) + 1
+        if not held:
+            del self._holders[src]
+
+    def release_holder(self, holder: str) -> int:
+        """Drop every ref ``holder`` holds (a closed or crashed session); return blocks that reached ref 0."""
+        held = self._holders.get(holder)
+        if not held:
+            self._holders.pop(holder, None)
+            return 0
+        ids = [block for block, count in held.items() for _ in range(count)]
+        return self.free(holder, ids)
+
+    def mark_committed(self, block: int) -> None:
+        """Flag an in-use block as holding findable KV: at ref 0 it will be cached, not freed."""
+        if self.ref_cnt[block] == 0:
+            raise InvalidRequest(f"block {block} is not in use: commit blocks while holding a ref on them")
+        self.committed[block] = True
+
+    # -- validation -----------------------------------------------------------------------------------
+
+    def _check_range(self, ids: Iterable[int]) -> None:
+        n = self.num_blocks
+        bad = [b for b in ids if not 0 <= b < n]
+        if bad:
+            raise InvalidRequest(f"block ids out of range [0, {n}): {bad[:8]}")
+
+    def check_held(self, holder: str, ids: Sequence[int]) -> Counter[int]:
+        self._check_range(ids)
+        held = self._holders.get(holder, {})
+        wanted = Counter(ids)
+        missing = [b for b, count in wanted.items() if held.get(b, 0) < count]
+        if missing:
+            raise NotOwner(
+                f"the session holds no reference on blocks {sorted(missing)[:8]} (never allocated by it, "
+                "already freed, or listed more times than it holds them)"
+            )
+        return wanted
+
+    def check(self) -> None:
+        """Assert every invariant; the tests call this after each step."""
+        free, lru = set(self._free), set(self._lru)
+        assert len(free) == len(self._free), "a block is on the free stack twice"
+        assert not free & lru, "a block is both free and cached"
+        holder_refs = Counter[int]()
+        for held in self._holders.values():
+            assert held, "an empty holder was kept"
+            for block, count in held.items():
+                assert count > 0
+                holder_refs[block] += count
+        for block in range(self.num_blocks):
+            ref = self.ref_cnt[block]
+            assert ref == holder_refs.get(block, 0), f"block {block}: ref {ref} != holders' refs"
+            if ref > 0:
+                assert block not in free and block not in lru
+            elif self.committed[block]:
+                assert block in lru, f"cached block {block} missing from the LRU"
+            else:
+                assert block in free, f"free block {block} missing from the free stack"
+        assert self.num_free + self.num_in_use + self.num_cached == self.num_blocks

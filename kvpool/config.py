@@ -1,0 +1,143 @@
+"""One typed configuration object for the pool manager.
+
+Precedence: command-line flags over ``KVPOOL_*`` environment variables over defaults. The settings object is
+built once at the edge (the CLI) and its fields are passed down; nothing deeper reads the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from kvpool.layout import DType, KVLayout, Order
+
+DEFAULT_PORT = 8470
+
+
+def default_socket() -> Path:
+    return Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}" / "kvpool.sock"
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """Bytes from ``123``, ``64MiB``, ``8GiB``, ``1.5G`` (binary units with ``i``, decimal without)."""
+    if isinstance(value, int):
+        return value
+    match = _SIZE.match(value)
+    if not match:
+        raise ValueError(f"cannot read {value!r} as a size (examples: 1073741824, 512MiB, 8GiB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    base = 1024 if "i" in unit else 1000
+    scale = base ** "bkmgt".index(unit[0]) if unit else 1
+    return int(number * scale)
+
+
+class PoolSettings(BaseSettings):
+    """Settings of ``kvpool serve``; every field is also a ``KVPOOL_<NAME>`` variable and a ``--<name>`` flag."""
+
+    model_config = SettingsConfigDict(env_prefix="KVPOOL_", env_ignore_empty=True, extra="ignore", frozen=True)
+
+    host: str = Field("127.0.0.1", description="TCP address to bind; loopback by default")
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 disables TCP")
+    socket: Path | None = Field(default_factory=default_socket, description="Unix socket of the HTTP API")
+    socket_mode: int = Field(0o660, description="permissions of the Unix sockets (owner and group)")
+    fast_channel: bool = Field(True, description="also serve the binary fast channel at <socket>.fast")
+
+    backend: Literal["auto", "cuda", "cpu"] = Field("auto", description="cuda when present, else cpu")
+    device: int = Field(0, ge=0, description="CUDA device ordinal of the arena")
+    num_blocks: int | None = Field(None, ge=1, description="arena size in blocks")
+    arena_bytes: int | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
+    gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
+    shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
+
+    num_layers: int = Field(4, ge=1, le=1024)
+    num_kv_heads: int = Field(4, ge=1, le=1024)
+    head_dim: int = Field(64, ge=1, le=4096)
+    block_size: int = Field(16, ge=1, le=4096)
+    dtype: DType = "float16"
+    order: Order = "layer_major"
+    model: str = Field("", description="model name mixed into prefix hashes, so models never share KV")
+
+    lease_ttl_s: float = Field(10.0, gt=0, description="a session without heartbeat for this long expires")
+    handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")
+    token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
+    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest accepted request body")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("arena_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("socket_mode", mode="before")
+    @classmethod
+    def _octal(cls, value: Any) -> Any:
+        return int(value, 8) if isinstance(value, str) else value
+
+    @field_validator("socket", mode="before")
+    @classmethod
+    def _no_socket(cls, value: Any) -> Any:
+        return None if isinstance(value, str) and value.lower() in {"", "none", "off"} else value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype(cls, value: Any) -> Any:
+        return KVLayout.model_validate({"dtype": value}).dtype if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _one_size(self) -> PoolSettings:
+        given = [n for n in ("num_blocks", "arena_bytes", "gpu_memory_fraction") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"give the arena size one way only, not {' and '.join(given)}")
+        if self.port == 0 and self.socket is None:
+            raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
+        return self
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            order=self.order,
+        )
+
+    @property
+    def fast_socket(self) -> Path | None:
+        if not self.fast_channel or self.socket is None:
+            return None
+        return self.socket.with_name(self.socket.name + ".fast")
+
+    @property
+    def url(self) -> str:
+        """Where local clients should connect: the Unix socket when there is one."""
+        if self.socket is not None:
+            return f"unix://{self.socket}"
+        return f"http://{self.host}:{self.port}"
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
+    """Add a ``--flag`` for every settings field; unset flags stay None so the environment still applies."""
+    for name, info in settings_cls.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = (info.description or "") + f" [env KVPOOL_{name.upper()}]"
+        if info.annotation is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            parser.add_argument(flag, default=None, help=help_text, metavar=name.upper())
+
+
+def settings_from_args(args: argparse.Namespace, settings_cls: type[PoolSettings] = PoolSettings) -> PoolSettings:
+    given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
+    return settings_cls(**given)

@@ -1,0 +1,95 @@
+"""kvpool's own exceptions.
+
+Each carries the HTTP status the control plane answers with, so the server maps every domain error in one
+place and the client turns the status and the error name back into the same exception class.
+"""
+
+from __future__ import annotations
+
+
+class KvpoolError(Exception):
+    """Base of every error kvpool raises on purpose."""
+
+    status: int = 400
+
+
+class InvalidRequest(KvpoolError):
+    """The request is well-formed JSON but asks for something that cannot be (ids out of range, ...)."""
+
+    status = 400
+
+
+class Unauthorized(KvpoolError):
+    status = 401
+
+
+class UnknownSession(KvpoolError):
+    """The session id is not (or no longer) known: it expired, was closed, or belongs to an earlier pool."""
+
+    status = 404
+
+
+class HandoffNotFound(KvpoolError):
+    status = 404
+
+
+class NotOwner(KvpoolError):
+    """The session holds no reference on a block it tried to free, commit or hand off."""
+
+    status = 409
+
+
+class HandoffExists(KvpoolError):
+    status = 409
+
+
+class LayoutMismatch(KvpoolError):
+    """A client's model layout differs from the arena's: its views would be silently wrong."""
+
+    status = 409
+
+
+class PayloadTooLarge(KvpoolError):
+    status = 413
+
+
+class PoolExhausted(KvpoolError):
+    """Not enough free or evictable blocks: the caller should free, wait, or size the pool larger."""
+
+    status = 507
+
+
+class PoolRestarted(KvpoolError):
+    """The pool restarted (new epoch): the old arena and session are gone, reconnect to go on."""
+
+    status = 410
+
+
+class ArenaClosed(KvpoolError):
+    """The arena views were released (client closed, or the pool restarted)."""
+
+
+class PoolUnavailable(KvpoolError):
+    """The pool cannot be reached or is not ready."""
+
+    status = 503
+
+
+ERRORS: dict[str, type[KvpoolError]] = {
+    cls.__name__: cls
+    for cls in (
+        KvpoolError,
+        InvalidRequest,
+        Unauthorized,
+        UnknownSession,
+        HandoffNotFound,
+        NotOwner,
+        HandoffExists,
+        LayoutMismatch,
+        PayloadTooLarge,
+        PoolExhausted,
+        PoolRestarted,
+        ArenaClosed,
+        PoolUnavailable,
+    )
+}

@@ -1,0 +1,294 @@
+"""The pool's books: sessions with leases, block refs, the prefix index and parked handoffs.
+
+This is the whole domain logic of the pool manager, with no HTTP and no torch: the server validates requests
+and calls these methods from one event loop, so they need no lock. Refs are held by *holders*: a session
+(``s:<id>``) or a parked handoff (``h:<request_id>``); handing off and claiming move refs between holders, so a
+block is never unowned and a crashed worker's refs are found and released when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.allocator import BlockAllocator
+from kvpool.errors import (
+    HandoffExists,
+    HandoffNotFound,
+    InvalidRequest,
+    LayoutMismatch,
+    UnknownSession,
+)
+from kvpool.layout import KVLayout
+from kvpool.prefix import Digest, PrefixHasher, PrefixIndex
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    name: str
+    role: str
+    expires_at: float
+    created_at: float
+
+    @property
+    def holder(self) -> str:
+        return f"s:{self.session_id}"
+
+
+@dataclass(slots=True)
+class Handoff:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    meta: dict[str, Any]
+    from_session: str
+    expires_at: float
+
+    @property
+    def holder(self) -> str:
+        return f"h:{self.request_id}"
+
+
+@dataclass(slots=True)
+class Counters:
+    alloc_requests: int = 0
+    alloc_blocks: int = 0
+    alloc_exhausted: int = 0
+    free_requests: int = 0
+    free_blocks: int = 0
+    commit_requests: int = 0
+    committed_blocks: int = 0
+    duplicate_blocks: int = 0
+    lookup_requests: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    handoffs: int = 0
+    claims: int = 0
+    sessions_opened: int = 0
+    sessions_expired: int = 0
+    handoffs_expired: int = 0
+    blocks_reclaimed: int = 0
+
+
+@dataclass(slots=True)
+class LookupResult:
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class CommitResult:
+    committed: int
+    duplicates: int
+    num_blocks: int
+
+
+@dataclass
+class Pool:
+    """Everything the control plane manages, for one arena of ``num_blocks`` blocks."""
+
+    num_blocks: int
+    layout: KVLayout
+    lease_ttl_s: float = 10.0
+    handoff_ttl_s: float = 60.0
+    model: str = ""
+    clock: Clock = time.monotonic
+    epoch: str = field(default_factory=lambda: secrets.token_hex(8))
+    digest: Digest | None = None
+    on_handoff: Callable[[str], None] | None = None
+
+    def __post_init__(self) -> None:
+        self.index = PrefixIndex()
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self.index.remove_block)
+        hasher_args = {} if self.digest is None else {"digest": self.digest}
+        self.hasher = PrefixHasher(self.layout.namespace(self.model), self.layout.block_size, **hasher_args)
+        self.sessions: dict[str, Session] = {}
+        self.handoffs: dict[str, Handoff] = {}
+        self.counters = Counters()
+
+    # -- sessions ---------------------------------------------------------------------------------------
+
+    def open_session(self, name: str, role: str, layout: KVLayout | None = None) -> Session:
+        if layout is not None and layout != self.layout:
+            diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in self.layout.diff(layout).items())
+            raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
+        now = self.clock()
+        sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
+        session = Session(sid, name, role, now + self.lease_ttl_s, now)
+        self.sessions[sid] = session
+        self.counters.sessions_opened += 1
+        return session
+
+    def session(self, session_id: str) -> Session:
+        """The live session, its lease extended by any call it makes."""
+        session = self.sessions.get(session_id)
+        now = self.clock()
+        if session is None or session.expires_at < now:
+            if session is not None:
+                self._expire_session(session)
+            if not session_id.startswith(self.epoch[:8]):
+                raise UnknownSession(
+                    f"unknown session {session_id!r}: it belongs to another pool epoch (this pool is "
+                    f"{self.epoch}); the pool restarted, open a new session and map the arena again"
+                )
+            raise UnknownSession(
+                f"unknown session {session_id!r}: closed, or expired after {self.lease_ttl_s}s without a "
+                "heartbeat (its blocks were released); open a new session"
+            )
+        session.expires_at = now + self.lease_ttl_s
+        return session
+
+    def heartbeat(self, session_id: str) -> Session:
+        return self.session(session_id)
+
+    def close_session(self, session_id: str) -> int:
+        session = self.session(session_id)
+        del self.sessions[session_id]
+        return self.allocator.release_holder(session.holder)
+
+    # -- blocks -----------------------------------------------------------------------------------------
+
+    def alloc(self, session_id: str, num_blocks: int) -> list[int]:
+        holder = self.session(session_id).holder
+        self.counters.alloc_requests += 1
+        try:
+            ids = self.allocator.allocate(holder, num_blocks)
+        except Exception:
+            self.counters.alloc_exhausted += 1
+            raise
+        self.counters.alloc_blocks += num_blocks
+        return ids
+
+    def free(self, session_id: str, block_ids: Sequence[int]) -> int:
+        holder = self.session(session_id).holder
+        self.allocator.free(holder, block_ids)
+        self.counters.free_requests += 1
+        self.counters.free_blocks += len(block_ids)
+        return len(block_ids)
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+
+    def commit(self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResult:
+        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..)."""
+        holder = self.session(session_id).holder
+        chunks = self.hasher.chunks(token_ids)
+        if len(block_ids) < len(chunks):
+            raise InvalidRequest(
+                f"token_ids fill {len(chunks)} blocks of {self.layout.block_size} tokens but only "
+                f"{len(block_ids)} block ids were given"
+            )
+        blocks = list(block_ids[: len(chunks)])
+        if len(set(blocks)) != len(blocks):
+            raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
+        self.allocator.check_held(holder, blocks)
+        new = self.index.plan(self.hasher.keys(chunks), chunks, blocks)
+        self.index.apply(new)
+        for node in new:
+            self.allocator.mark_committed(node.block)
+        c = self.counters
+        c.commit_requests += 1
+        c.committed_blocks += len(new)
+        c.duplicate_blocks += len(chunks) - len(new)
+        return CommitResult(committed=len(new), duplicates=len(chunks) - len(new), num_blocks=len(chunks))
+
+    def lookup(self, session_id: str, token_ids: Sequence[int]) -> LookupResult:
+        """The longest cached prefix of ``token_ids``, with a ref taken on each block for the session."""
+        holder = self.session(session_id).holder
+        chunks = self.hasher.chunks(token_ids)
+        ids = self.index.match(self.hasher.keys(chunks), chunks)
+        self.allocator.acquire(holder, ids)
+        c = self.counters
+        c.lookup_requests += 1
+        c.lookup_blocks += len(chunks)
+        c.hit_blocks += len(ids)
+        return LookupResult(ids, len(ids) * self.layout.block_size)
+
+    # -- handoffs ---------------------------------------------------------------------------------------
+
+    def handoff(
+        self,
+        session_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        meta: dict[str, Any] | None = None,
+        ttl_s: float | None = None,
+    ) -> Handoff:
+        """Park the blocks under ``request_id``, moving the session's refs to the handoff."""
+        session = self.session(session_id)
+        if request_id in self.handoffs:
+            raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
+        max_tokens = len(block_ids) * self.layout.block_size
+        if num_tokens > max_tokens:
+            raise InvalidRequest(
+                f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
+            )
+        ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
+        handoff = Handoff(
+            request_id, list(block_ids), num_tokens, dict(meta or {}), session_id, self.clock() + ttl
+        )
+        self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+        self.handoffs[request_id] = handoff
+        self.counters.handoffs += 1
+        if self.on_handoff is not None:
+            self.on_handoff(request_id)
+        return handoff
+
+    def claim(self, session_id: str, request_id: str | None = None) -> Handoff:
+        """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session."""
+        session = self.session(session_id)
+        if request_id is None:
+            if not self.handoffs:
+                raise HandoffNotFound("no handoff is parked")
+            request_id = next(iter(self.handoffs))
+        handoff = self.handoffs.get(request_id)
+        if handoff is None:
+            raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
+        self.allocator.transfer(handoff.holder, session.holder, handoff.block_ids)
+        del self.handoffs[request_id]
+        self.counters.claims += 1
+        return handoff
+
+    # -- reclaiming -------------------------------------------------------------------------------------
+
+    def expire(self) -> tuple[int, int]:
+        """Release sessions whose lease ran out and handoffs nobody claimed in time."""
+        now = self.clock()
+        dead = [s for s in self.sessions.values() if s.expires_at < now]
+        for session in dead:
+            self._expire_session(session)
+        stale = [h for h in self.handoffs.values() if h.expires_at < now]
+        for handoff in stale:
+            del self.handoffs[handoff.request_id]
+            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
+            self.counters.handoffs_expired += 1
+        return len(dead), len(stale)
+
+    def _expire_session(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
+        self.counters.sessions_expired += 1
+
+    # -- introspection ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        a, c = self.allocator, self.counters
+        return {
+            "epoch": self.epoch,
+            "num_blocks": self.num_blocks,
+            "free": a.num_free,
+            "in_use": a.num_in_use,
+            "cached": a.num_cached,
+            "indexed": len(self.index),
+            "sessions": len(self.sessions),
+            "handoffs": len(self.handoffs),
+            "hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
+            "evictions": a.num_evictions,
+            "counters": {name: getattr(c, name) for name in Counters.__slots__},
+        }

@@ -1,0 +1,137 @@
+"""Request and response models of the control API, shared by the server and :mod:`kvpool.client`.
+
+Requests are strict (a string is not a number, unknown fields are refused), so that a client bug shows up as a
+422 that names the field rather than as a silently coerced value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvpool.layout import KVLayout
+
+MAX_IDS = 1 << 20
+MAX_TOKENS = 1 << 22
+
+Role = Literal["prefill", "decode", "other"]
+SessionId = str
+RequestId = str
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class SessionCreate(_Request):
+    name: str = Field(min_length=1, max_length=128)
+    role: Role = "other"
+    layout: KVLayout | None = Field(
+        None, description="The client's model layout; a mismatch with the arena's is refused (409)."
+    )
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    lease_ttl_s: float
+    epoch: str
+
+
+class AllocRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    num_blocks: int = Field(ge=1, le=1 << 31)
+
+
+class AllocResponse(BaseModel):
+    block_ids: list[int]
+
+
+class FreeRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    block_ids: list[int] = Field(max_length=MAX_IDS)
+
+
+class FreeResponse(BaseModel):
+    freed: int
+
+
+class CommitRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    block_ids: list[int] = Field(max_length=MAX_IDS)
+    token_ids: list[int] = Field(max_length=MAX_TOKENS)
+
+
+class CommitResponse(BaseModel):
+    committed: int = Field(description="blocks newly indexed")
+    duplicates: int = Field(description="full blocks whose content was already indexed")
+    num_blocks: int = Field(description="full blocks in token_ids")
+
+
+class LookupRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    token_ids: list[int] = Field(max_length=MAX_TOKENS)
+
+
+class LookupResponse(BaseModel):
+    block_ids: list[int]
+    num_tokens: int
+
+
+class HandoffRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    request_id: RequestId = Field(min_length=1, max_length=256)
+    block_ids: list[int] = Field(max_length=MAX_IDS)
+    num_tokens: int = Field(ge=0, le=1 << 40)
+    meta: dict[str, Any] = Field(default_factory=dict)
+    ttl_s: float | None = Field(None, gt=0, le=86400, description="unclaimed after this, the blocks are released")
+
+
+class HandoffResponse(BaseModel):
+    request_id: str
+    num_blocks: int
+
+
+class ClaimRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    request_id: RequestId | None = Field(
+        None, max_length=256, description="the request to claim; null takes the oldest parked handoff"
+    )
+    timeout_s: float = Field(0.0, ge=0, le=3600)
+
+
+class ClaimResponse(BaseModel):
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    meta: dict[str, Any]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "starting"]
+    epoch: str
+
+
+class DeviceInfo(BaseModel):
+    index: int
+    uuid: str
+    name: str = ""
+
+
+class ArenaDescriptor(BaseModel):
+    epoch: str
+    backend: Literal["cuda", "cpu"]
+    device: DeviceInfo | None
+    handle: str = Field(description="base64 CUDA IPC handle (cuda) or the shared-memory file's path (cpu)")
+    nbytes: int
+    num_blocks: int
+    block_nbytes: int
+    layout: KVLayout
+    owner_pid: int
+    model: str = ""
+    fast_socket: str | None = Field(None, description="Unix socket of the binary fast channel, if served")
+
+
+class ErrorBody(BaseModel):
+    detail: Any
+    error: str
