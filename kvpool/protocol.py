@@ -32,10 +32,19 @@ class SessionCreate(_Request):
     )
 
 
+class SessionRef(_Request):
+    session_id: SessionId = Field(max_length=64)
+
+
+class Hello(_Request):
+    token: str | None = Field(None, max_length=4096)
+
+
 class SessionInfo(BaseModel):
     session_id: str
     lease_ttl_s: float
     epoch: str
+    fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
 
 
 class AllocRequest(_Request):
@@ -84,7 +93,9 @@ class HandoffRequest(_Request):
     block_ids: list[int] = Field(max_length=MAX_IDS)
     num_tokens: int = Field(ge=0, le=1 << 40)
     meta: dict[str, Any] = Field(default_factory=dict)
-    ttl_s: float | None = Field(None, gt=0, le=86400, description="unclaimed after this, the blocks are released")
+    ttl_s: float | None = Field(
+        None, gt=0, le=86400, description="unclaimed after this long, the blocks are released"
+    )
 
 
 class HandoffResponse(BaseModel):

@@ -1,0 +1,3 @@
+from kvpool.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""The KV arena: one allocation for every block, created by the pool and mapped by each worker once.
+
+Two backends behind one descriptor:
+
+* ``cuda``: one ``cudaMalloc`` of the whole arena and its one 64-byte IPC handle. A worker opens the handle
+  once (``cudaIpcOpenMemHandle``) and wraps the pointer as a torch tensor without a copy.
+* ``cpu``: a file in ``/dev/shm`` created with owner-only permissions and mapped ``MAP_SHARED`` by name, so any
+  process of the same user sees the same bytes. It is how kvpool runs (and is tested) without a GPU.
+
+The pool never maps the arena itself: it only hands out block ids. Workers get per-layer K and V views shaped
+``[num_blocks, block_size, num_kv_heads, head_dim]``, cut from the raw bytes by :class:`KVLayout`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from kvpool.errors import ArenaClosed, InvalidRequest, LayoutMismatch
+from kvpool.layout import KVLayout
+from kvpool.protocol import ArenaDescriptor, DeviceInfo
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CUDA_ALIGN = 2 << 20
+SHM_PREFIX = "kvpool-"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve_backend(backend: str) -> Literal["cuda", "cpu"]:
+    if backend == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if backend == "cuda" and not cuda_available():
+        raise InvalidRequest("backend 'cuda' was asked for but torch sees no CUDA device: use --backend cpu")
+    return "cuda" if backend == "cuda" else "cpu"
+
+
+def size_in_blocks(
+    layout: KVLayout,
+    *,
+    num_blocks: int | None,
+    arena_bytes: int | None,
+    gpu_memory_fraction: float | None,
+    free_device_bytes: int | None,
+    default_blocks: int = 1024,
+) -> int:
+    """How many blocks the arena gets, from exactly one of: blocks, bytes, a share of free GPU memory."""
+    if num_blocks is not None:
+        n = num_blocks
+    elif arena_bytes is not None:
+        n = arena_bytes // layout.block_nbytes
+    elif gpu_memory_fraction is not None:
+        if free_device_bytes is None:
+            raise InvalidRequest("gpu_memory_fraction needs the cuda backend: size the cpu arena in blocks or bytes")
+        n = int(free_device_bytes * gpu_memory_fraction) // layout.block_nbytes
+    else:
+        n = default_blocks
+    if n < 1:
+        raise InvalidRequest(f"the arena must hold at least one block of {layout.block_nbytes} bytes")
+    return n
+
+
+class HostArena:
+    """The pool's side of the arena: owns the allocation and describes it; never builds views."""
+
+    backend: Literal["cuda", "cpu"]
+    handle: str
+    nbytes: int
+    device: DeviceInfo | None = None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def describe(self, epoch: str, num_blocks: int, layout: KVLayout, model: str = "") -> ArenaDescriptor:
+        return ArenaDescriptor(
+            epoch=epoch,
+            backend=self.backend,
+            device=self.device,
+            handle=self.handle,
+            nbytes=self.nbytes,
+            num_blocks=num_blocks,
+            block_nbytes=layout.block_nbytes,
+            layout=layout,
+            owner_pid=os.getpid(),
+            model=model,
+        )
+
+
+class CpuHostArena(HostArena):
+    backend = "cpu"
+
+    def __init__(self, nbytes: int, shm_dir: Path, epoch: str) -> None:
+        shm_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_arenas(shm_dir)
+        self.path = shm_dir / f"{SHM_PREFIX}{os.getpid()}-{epoch}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise InvalidRequest(
+                    f"cannot reserve {nbytes} bytes in {shm_dir} ({exc.strerror}): make the arena smaller or "
+                    "/dev/shm larger (docker: shm_size)"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.handle = str(self.path)
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def remove_stale_arenas(shm_dir: Path) -> None:
+    """Delete arena files left by pools that died without cleaning up (their pid is gone)."""
+    for path in shm_dir.glob(f"{SHM_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(SHM_PREFIX) :].split("-", 1)[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except (ValueError, OSError) as exc:
+            if isinstance(exc, ProcessLookupError):
+                log.info("removing stale arena %s of dead pool %s", path, pid)
+                path.unlink(missing_ok=True)
+
+
+class CudaHostArena(HostArena):
+    backend = "cuda"
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        import torch
+
+        from kvpool import cuda
+
+        cuda.set_device(device)
+        self.nbytes = (nbytes + CUDA_ALIGN - 1) // CUDA_ALIGN * CUDA_ALIGN
+        self.ptr = cuda.malloc(self.nbytes)
+        self.handle = base64.b64encode(cuda.ipc_get_handle(self.ptr)).decode()
+        props = torch.cuda.get_device_properties(device)
+        self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
+
+    def close(self) -> None:
+        from kvpool import cuda
+
+        if self.ptr:
+            cuda.free(self.ptr)
+            self.ptr = 0
+
+
+def create_host_arena(
+    backend: Literal["cuda", "cpu"], nbytes: int, *, device: int, shm_dir: Path, epoch: str
+) -> HostArena:
+    if backend == "cuda":
+        return CudaHostArena(nbytes, device)
+    return CpuHostArena(nbytes, shm_dir, epoch)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, name)
+
+
+class Arena:
+    """A worker's mapping of the arena: the raw bytes and per-layer K/V views, all on the same memory."""
+
+    def __init__(self, descriptor: ArenaDescriptor, raw: torch.Tensor) -> None:
+        self.descriptor = descriptor
+        self.layout = descriptor.layout
+        self.num_blocks = descriptor.num_blocks
+        self.epoch = descriptor.epoch
+        self._raw: torch.Tensor | None = raw
+        used = descriptor.num_blocks * descriptor.block_nbytes
+        typed = raw[:used].view(torch_dtype(self.layout.dtype))
+        self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in range(self.layout.num_layers):
+            k, v = (self.layout.view_geometry(self.num_blocks, layer, kv) for kv in (0, 1))
+            self._views.append((typed.as_strided(k[1], k[2], k[0]), typed.as_strided(v[1], v[2], v[0])))
+
+    @property
+    def closed(self) -> bool:
+        return self._raw is None
+
+    def _check(self) -> None:
+        if self._raw is None:
+            raise ArenaClosed(
+                f"the arena of pool epoch {self.epoch} is closed (client closed, or the pool restarted): "
+                "reconnect and call arena() again"
+            )
+
+    @property
+    def raw(self) -> torch.Tensor:
+        """The whole arena as uint8."""
+        self._check()
+        assert self._raw is not None
+        return self._raw
+
+    @property
+    def device(self) -> torch.device:
+        return self.raw.device
+
+    def k(self, layer: int) -> torch.Tensor:
+        self._check()
+        return self._views[layer][0]
+
+    def v(self, layer: int) -> torch.Tensor:
+        self._check()
+        return self._views[layer][1]
+
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) of every layer, in the NHD shape paged-attention kernels take."""
+        self._check()
+        return list(self._views)
+
+    def block(self, block_id: int) -> list[torch.Tensor]:
+        """Views of one block's bytes: one tensor in block-major order, two per layer in layer-major."""
+        self._check()
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} out of range [0, {self.num_blocks})")
+        return [t[block_id] for pair in self._views for t in pair]
+
+    def invalidate(self) -> None:
+        """Forbid further use through this object; the mapping stays until the process exits."""
+        self._raw = None
+        self._views = []
+
+
+_mapped: dict[tuple[str, str], Arena] = {}
+_map_lock = threading.Lock()
+
+
+def open_arena(descriptor: ArenaDescriptor, layout: KVLayout | None = None) -> Arena:
+    """Map the arena the descriptor names, once per process; later calls return the same :class:`Arena`."""
+    if layout is not None and layout != descriptor.layout:
+        diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in descriptor.layout.diff(layout).items())
+        raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
+    key = (descriptor.epoch, descriptor.handle)
+    with _map_lock:
+        arena = _mapped.get(key)
+        if arena is None or arena.closed:
+            arena = _map(descriptor)
+            _mapped[key] = arena
+        return arena
+
+
+def _map(descriptor: ArenaDescriptor) -> Arena:
+    import torch
+
+    if descriptor.backend == "cpu":
+        path = descriptor.handle
+        if not os.path.exists(path):
+            raise ArenaClosed(f"arena file {path} is gone: the pool stopped or restarted")
+        raw = torch.from_file(path, shared=True, size=descriptor.nbytes, dtype=torch.uint8)
+        return Arena(descriptor, raw)
+
+    from kvpool import cuda
+
+    assert descriptor.device is not None
+    index = cuda.ordinal_of(descriptor.device.uuid)
+    if descriptor.owner_pid == os.getpid():
+        raise InvalidRequest("the pool process cannot map its own arena through IPC; map it from a worker")
+    with torch.cuda.device(index):
+        ptr = cuda.ipc_open(base64.b64decode(descriptor.handle))
+        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
+    return Arena(descriptor, raw)
+
+
+def forget_mappings() -> None:
+    """Invalidate every mapped arena of this process (used when the pool restarted)."""
+    with _map_lock:
+        for arena in _mapped.values():
+            arena.invalidate()
+        _mapped.clear()

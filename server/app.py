@@ -1,0 +1,221 @@
+"""The HTTP control API: pydantic validation in, the control plane's handlers, domain errors out as 4xx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpool.errors import KvpoolError, Unauthorized
+from kvpool.metrics import registry_for
+from kvpool.protocol import (
+    AllocRequest,
+    AllocResponse,
+    ArenaDescriptor,
+    ClaimRequest,
+    ClaimResponse,
+    CommitRequest,
+    CommitResponse,
+    ErrorBody,
+    FreeRequest,
+    FreeResponse,
+    HandoffRequest,
+    HandoffResponse,
+    Health,
+    LookupRequest,
+    LookupResponse,
+    SessionCreate,
+    SessionInfo,
+)
+from server.plane import ControlPlane
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 503, 507)
+}
+
+
+def error_response(exc: KvpoolError) -> JSONResponse:
+    return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=exc.status)
+
+
+class BodyLimit:
+    """Refuse bodies over ``limit`` bytes with 413 before they are read into memory."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._refuse(scope, receive, send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = {"detail": f"request body over {self.limit} bytes", "error": "PayloadTooLarge"}
+        await JSONResponse(body, status_code=413)(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def create_app(plane: ControlPlane) -> FastAPI:
+    settings = plane.settings
+    token = settings.token.get_secret_value().encode() if settings.token else None
+
+    async def authorize(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token):
+            raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tasks = []
+        if not plane.ready:
+            start = asyncio.create_task(asyncio.to_thread(plane.start))
+            start.add_done_callback(lambda task: _stop_on_failure(app, task))
+            tasks.append(start)
+        tasks.append(asyncio.create_task(_sweep(plane)))
+        for hook in app.state.on_start:
+            await hook()
+        try:
+            yield
+        finally:
+            for hook in app.state.on_stop:
+                await hook()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            plane.close()
+
+    app = FastAPI(
+        title="kvpool",
+        summary="Node-local KV-cache pool: block ids over a local control API.",
+        version="0.1.0",
+        lifespan=lifespan,
+        responses=ERRORS,
+    )
+    app.state.plane = plane
+    app.state.on_start = []
+    app.state.on_stop = []
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+
+    @app.exception_handler(KvpoolError)
+    async def _domain_error(request: Request, exc: KvpoolError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health}})
+    async def health() -> Any:
+        if plane.ready:
+            return Health(status="ok", epoch=plane.epoch)
+        return JSONResponse(Health(status="starting", epoch=plane.epoch).model_dump(), status_code=503)
+
+    api = APIRouter(dependencies=[Depends(authorize)])
+    registry = registry_for(lambda: plane.pool)
+
+    @api.get("/arena")
+    async def arena() -> ArenaDescriptor:
+        return plane.descriptor
+
+    @api.post("/sessions")
+    async def open_session(req: SessionCreate) -> SessionInfo:
+        return plane.open_session(req)
+
+    @api.post("/sessions/{session_id}/heartbeat")
+    async def heartbeat(session_id: str) -> SessionInfo:
+        return plane.heartbeat(session_id)
+
+    @api.delete("/sessions/{session_id}")
+    async def close_session(session_id: str) -> dict[str, int]:
+        return plane.close_session(session_id)
+
+    @api.post("/alloc")
+    async def alloc(req: AllocRequest) -> AllocResponse:
+        return plane.alloc(req)
+
+    @api.post("/free")
+    async def free(req: FreeRequest) -> FreeResponse:
+        return plane.free(req)
+
+    @api.post("/commit")
+    async def commit(req: CommitRequest) -> CommitResponse:
+        return plane.commit(req)
+
+    @api.post("/lookup")
+    async def lookup(req: LookupRequest) -> LookupResponse:
+        return plane.lookup(req)
+
+    @api.post("/handoff")
+    async def handoff(req: HandoffRequest) -> HandoffResponse:
+        return plane.handoff(req)
+
+    @api.post("/claim")
+    async def claim(req: ClaimRequest) -> ClaimResponse:
+        return await plane.claim(req)
+
+    @api.get("/stats")
+    async def stats() -> dict[str, Any]:
+        return plane.stats()
+
+    @api.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.include_router(api)
+    return app
+
+
+def _stop_on_failure(app: FastAPI, task: asyncio.Task[None]) -> None:
+    """A pool whose arena could not be allocated exits loudly instead of answering 503 forever."""
+    if not task.cancelled() and task.exception() is not None:
+        on_fatal = getattr(app.state, "on_fatal", None)
+        if on_fatal is not None:
+            on_fatal()
+
+
+async def _sweep(plane: ControlPlane) -> None:
+    """Release expired sessions and handoffs often enough to keep reclaim within a second of the lease."""
+    s = plane.settings
+    period = max(0.02, min(0.5, s.lease_ttl_s / 4, s.handoff_ttl_s / 4))
+    while True:
+        await asyncio.sleep(period)
+        try:
+            plane.expire()
+        except Exception:
+            log.exception("expiry sweep failed")

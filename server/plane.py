@@ -1,0 +1,201 @@
+"""The control plane: the handlers that both the HTTP API and the fast channel call.
+
+It owns the arena's allocation, the pool's books and the waiters of ``/claim``. Handlers take and return the
+protocol models; the transports only parse, authenticate and map :class:`KvpoolError` to a status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import defaultdict
+
+from kvpool.arena import HostArena, create_host_arena, resolve_backend, size_in_blocks
+from kvpool.config import PoolSettings
+from kvpool.errors import HandoffNotFound, PoolUnavailable
+from kvpool.pool import Pool
+from kvpool.protocol import (
+    AllocRequest,
+    AllocResponse,
+    ArenaDescriptor,
+    ClaimRequest,
+    ClaimResponse,
+    CommitRequest,
+    CommitResponse,
+    FreeRequest,
+    FreeResponse,
+    HandoffRequest,
+    HandoffResponse,
+    LookupRequest,
+    LookupResponse,
+    SessionCreate,
+    SessionInfo,
+)
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
+        self.settings = settings
+        self.epoch = epoch or secrets.token_hex(8)
+        self._pool: Pool | None = None
+        self._descriptor: ArenaDescriptor | None = None
+        self.host_arena: HostArena | None = None
+        self.startup_error: str | None = None
+        self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
+
+    # -- life -------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Allocate the arena and open the books (may take a while for a large CPU arena)."""
+        s = self.settings
+        try:
+            backend = resolve_backend(s.backend)
+            free_bytes = None
+            if backend == "cuda":
+                from kvpool import cuda
+
+                cuda.set_device(s.device)
+                free_bytes = cuda.mem_get_info()[0]
+            layout = s.layout
+            num_blocks = size_in_blocks(
+                layout,
+                num_blocks=s.num_blocks,
+                arena_bytes=s.arena_bytes,
+                gpu_memory_fraction=s.gpu_memory_fraction,
+                free_device_bytes=free_bytes,
+            )
+            arena = create_host_arena(
+                backend, num_blocks * layout.block_nbytes, device=s.device, shm_dir=s.shm_dir, epoch=self.epoch
+            )
+        except Exception as exc:
+            self.startup_error = f"{type(exc).__name__}: {exc}"
+            log.error("arena allocation failed: %s", self.startup_error)
+            raise
+        self.host_arena = arena
+        fast = str(s.fast_socket) if s.fast_socket is not None else None
+        self._descriptor = arena.describe(self.epoch, num_blocks, layout, s.model).model_copy(
+            update={"fast_socket": fast}
+        )
+        self._pool = Pool(
+            num_blocks,
+            layout,
+            lease_ttl_s=s.lease_ttl_s,
+            handoff_ttl_s=s.handoff_ttl_s,
+            model=s.model,
+            epoch=self.epoch,
+            on_handoff=self._wake,
+        )
+        log.info(
+            "arena ready: %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
+            arena.backend, num_blocks, layout.block_nbytes, arena.nbytes / 2**20, self.epoch,
+        )
+
+    def close(self) -> None:
+        for futures in self._waiters.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.cancel()
+        if self.host_arena is not None:
+            self.host_arena.close()
+            self.host_arena = None
+
+    @property
+    def ready(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def pool(self) -> Pool:
+        if self._pool is None:
+            why = f": {self.startup_error}" if self.startup_error else "; retry shortly"
+            raise PoolUnavailable(f"the arena is not ready{why}")
+        return self._pool
+
+    @property
+    def descriptor(self) -> ArenaDescriptor:
+        self.pool  # noqa: B018 - raises while starting
+        assert self._descriptor is not None
+        return self._descriptor
+
+    def expire(self) -> None:
+        if self._pool is not None:
+            sessions, handoffs = self._pool.expire()
+            if sessions or handoffs:
+                log.info("released %d expired sessions and %d unclaimed handoffs", sessions, handoffs)
+
+    # -- handlers ---------------------------------------------------------------------------------------
+
+    def open_session(self, req: SessionCreate) -> SessionInfo:
+        session = self.pool.open_session(req.name, req.role, req.layout)
+        log.debug("session %s opened by %s (%s)", session.session_id, req.name, req.role)
+        return SessionInfo(
+            session_id=session.session_id,
+            lease_ttl_s=self.pool.lease_ttl_s,
+            epoch=self.epoch,
+            fast_socket=self.descriptor.fast_socket,
+        )
+
+    def heartbeat(self, session_id: str) -> SessionInfo:
+        self.pool.heartbeat(session_id)
+        return SessionInfo(session_id=session_id, lease_ttl_s=self.pool.lease_ttl_s, epoch=self.epoch)
+
+    def close_session(self, session_id: str) -> dict[str, int]:
+        return {"released": self.pool.close_session(session_id)}
+
+    def alloc(self, req: AllocRequest) -> AllocResponse:
+        return AllocResponse(block_ids=self.pool.alloc(req.session_id, req.num_blocks))
+
+    def free(self, req: FreeRequest) -> FreeResponse:
+        return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
+
+    def commit(self, req: CommitRequest) -> CommitResponse:
+        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids)
+        return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks)
+
+    def lookup(self, req: LookupRequest) -> LookupResponse:
+        r = self.pool.lookup(req.session_id, req.token_ids)
+        return LookupResponse(block_ids=r.block_ids, num_tokens=r.num_tokens)
+
+    def handoff(self, req: HandoffRequest) -> HandoffResponse:
+        h = self.pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s)
+        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
+
+    async def claim(self, req: ClaimRequest) -> ClaimResponse:
+        """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + req.timeout_s
+        while True:
+            try:
+                h = self.pool.claim(req.session_id, req.request_id)
+                return ClaimResponse(
+                    request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
+                )
+            except HandoffNotFound:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    raise HandoffNotFound(
+                        f"no handoff {'parked' if req.request_id is None else repr(req.request_id)} "
+                        f"within {req.timeout_s}s"
+                    ) from None
+            fut: asyncio.Future[None] = loop.create_future()
+            waiters = self._waiters[req.request_id]
+            waiters.add(fut)
+            try:
+                await asyncio.wait_for(fut, remaining)
+            except TimeoutError:
+                pass
+            finally:
+                waiters.discard(fut)
+                if not waiters:
+                    self._waiters.pop(req.request_id, None)
+
+    def _wake(self, request_id: str) -> None:
+        for key in (request_id, None):
+            for fut in self._waiters.get(key, ()):
+                if not fut.done():
+                    fut.set_result(None)
+
+    def stats(self) -> dict[str, object]:
+        return self.pool.stats()
