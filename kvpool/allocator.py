@@ -94,6 +94,8 @@ class BlockAllocator:
         """Take one more ref on blocks that are in use or cached (a prefix hit)."""
         ids = list(ids)
         self._check_range(ids)
+        if not ids:
+            return
         for block in ids:
             if self.ref_cnt[block] == 0 and not self.committed[block]:
                 raise InvalidRequest(f"block {block} is free: only cached or in-use blocks can be shared")
@@ -107,6 +109,8 @@ class BlockAllocator:
     def free(self, holder: str, ids: Sequence[int]) -> int:
         """Drop one of ``holder``'s refs on each block; return how many blocks reached ref 0."""
         self.check_held(holder, ids)
+        if not ids:
+            return 0
         held = self._holders[holder]
         released = 0
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
@@ -130,7 +134,7 @@ class BlockAllocator:
     def transfer(self, src: str, dst: str, ids: Sequence[int]) -> None:
         """Move one of ``src``'s refs on each block to ``dst``; ref counts stay as they are."""
         self.check_held(src, ids)
-        if src == dst:
+        if src == dst or not ids:
             return
         held = self._holders[src]
         target = self._holders.setdefault(dst, {})
@@ -155,6 +159,7 @@ class BlockAllocator:
 
     def mark_committed(self, block: int) -> None:
         """Flag an in-use block as holding findable KV: at ref 0 it will be cached, not freed."""
+        self._check_range([block])
         if self.ref_cnt[block] == 0:
             raise InvalidRequest(f"block {block} is not in use: commit blocks while holding a ref on them")
         self.committed[block] = True

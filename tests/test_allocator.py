@@ -1,0 +1,131 @@
+"""The allocator alone: exact block order, validation without side effects, and invariants under random use."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.allocator import BlockAllocator
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+
+
+def books(a: BlockAllocator) -> tuple[int, int, int]:
+    return a.num_free, a.num_in_use, a.num_cached
+
+
+def test_fresh_pool_hands_out_ids_in_order_and_reuses_freed_first():
+    a = BlockAllocator(8)
+    assert a.allocate("s", 3) == [0, 1, 2]
+    assert a.free("s", [1]) == 1
+    assert a.allocate("s", 2) == [1, 3]
+    a.check()
+
+
+def test_committed_blocks_are_cached_at_ref_zero_and_evicted_lru_tail_first():
+    a = BlockAllocator(4)
+    evicted: list[int] = []
+    a._on_evict = evicted.append
+    ids = a.allocate("s", 4)
+    for b in ids:
+        a.mark_committed(b)
+    a.free("s", ids)
+    assert books(a) == (0, 0, 4)
+    # freed in reverse: the chain's tail (3) is least recent and goes first
+    assert a.allocate("t", 2) == [3, 2]
+    assert evicted == [3, 2]
+    a.check()
+
+
+def test_referenced_blocks_are_never_evicted():
+    a = BlockAllocator(3)
+    ids = a.allocate("s", 3)
+    for b in ids:
+        a.mark_committed(b)
+    a.free("s", ids[1:])
+    a.acquire("u", [2])
+    assert a.allocate("t", 1) == [1]
+    with pytest.raises(PoolExhausted, match="only 0 of 3"):
+        a.allocate("t", 1)
+    a.check()
+
+
+@pytest.mark.parametrize(
+    ("ids", "error"),
+    [([9], InvalidRequest), ([-1], InvalidRequest), ([0, 0], NotOwner), ([2], NotOwner)],
+)
+def test_bad_free_changes_nothing(ids, error):
+    a = BlockAllocator(4)
+    a.allocate("s", 2)
+    a.allocate("other", 1)
+    before = (books(a), a.held("s"), a.held("other"))
+    with pytest.raises(error):
+        a.free("s", ids)
+    assert (books(a), a.held("s"), a.held("other")) == before
+    a.check()
+
+
+@pytest.mark.parametrize("n", [0, -3, 5])
+def test_bad_counts_change_nothing(n):
+    a = BlockAllocator(4)
+    with pytest.raises((InvalidRequest, PoolExhausted)):
+        a.allocate("s", n)
+    assert books(a) == (4, 0, 0)
+
+
+def test_transfer_moves_refs_between_holders():
+    a = BlockAllocator(4)
+    ids = a.allocate("s", 2)
+    a.transfer("s", "h", ids)
+    assert a.held("s") == {} and a.held("h") == {0: 1, 1: 1}
+    with pytest.raises(NotOwner):
+        a.transfer("s", "h", ids)
+    assert a.release_holder("h") == 2
+    assert books(a) == (4, 0, 0)
+
+
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["alloc", "free", "commit", "acquire", "transfer", "release"]),
+        st.integers(0, 3),
+        st.integers(0, 6),
+        st.integers(0, 2**16),
+    ),
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops)
+def test_invariants_hold_under_any_sequence(seq):
+    """Whatever the order of calls, the books balance and each failed call leaves no trace."""
+    n = 12
+    a = BlockAllocator(n)
+    holders = ["a", "b", "c", "d"]
+    for op, h, k, seed in seq:
+        holder = holders[h]
+        held = [b for b, c in a.held(holder).items() for _ in range(c)]
+        pick = [held[(seed >> i) % len(held)] for i in range(min(k, len(held)))] if held else [seed % (n + 2)]
+        before = (books(a), {x: a.held(x) for x in holders}, list(a.ref_cnt))
+        try:
+            if op == "alloc":
+                a.allocate(holder, k)
+            elif op == "free":
+                a.free(holder, pick)
+            elif op == "commit":
+                for b in set(pick):
+                    a.mark_committed(b)
+            elif op == "acquire":
+                a.acquire(holder, [b for b in range(n) if a.ref_cnt[b] > 0 or a.committed[b]][:k])
+            elif op == "transfer":
+                a.transfer(holder, holders[(h + 1) % 4], pick)
+            else:
+                a.release_holder(holder)
+        except (InvalidRequest, NotOwner, PoolExhausted):
+            assert (books(a), {x: a.held(x) for x in holders}, list(a.ref_cnt)) == before
+        a.check()
+    for holder in holders:
+        a.release_holder(holder)
+    a.check()
+    assert a.num_in_use == 0
+    assert a.num_free + a.num_cached == n
