@@ -49,7 +49,7 @@ def test_lookup_shares_exactly_the_common_full_blocks():
     prompt = list(range(100, 114))  # 3 full blocks + 2 tokens
     ids = pool.alloc(a, 4)
     assert pool.commit(a, ids, prompt).committed == 3
-    other = prompt[:8] + [7, 7, 7, 7, 7]
+    other = [*prompt[:8], 7, 7, 7, 7, 7]
     hit = pool.lookup(b, other)
     assert hit.block_ids == ids[:2] and hit.num_tokens == 8
     assert pool.allocator.ref_cnt[ids[0]] == 2
@@ -76,7 +76,11 @@ def test_commit_validates_before_changing_anything():
     b = pool.open_session("b", "prefill").session_id
     ids = pool.alloc(a, 2)
     theirs = pool.alloc(b, 1)
-    for bad_ids, tokens in [(ids[:1], list(range(8))), ([ids[0], ids[0]], list(range(8))), ([ids[0], *theirs], list(range(8)))]:
+    for bad_ids, tokens in [
+        (ids[:1], list(range(8))),
+        ([ids[0], ids[0]], list(range(8))),
+        ([ids[0], *theirs], list(range(8))),
+    ]:
         with pytest.raises(Exception):  # noqa: B017 - each is a 4xx kind; the point is no state change
             pool.commit(a, bad_ids, tokens)
         assert len(pool.index) == 0

@@ -1,0 +1,63 @@
+"""A worker process for the integration tests: writes a known pattern into blocks, or reads and checks it.
+
+Run as ``python -m tests.pattern_worker write|read URL REQUEST_ID NUM_BLOCKS``. The writer hands its blocks off
+under REQUEST_ID and exits; the reader claims them in another process and checks every element.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from kvpool.client import PoolClient
+
+
+def pattern(arena, block_ids: list[int]) -> list[torch.Tensor]:
+    """A value per (layer, K/V, block, slot, head, dim) that no other position shares."""
+    layout = arena.layout
+    shape = (len(block_ids), layout.block_size, layout.num_kv_heads, layout.head_dim)
+    out = []
+    for layer in range(layout.num_layers):
+        for kv in (0, 1):
+            base = torch.arange(shape[0] * shape[1] * shape[2] * shape[3], dtype=torch.float32).reshape(shape)
+            ids = torch.tensor(block_ids, dtype=torch.float32).reshape(-1, 1, 1, 1)
+            out.append(((base % 251) + ids * 3 + layer * 7 + kv * 11).to(arena.k(0).dtype))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    mode, url, request_id, n = argv[0], argv[1], argv[2], int(argv[3])
+    with PoolClient(url, name=f"pattern-{mode}", role="prefill" if mode == "write" else "decode") as pool:
+        arena = pool.arena()
+        if mode == "write":
+            ids = pool.alloc(n)
+            idx = torch.tensor(ids, device=arena.device)
+            for (layer, kv), values in zip(
+                [(i, kv) for i in range(arena.layout.num_layers) for kv in (0, 1)], pattern(arena, ids), strict=True
+            ):
+                view = arena.k(layer) if kv == 0 else arena.v(layer)
+                view[idx] = values.to(arena.device)
+            if arena.device.type == "cuda":
+                torch.cuda.synchronize()
+            pool.handoff(request_id, ids, n * arena.layout.block_size, {"writer": "pattern"})
+            print("WROTE", ids, flush=True)
+        else:
+            got = pool.claim(request_id, timeout_s=30)
+            idx = torch.tensor(got.block_ids, device=arena.device)
+            for (layer, kv), want in zip(
+                [(i, kv) for i in range(arena.layout.num_layers) for kv in (0, 1)],
+                pattern(arena, got.block_ids),
+                strict=True,
+            ):
+                view = arena.k(layer) if kv == 0 else arena.v(layer)
+                if not torch.equal(view[idx].cpu(), want):
+                    print("MISMATCH at layer", layer, "kv", kv, flush=True)
+                    return 1
+            pool.free(got.block_ids)
+            print("READ OK", got.block_ids, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,77 @@
+"""Arena views and backends without a server: geometry, aliasing, sizing, the CPU backend's file."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from kvpool.arena import CpuHostArena, open_arena, size_in_blocks
+from kvpool.errors import InvalidRequest, LayoutMismatch
+from kvpool.layout import KVLayout
+
+
+@pytest.fixture
+def cpu_arena(tmp_path):
+    def make(layout: KVLayout, num_blocks: int = 6):
+        host = CpuHostArena(num_blocks * layout.block_nbytes, tmp_path, epoch=os.urandom(4).hex())
+        return host, open_arena(host.describe("e-" + host.path.name, num_blocks, layout))
+
+    return make
+
+
+@pytest.mark.parametrize("order", ["layer_major", "block_major"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_views_tile_the_arena_exactly_once(cpu_arena, order, dtype):
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype=dtype, order=order)
+    _, arena = cpu_arena(layout)
+    seen = torch.zeros(arena.raw.numel() // layout.itemsize, dtype=torch.int32)
+    flat = torch.arange(seen.numel(), dtype=torch.int64)
+    for layer in range(3):
+        for view in (arena.k(layer), arena.v(layer)):
+            assert view.shape == (6, 2, 2, 4) and view.dtype == getattr(torch, dtype)
+            idx = flat.as_strided(view.shape, view.stride(), view.storage_offset())
+            seen[idx.reshape(-1)] += 1
+    assert torch.all(seen == 1), "every element belongs to exactly one (layer, K/V, block, slot) view"
+
+
+def test_block_major_keeps_a_block_contiguous(cpu_arena):
+    layout = KVLayout(num_layers=2, num_kv_heads=1, head_dim=2, block_size=2, dtype="float32", order="block_major")
+    _, arena = cpu_arena(layout)
+    arena.v(1)[4].fill_(1.0)
+    nz = arena.raw.view(torch.float32).nonzero().flatten()
+    per_block = layout.block_nbytes // 4
+    assert nz.min() >= 4 * per_block and nz.max() < 5 * per_block
+
+
+def test_cpu_arena_file_is_owner_only_and_removed_on_close(cpu_arena):
+    host, arena = cpu_arena(KVLayout(num_layers=1, block_size=2))
+    mode = stat.S_IMODE(os.stat(host.path).st_mode)
+    assert mode == 0o600
+    assert arena.raw.numel() == host.nbytes
+    host.close()
+    assert not host.path.exists()
+
+
+def test_open_arena_refuses_another_layout_and_maps_once(cpu_arena):
+    layout = KVLayout(num_layers=1, block_size=2)
+    _, arena = cpu_arena(layout)
+    desc = arena.descriptor
+    assert open_arena(desc) is arena
+    with pytest.raises(LayoutMismatch, match="block_size: pool 2 != yours 16"):
+        open_arena(desc, KVLayout(num_layers=1))
+
+
+def test_sizing_by_blocks_bytes_or_gpu_share():
+    layout = KVLayout()  # 64 KiB blocks
+    assert size_in_blocks(layout, num_blocks=7, arena_bytes=None, gpu_memory_fraction=None, free_device_bytes=None) == 7
+    assert size_in_blocks(layout, num_blocks=None, arena_bytes=1 << 20, gpu_memory_fraction=None,
+                          free_device_bytes=None) == 16  # fmt: skip
+    assert size_in_blocks(layout, num_blocks=None, arena_bytes=None, gpu_memory_fraction=0.5,
+                          free_device_bytes=4 << 20) == 32  # fmt: skip
+    with pytest.raises(InvalidRequest, match="cuda backend"):
+        size_in_blocks(layout, num_blocks=None, arena_bytes=None, gpu_memory_fraction=0.5, free_device_bytes=None)
+    with pytest.raises(InvalidRequest, match="at least one block"):
+        size_in_blocks(layout, num_blocks=None, arena_bytes=100, gpu_memory_fraction=None, free_device_bytes=None)
