@@ -10,6 +10,9 @@ per block it touches. A block is in exactly one of three states, and the books a
 
 A holder can hold several refs on one block (two lookups of one prefix take two refs), so each holder keeps a
 count per block. Every mutating call validates its whole input first and raises before touching any state.
+
+Block ids are global. With several arenas (one per GPU) each arena is a *partition*, a contiguous id range
+with its own free stack and LRU: ``allocate`` takes a partition, everything else only needs the ids.
 """
 
 from __future__ import annotations
@@ -21,15 +24,21 @@ from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int, on_evict: Callable[[int], None] | None = None) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self.ref_cnt: list[int] = [0] * num_blocks
-        self.committed: list[bool] = [False] * num_blocks
+    def __init__(self, num_blocks: int | Sequence[int], on_evict: Callable[[int], None] | None = None) -> None:
+        sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"every partition needs at least 1 block, got {sizes}")
+        self.sizes = sizes
+        self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.num_blocks = sum(sizes)
+        self.ref_cnt: list[int] = [0] * self.num_blocks
+        self.committed: list[bool] = [False] * self.num_blocks
+        self.partition: list[int] = [p for p, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._free: list[list[int]] = [
+            list(range(a + n - 1, a - 1, -1)) for a, n in zip(self.starts, sizes, strict=True)
+        ]
+        self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]
         self._holders: dict[str, dict[int, int]] = {}
         self._on_evict = on_evict
         self.num_evictions = 0
@@ -38,20 +47,24 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return sum(len(f) for f in self._free)
 
     @property
     def num_cached(self) -> int:
         """Committed blocks at ref 0: reusable by lookup, evictable by alloc."""
-        return len(self._lru)
+        return sum(len(lru) for lru in self._lru)
 
     @property
     def num_in_use(self) -> int:
-        return self.num_blocks - len(self._free) - len(self._lru)
+        return self.num_blocks - self.num_free - self.num_cached
 
-    @property
-    def num_available(self) -> int:
-        return len(self._free) + len(self._lru)
+    def available(self, partition: int = 0) -> int:
+        return len(self._free[partition]) + len(self._lru[partition])
+
+    def counts(self, partition: int) -> tuple[int, int, int]:
+        """(free, in_use, cached) of one partition."""
+        free, cached = len(self._free[partition]), len(self._lru[partition])
+        return free, self.sizes[partition] - free - cached, cached
 
     def holders(self) -> list[str]:
         return list(self._holders)
@@ -62,22 +75,26 @@ class BlockAllocator:
 
     # -- operations -----------------------------------------------------------------------------------
 
-    def allocate(self, holder: str, n: int) -> list[int]:
+    def allocate(self, holder: str, n: int, partition: int = 0) -> list[int]:
         """Take ``n`` blocks with ref 1 for ``holder``: free blocks first, then the least recently used cached."""
         if n < 1:
             raise InvalidRequest(f"num_blocks must be at least 1, got {n}")
-        if n > self.num_available:
+        if not 0 <= partition < len(self.sizes):
+            raise InvalidRequest(f"no arena {partition}: the pool has {len(self.sizes)}")
+        available = self.available(partition)
+        if n > available:
+            where = f" on arena {partition}" if len(self.sizes) > 1 else ""
             raise PoolExhausted(
-                f"asked for {n} blocks but only {self.num_available} of {self.num_blocks} are free or "
-                f"evictable ({self.num_in_use} are in use): free blocks, wait, or start the pool larger"
+                f"asked for {n} blocks{where} but only {available} of {self.sizes[partition]} are free or "
+                "evictable (the rest are in use): free blocks, wait, or start the pool larger"
             )
-        free = self._free
+        free, lru = self._free[partition], self._lru[partition]
         take = min(n, len(free))
         ids = free[len(free) - take :]
         del free[len(free) - take :]
         ids.reverse()
         for _ in range(n - take):
-            block, _ = self._lru.popitem(last=False)
+            block, _ = lru.popitem(last=False)
             self.committed[block] = False
             self.num_evictions += 1
             if self._on_evict is not None:
@@ -102,7 +119,7 @@ class BlockAllocator:
         held = self._holders.setdefault(holder, {})
         for block in ids:
             if self.ref_cnt[block] == 0:
-                del self._lru[block]
+                del self._lru[self.partition[block]][block]
             self.ref_cnt[block] += 1
             held[block] = held.get(block, 0) + 1
 
@@ -124,9 +141,9 @@ class BlockAllocator:
             if self.ref_cnt[block] == 0:
                 released += 1
                 if self.committed[block]:
-                    self._lru[block] = None
+                    self._lru[self.partition[block]][block] = None
                 else:
-                    self._free.append(block)
+                    self._free[self.partition[block]].append(block)
         if not held:
             del self._holders[holder]
         return released
@@ -186,8 +203,11 @@ class BlockAllocator:
 
     def check(self) -> None:
         """Assert every invariant; the tests call this after each step."""
-        free, lru = set(self._free), set(self._lru)
-        assert len(free) == len(self._free), "a block is on the free stack twice"
+        free = {b for stack in self._free for b in stack}
+        lru = {b for part in self._lru for b in part}
+        assert len(free) == self.num_free, "a block is on a free stack twice"
+        for p, (stack, part) in enumerate(zip(self._free, self._lru, strict=True)):
+            assert all(self.partition[b] == p for b in [*stack, *part]), "a block sits in another arena's lists"
         assert not free & lru, "a block is both free and cached"
         holder_refs = Counter[int]()
         for held in self._holders.values():

@@ -276,9 +276,7 @@ class PoolClient:
             self._check_epoch()
             raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
 
-    def _http_call(
-        self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0
-    ) -> R:
+    def _http_call(self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0) -> R:
         return resp.model_validate(self._send(method, path, req, wait_s))
 
     def _send(self, method: str, path: str, req: BaseModel | None, wait_s: float = 0.0) -> Any:

@@ -54,6 +54,7 @@ class PoolSettings(BaseSettings):
 
     backend: Literal["auto", "cuda", "cpu"] = Field("auto", description="cuda when present, else cpu")
     device: int = Field(0, ge=0, description="CUDA device ordinal of the arena")
+    devices: str | None = Field(None, description="one arena per listed device, e.g. 0,1 (overrides device)")
     num_blocks: int | None = Field(None, ge=1, description="arena size in blocks")
     arena_bytes: int | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
@@ -87,6 +88,20 @@ class PoolSettings(BaseSettings):
     @classmethod
     def _no_socket(cls, value: Any) -> Any:
         return None if isinstance(value, str) and value.lower() in {"", "none", "off"} else value
+
+    @field_validator("devices")
+    @classmethod
+    def _devices(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = [p.strip() for p in value.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
+            raise ValueError(f"devices must be distinct ordinals separated by commas (like 0,1), got {value!r}")
+        return ",".join(parts)
+
+    @property
+    def device_list(self) -> list[int]:
+        return [int(p) for p in self.devices.split(",")] if self.devices else [self.device]
 
     @field_validator("dtype", mode="before")
     @classmethod

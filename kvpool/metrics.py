@@ -42,8 +42,8 @@ class PoolCollector(Collector):
         blocks.add_metric(["in_use"], a.num_in_use)
         blocks.add_metric(["cached"], a.num_cached)
         yield blocks
-        yield GaugeMetricFamily("kvpool_blocks_total", "blocks in the arena", value=pool.num_blocks)
-        yield GaugeMetricFamily("kvpool_usage_ratio", "share of blocks in use", value=a.num_in_use / pool.num_blocks)
+        yield GaugeMetricFamily("kvpool_blocks_total", "blocks in the arena", value=pool.total_blocks)
+        yield GaugeMetricFamily("kvpool_usage_ratio", "share of blocks in use", value=a.num_in_use / pool.total_blocks)
         yield GaugeMetricFamily("kvpool_sessions", "live sessions", value=len(pool.sessions))
         yield GaugeMetricFamily("kvpool_handoffs_parked", "handoffs waiting to be claimed", value=len(pool.handoffs))
         yield GaugeMetricFamily("kvpool_prefix_indexed_blocks", "blocks findable by hash", value=len(pool.index))

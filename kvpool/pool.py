@@ -91,9 +91,13 @@ class CommitResult:
 
 @dataclass
 class Pool:
-    """Everything the control plane manages, for one arena of ``num_blocks`` blocks."""
+    """Everything the control plane manages: one arena of ``num_blocks`` blocks, or one per device (a list).
 
-    num_blocks: int
+    Block ids are global across arenas; ``arena`` arguments pick where new blocks come from and which arena's
+    prefix chains a lookup walks (the same prompt on two GPUs is two different sets of blocks).
+    """
+
+    num_blocks: int | Sequence[int]
     layout: KVLayout
     lease_ttl_s: float = 10.0
     handoff_ttl_s: float = 60.0
@@ -106,8 +110,15 @@ class Pool:
     def __post_init__(self) -> None:
         self.index = PrefixIndex()
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self.index.remove_block)
+        self.arena_sizes = self.allocator.sizes
+        self.total_blocks = self.allocator.num_blocks
         hasher_args = {} if self.digest is None else {"digest": self.digest}
-        self.hasher = PrefixHasher(self.layout.namespace(self.model), self.layout.block_size, **hasher_args)
+        namespace = self.layout.namespace(self.model)
+        self.hashers = [
+            PrefixHasher(namespace if i == 0 else f"{namespace}|arena{i}", self.layout.block_size, **hasher_args)
+            for i in range(len(self.arena_sizes))
+        ]
+        self.hasher = self.hashers[0]
         self.sessions: dict[str, Session] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.counters = Counters()
@@ -154,11 +165,11 @@ class Pool:
 
     # -- blocks -----------------------------------------------------------------------------------------
 
-    def alloc(self, session_id: str, num_blocks: int) -> list[int]:
+    def alloc(self, session_id: str, num_blocks: int, arena: int = 0) -> list[int]:
         holder = self.session(session_id).holder
         self.counters.alloc_requests += 1
         try:
-            ids = self.allocator.allocate(holder, num_blocks)
+            ids = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
             raise
@@ -183,11 +194,16 @@ class Pool:
                 f"token_ids fill {len(chunks)} blocks of {self.layout.block_size} tokens but only "
                 f"{len(block_ids)} block ids were given"
             )
-        blocks = list(block_ids[: len(chunks)])
-        if len(set(blocks)) != len(blocks):
+        if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        self.allocator.check_held(holder, blocks)
-        new = self.index.plan(self.hasher.keys(chunks), chunks, blocks)
+        self.allocator.check_held(holder, block_ids)
+        blocks = list(block_ids[: len(chunks)])
+        if not blocks:
+            return CommitResult(committed=0, duplicates=0, num_blocks=0)
+        arenas = {self.allocator.partition[b] for b in blocks}
+        if len(arenas) > 1:
+            raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
+        new = self.index.plan(self.hashers[arenas.pop()].keys(chunks), chunks, blocks)
         self.index.apply(new)
         for node in new:
             self.allocator.mark_committed(node.block)
@@ -197,11 +213,14 @@ class Pool:
         c.duplicate_blocks += len(chunks) - len(new)
         return CommitResult(committed=len(new), duplicates=len(chunks) - len(new), num_blocks=len(chunks))
 
-    def lookup(self, session_id: str, token_ids: Sequence[int]) -> LookupResult:
-        """The longest cached prefix of ``token_ids``, with a ref taken on each block for the session."""
+    def lookup(self, session_id: str, token_ids: Sequence[int], arena: int = 0) -> LookupResult:
+        """The longest cached prefix of ``token_ids`` in ``arena``, with a ref taken on each block for the session."""
         holder = self.session(session_id).holder
-        chunks = self.hasher.chunks(token_ids)
-        ids = self.index.match(self.hasher.keys(chunks), chunks)
+        if not 0 <= arena < len(self.hashers):
+            raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
+        hasher = self.hashers[arena]
+        chunks = hasher.chunks(token_ids)
+        ids = self.index.match(hasher.keys(chunks), chunks)
         self.allocator.acquire(holder, ids)
         c = self.counters
         c.lookup_requests += 1
@@ -230,9 +249,7 @@ class Pool:
                 f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
             )
         ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
-        handoff = Handoff(
-            request_id, list(block_ids), num_tokens, dict(meta or {}), session_id, self.clock() + ttl
-        )
+        handoff = Handoff(request_id, list(block_ids), num_tokens, dict(meta or {}), session_id, self.clock() + ttl)
         self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
         self.handoffs[request_id] = handoff
         self.counters.handoffs += 1
@@ -281,7 +298,7 @@ class Pool:
         a, c = self.allocator, self.counters
         return {
             "epoch": self.epoch,
-            "num_blocks": self.num_blocks,
+            "num_blocks": self.total_blocks,
             "free": a.num_free,
             "in_use": a.num_in_use,
             "cached": a.num_cached,
@@ -291,4 +308,7 @@ class Pool:
             "hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
             "evictions": a.num_evictions,
             "counters": {name: getattr(c, name) for name in Counters.__slots__},
+            "arenas": [
+                dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
+            ],
         }

@@ -47,9 +47,13 @@ class SessionInfo(BaseModel):
     fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
 
 
+DEVICE_HELP = "the arena's device, as the pool names it (GET /arena `arenas`); default: the pool's first"
+
+
 class AllocRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     num_blocks: int = Field(ge=1, le=1 << 31)
+    device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
 
 
 class AllocResponse(BaseModel):
@@ -80,6 +84,7 @@ class CommitResponse(BaseModel):
 class LookupRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
+    device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
 
 
 class LookupResponse(BaseModel):
@@ -93,9 +98,7 @@ class HandoffRequest(_Request):
     block_ids: list[int] = Field(max_length=MAX_IDS)
     num_tokens: int = Field(ge=0, le=1 << 40)
     meta: dict[str, Any] = Field(default_factory=dict)
-    ttl_s: float | None = Field(
-        None, gt=0, le=86400, description="unclaimed after this long, the blocks are released"
-    )
+    ttl_s: float | None = Field(None, gt=0, le=86400, description="unclaimed after this long, the blocks are released")
 
 
 class HandoffResponse(BaseModel):
@@ -129,7 +132,21 @@ class DeviceInfo(BaseModel):
     name: str = ""
 
 
+class ArenaPart(BaseModel):
+    """One device's arena: its blocks are the global ids ``first_block .. first_block + num_blocks - 1``."""
+
+    index: int = Field(description="the device as the pool names it (its --devices entry)")
+    device: DeviceInfo | None
+    handle: str = Field(description="base64 CUDA IPC handle (cuda) or the shared-memory file's path (cpu)")
+    nbytes: int
+    num_blocks: int
+    first_block: int = 0
+
+
 class ArenaDescriptor(BaseModel):
+    """The arena a client maps. The top-level fields describe one arena (the first, or the one asked for);
+    ``arenas`` lists every device's when the pool serves several."""
+
     epoch: str
     backend: Literal["cuda", "cpu"]
     device: DeviceInfo | None
@@ -141,6 +158,18 @@ class ArenaDescriptor(BaseModel):
     owner_pid: int
     model: str = ""
     fast_socket: str | None = Field(None, description="Unix socket of the binary fast channel, if served")
+    first_block: int = 0
+    arenas: list[ArenaPart] = Field(default_factory=list)
+
+    def part(self, device: int | None) -> ArenaDescriptor:
+        """The descriptor of one device's arena (``device`` as the pool names it; None: the first)."""
+        if device is None or not self.arenas:
+            return self
+        for part in self.arenas:
+            if part.index == device:
+                fields = {k: getattr(part, k) for k in ("device", "handle", "nbytes", "num_blocks", "first_block")}
+                return self.model_copy(update=fields)
+        raise ValueError(f"the pool has no arena on device {device}; it has {[p.index for p in self.arenas]}")
 
 
 class ErrorBody(BaseModel):

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.errors import KvpoolError, Unauthorized
 from kvpool.metrics import registry_for
@@ -44,17 +47,49 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 503, 507)
-}
+UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'"
+
+ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 503, 507)}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON escaped to ASCII: error details can quote what a client sent, and a lone surrogate (valid in a JSON
+    escape, unencodable as UTF-8) must come back as an escape, not as a 500 from the encoder."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"), default=str).encode()
 
 
 def error_response(exc: KvpoolError) -> JSONResponse:
-    return JSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=exc.status)
+    return SafeJSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=exc.status)
+
+
+def validation_response(exc: RequestValidationError) -> JSONResponse:
+    """422 naming each bad field (type, loc, msg, ctx), without echoing the input back, as the fast channel does."""
+    errors = [{k: e[k] for k in ("type", "loc", "msg", "ctx") if k in e} for e in exc.errors()]
+    return SafeJSONResponse({"detail": errors, "error": "ValidationError"}, status_code=422)
+
+
+def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
+    """The framework's own errors (unparsable body, unknown path, wrong method) in the pool's error shape.
+
+    FastAPI answers a body it cannot parse (bad UTF-8, nesting too deep, an integer with thousands of digits)
+    with a bare "There was an error parsing the body"; the cause it chains says what was wrong, so say it.
+    """
+    detail = exc.detail
+    cause = exc.__cause__
+    if cause is not None and exc.status_code == 400:
+        detail = f"{detail}: {type(cause).__name__}: {str(cause)[:200]}"
+    name = "InvalidRequest" if exc.status_code == 400 else "HTTPError"
+    return SafeJSONResponse({"detail": detail, "error": name}, status_code=exc.status_code, headers=exc.headers)
 
 
 class BodyLimit:
-    """Refuse bodies over ``limit`` bytes with 413 before they are read into memory."""
+    """Refuse bodies over ``limit`` bytes with 413, whether announced by content-length or streamed chunked.
+
+    The body is read here, up to the limit, before the app sees the request: a limit enforced inside the app's
+    own body reading would be caught by the framework's parser and answered as a generic 400.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app = app
@@ -68,28 +103,60 @@ class BodyLimit:
             if name == b"content-length" and value.isdigit() and int(value) > self.limit:
                 await self._refuse(scope, receive, send)
                 return
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        body = bytearray()
+        while True:
             message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":  # the client went away before sending its whole body
+                return
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._refuse(scope, receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = {"detail": f"request body over {self.limit} bytes", "error": "PayloadTooLarge"}
-        await JSONResponse(body, status_code=413)(scope, receive, send)
+        await SafeJSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class RequireToken:
+    """With a token set, refuse every request but ``GET /health`` without it, before its body is read.
+
+    The routes also check it (``authorize``); this gate covers the rest (``/openapi.json``, ``/docs``, unknown
+    paths), so "every endpoint but /health" holds whatever the framework adds.
+    """
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app: ASGIApp, token: bytes | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.token is None or scope["type"] != "http" or scope.get("path") in self.OPEN:
+            await self.app(scope, receive, send)
+            return
+        given = b""
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                given = value
+        scheme, _, value = given.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(value, self.token):
+            await self.app(scope, receive, send)
+            return
+        body = {"detail": UNAUTHORIZED, "error": "Unauthorized"}
+        await SafeJSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 def create_app(plane: ControlPlane) -> FastAPI:
@@ -102,7 +169,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token):
-            raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'")
+            raise Unauthorized(UNAUTHORIZED)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -135,10 +202,19 @@ def create_app(plane: ControlPlane) -> FastAPI:
     app.state.on_start = []
     app.state.on_stop = []
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(RequireToken, token=token)  # added last, so it runs first: no body is read for a stranger
 
     @app.exception_handler(KvpoolError)
     async def _domain_error(request: Request, exc: KvpoolError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return http_error_response(exc)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Any:

@@ -59,16 +59,21 @@ def serve(settings: PoolSettings) -> None:
         fast = FastChannel(plane, settings.fast_socket, settings.socket_mode, settings.max_body_bytes)
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
-    config = uvicorn.Config(
-        app, log_level=settings.log_level, access_log=False, timeout_keep_alive=30, lifespan="on"
-    )
+    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_keep_alive=30, lifespan="on")
     server = uvicorn.Server(config)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info(
         "kvpool %s listening on %s",
         plane.epoch,
-        ", ".join(filter(None, [f"http://{settings.host}:{settings.port}" if settings.port else "",
-                                f"unix://{settings.socket}" if settings.socket else ""])),
+        ", ".join(
+            filter(
+                None,
+                [
+                    f"http://{settings.host}:{settings.port}" if settings.port else "",
+                    f"unix://{settings.socket}" if settings.socket else "",
+                ],
+            )
+        ),
     )
     try:
         server.run(sockets=sockets)

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from collections import defaultdict
 
 from kvpool.arena import HostArena, create_host_arena, resolve_backend, size_in_blocks
 from kvpool.config import PoolSettings
-from kvpool.errors import HandoffNotFound, PoolUnavailable
+from kvpool.errors import HandoffNotFound, InvalidRequest, PoolUnavailable
 from kvpool.pool import Pool
 from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
+    ArenaPart,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -42,7 +44,8 @@ class ControlPlane:
         self.epoch = epoch or secrets.token_hex(8)
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
-        self.host_arena: HostArena | None = None
+        self.host_arenas: list[HostArena] = []
+        self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
 
@@ -51,36 +54,60 @@ class ControlPlane:
     def start(self) -> None:
         """Allocate the arena and open the books (may take a while for a large CPU arena)."""
         s = self.settings
+        layout = s.layout
+        devices = s.device_list
+        arenas: list[HostArena] = []
+        sizes: list[int] = []
         try:
             backend = resolve_backend(s.backend)
-            free_bytes = None
-            if backend == "cuda":
-                from kvpool import cuda
+            for d in devices:
+                free_bytes = None
+                if backend == "cuda":
+                    from kvpool import cuda
 
-                cuda.set_device(s.device)
-                free_bytes = cuda.mem_get_info()[0]
-            layout = s.layout
-            num_blocks = size_in_blocks(
-                layout,
-                num_blocks=s.num_blocks,
-                arena_bytes=s.arena_bytes,
-                gpu_memory_fraction=s.gpu_memory_fraction,
-                free_device_bytes=free_bytes,
-            )
-            arena = create_host_arena(
-                backend, num_blocks * layout.block_nbytes, device=s.device, shm_dir=s.shm_dir, epoch=self.epoch
-            )
+                    cuda.set_device(d)
+                    free_bytes = cuda.mem_get_info()[0]
+                num_blocks = size_in_blocks(
+                    layout,
+                    num_blocks=s.num_blocks,
+                    arena_bytes=s.arena_bytes,
+                    gpu_memory_fraction=s.gpu_memory_fraction,
+                    free_device_bytes=free_bytes,
+                )
+                epoch = self.epoch if len(devices) == 1 else f"{self.epoch}-{d}"
+                nbytes = num_blocks * layout.block_nbytes
+                arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=s.shm_dir, epoch=epoch))
+                sizes.append(num_blocks)
         except Exception as exc:
+            for arena in arenas:
+                arena.close()
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("arena allocation failed: %s", self.startup_error)
             raise
-        self.host_arena = arena
-        fast = str(s.fast_socket) if s.fast_socket is not None else None
-        self._descriptor = arena.describe(self.epoch, num_blocks, layout, s.model).model_copy(
-            update={"fast_socket": fast}
+        self.host_arenas = arenas
+        self.arena_of = {d: i for i, d in enumerate(devices)}
+        parts, first = [], 0
+        for d, arena, n in zip(devices, arenas, sizes, strict=True):
+            parts.append(ArenaPart(index=d, device=arena.device, handle=arena.handle, nbytes=arena.nbytes,
+                                   num_blocks=n, first_block=first))  # fmt: skip
+            first += n
+        head = parts[0]
+        self._descriptor = ArenaDescriptor(
+            epoch=self.epoch,
+            backend=arenas[0].backend,
+            device=head.device,
+            handle=head.handle,
+            nbytes=head.nbytes,
+            num_blocks=head.num_blocks,
+            block_nbytes=layout.block_nbytes,
+            layout=layout,
+            owner_pid=os.getpid(),
+            model=s.model,
+            fast_socket=str(s.fast_socket) if s.fast_socket is not None else None,
+            arenas=parts,
         )
         self._pool = Pool(
-            num_blocks,
+            sizes,
             layout,
             lease_ttl_s=s.lease_ttl_s,
             handoff_ttl_s=s.handoff_ttl_s,
@@ -88,19 +115,28 @@ class ControlPlane:
             epoch=self.epoch,
             on_handoff=self._wake,
         )
-        log.info(
-            "arena ready: %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
-            arena.backend, num_blocks, layout.block_nbytes, arena.nbytes / 2**20, self.epoch,
-        )
+        for part, arena in zip(parts, arenas, strict=True):
+            log.info(
+                "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
+                arena.backend, part.index, part.num_blocks, layout.block_nbytes, arena.nbytes / 2**20, self.epoch,
+            )  # fmt: skip
+
+    def arena_index(self, device: int | None) -> int:
+        if device is None:
+            return 0
+        try:
+            return self.arena_of[device]
+        except KeyError:
+            raise InvalidRequest(f"the pool has no arena on device {device}; it has {list(self.arena_of)}") from None
 
     def close(self) -> None:
         for futures in self._waiters.values():
             for fut in futures:
                 if not fut.done():
                     fut.cancel()
-        if self.host_arena is not None:
-            self.host_arena.close()
-            self.host_arena = None
+        for arena in self.host_arenas:
+            arena.close()
+        self.host_arenas = []
 
     @property
     def ready(self) -> bool:
@@ -145,7 +181,8 @@ class ControlPlane:
         return {"released": self.pool.close_session(session_id)}
 
     def alloc(self, req: AllocRequest) -> AllocResponse:
-        return AllocResponse(block_ids=self.pool.alloc(req.session_id, req.num_blocks))
+        ids = self.pool.alloc(req.session_id, req.num_blocks, self.arena_index(req.device))
+        return AllocResponse(block_ids=ids)
 
     def free(self, req: FreeRequest) -> FreeResponse:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
@@ -155,7 +192,7 @@ class ControlPlane:
         return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks)
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
-        r = self.pool.lookup(req.session_id, req.token_ids)
+        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
         return LookupResponse(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
     def handoff(self, req: HandoffRequest) -> HandoffResponse:

@@ -73,6 +73,20 @@ def test_bad_counts_change_nothing(n):
     assert books(a) == (4, 0, 0)
 
 
+def test_partitions_allocate_from_their_own_range_and_cache():
+    a = BlockAllocator([3, 2])
+    assert a.allocate("s", 2, partition=1) == [3, 4]
+    with pytest.raises(PoolExhausted, match="on arena 1"):
+        a.allocate("s", 1, partition=1)
+    assert a.allocate("s", 3, partition=0) == [0, 1, 2]
+    a.mark_committed(4)
+    a.free("s", [3, 4])
+    assert a.counts(1) == (1, 0, 1) and a.counts(0) == (0, 3, 0)
+    with pytest.raises(InvalidRequest, match="no arena 2"):
+        a.allocate("s", 1, partition=2)
+    a.check()
+
+
 def test_transfer_moves_refs_between_holders():
     a = BlockAllocator(4)
     ids = a.allocate("s", 2)
@@ -96,11 +110,11 @@ ops = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(ops)
-def test_invariants_hold_under_any_sequence(seq):
+@given(ops, st.sampled_from([[12], [5, 7], [3, 4, 5]]))
+def test_invariants_hold_under_any_sequence(seq, sizes):
     """Whatever the order of calls, the books balance and each failed call leaves no trace."""
-    n = 12
-    a = BlockAllocator(n)
+    n = sum(sizes)
+    a = BlockAllocator(sizes)
     holders = ["a", "b", "c", "d"]
     for op, h, k, seed in seq:
         holder = holders[h]
@@ -109,7 +123,9 @@ def test_invariants_hold_under_any_sequence(seq):
         before = (books(a), {x: a.held(x) for x in holders}, list(a.ref_cnt))
         try:
             if op == "alloc":
-                a.allocate(holder, k)
+                part = seed % len(sizes)
+                got = a.allocate(holder, k, part)
+                assert all(a.partition[b] == part for b in got)
             elif op == "free":
                 a.free(holder, pick)
             elif op == "commit":
