@@ -17,6 +17,7 @@ import base64
 import logging
 import os
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -187,6 +188,7 @@ class Arena:
         self.descriptor = descriptor
         self.layout = descriptor.layout
         self.num_blocks = descriptor.num_blocks
+        self.first_block = descriptor.first_block
         self.epoch = descriptor.epoch
         self._raw: torch.Tensor | None = raw
         used = descriptor.num_blocks * descriptor.block_nbytes
@@ -231,12 +233,39 @@ class Arena:
         self._check()
         return list(self._views)
 
+    def local_ids(self, block_ids: Sequence[int]) -> list[int]:
+        """Pool block ids as indices into this arena's views (they differ only on a multi-device pool)."""
+        first, n = self.first_block, self.num_blocks
+        local = [b - first for b in block_ids]
+        if any(not 0 <= b < n for b in local):
+            raise IndexError(f"blocks outside this arena's ids [{first}, {first + n}): {list(block_ids)[:8]}")
+        return local
+
+    def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The int32 block table of a sequence, on the arena's device, ready for a paged-attention kernel."""
+        import torch
+
+        return torch.tensor(self.local_ids(block_ids), dtype=torch.int32, device=self.device)
+
+    def blocks_view(self) -> tuple[torch.Tensor, int]:
+        """The whole arena as one 3-D tensor and the dim that indexes blocks, for copying blocks in bulk.
+
+        layer_major: ``[2 * num_layers, num_blocks, block elems]``, blocks on dim 1; block_major:
+        ``[num_blocks, 2 * num_layers, block elems]``, blocks on dim 0. Either way one gather moves every
+        layer's K and V of a set of blocks.
+        """
+        self._check()
+        lay, e = self.layout, self.layout.block_layer_elems
+        typed = self.raw[: self.num_blocks * lay.block_nbytes].view(torch_dtype(lay.dtype))
+        if lay.order == "layer_major":
+            return typed.view(2 * lay.num_layers, self.num_blocks, e), 1
+        return typed.view(self.num_blocks, 2 * lay.num_layers, e), 0
+
     def block(self, block_id: int) -> list[torch.Tensor]:
         """Views of one block's bytes: one tensor in block-major order, two per layer in layer-major."""
         self._check()
-        if not 0 <= block_id < self.num_blocks:
-            raise IndexError(f"block {block_id} out of range [0, {self.num_blocks})")
-        return [t[block_id] for pair in self._views for t in pair]
+        (local,) = self.local_ids([block_id])
+        return [t[local] for pair in self._views for t in pair]
 
     def invalidate(self) -> None:
         """Forbid further use through this object; the mapping stays until the process exits."""
@@ -248,8 +277,15 @@ _mapped: dict[tuple[str, str], Arena] = {}
 _map_lock = threading.Lock()
 
 
-def open_arena(descriptor: ArenaDescriptor, layout: KVLayout | None = None) -> Arena:
-    """Map the arena the descriptor names, once per process; later calls return the same :class:`Arena`."""
+def open_arena(descriptor: ArenaDescriptor, layout: KVLayout | None = None, device: int | None = None) -> Arena:
+    """Map the arena the descriptor names, once per process; later calls return the same :class:`Arena`.
+
+    ``device`` picks one arena of a multi-device pool (as the pool names the device); None takes the first.
+    """
+    try:
+        descriptor = descriptor.part(device)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
     if layout is not None and layout != descriptor.layout:
         diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in descriptor.layout.diff(layout).items())
         raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")

@@ -120,7 +120,7 @@ class PoolClient:
         self._local = threading.local()
         self._conns: list[FastConnection] = []
         self._conns_lock = threading.Lock()
-        self._arena: Arena | None = None
+        self._arenas: dict[int | None, Arena] = {}
         self._closed = False
         self._lost: KvpoolError | None = None
         self._open_session()
@@ -158,7 +158,7 @@ class PoolClient:
     def reconnect(self) -> None:
         """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand."""
         self._close_conns()
-        self._arena = None
+        self._arenas = {}
         self._lost = None
         self._open_session()
 
@@ -185,18 +185,22 @@ class PoolClient:
     def descriptor(self) -> ArenaDescriptor:
         return self._http_call("GET", "/arena", None, ArenaDescriptor)
 
-    def arena(self, layout: KVLayout | None = None) -> Arena:
-        """The arena mapped into this process (once per process), checked against your model's layout."""
-        if self._arena is None or self._arena.closed:
-            self._arena = open_arena(self.descriptor(), layout or self.layout)
+    def arena(self, layout: KVLayout | None = None, device: int | None = None) -> Arena:
+        """The arena mapped into this process (once per process), checked against your model's layout.
+
+        ``device`` picks one arena of a pool that serves several GPUs (as the pool names the device).
+        """
+        arena = self._arenas.get(device)
+        if arena is None or arena.closed:
+            arena = self._arenas[device] = open_arena(self.descriptor(), layout or self.layout, device)
         elif layout is not None:
-            open_arena(self._arena.descriptor, layout)
-        return self._arena
+            open_arena(arena.descriptor, layout)
+        return arena
 
     # -- blocks -----------------------------------------------------------------------------------------
 
-    def alloc(self, num_blocks: int) -> list[int]:
-        req = self._req(AllocRequest, session_id=self.session_id, num_blocks=num_blocks)
+    def alloc(self, num_blocks: int, device: int | None = None) -> list[int]:
+        req = self._req(AllocRequest, session_id=self.session_id, num_blocks=num_blocks, device=device)
         return self._call(b"alloc", "/alloc", req, AllocResponse).block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
@@ -208,9 +212,9 @@ class PoolClient:
         req = self._req(CommitRequest, session_id=self.session_id, block_ids=list(block_ids), token_ids=list(token_ids))
         return self._call(b"commit", "/commit", req, CommitResponse)
 
-    def lookup(self, token_ids: Sequence[int]) -> LookupResponse:
+    def lookup(self, token_ids: Sequence[int], device: int | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids``; you hold a ref on each returned block until you free it."""
-        req = self._req(LookupRequest, session_id=self.session_id, token_ids=list(token_ids))
+        req = self._req(LookupRequest, session_id=self.session_id, token_ids=list(token_ids), device=device)
         return self._call(b"lookup", "/lookup", req, LookupResponse)
 
     def handoff(
@@ -236,6 +240,29 @@ class PoolClient:
         """Take a parked handoff (the oldest if ``request_id`` is None), waiting up to ``timeout_s``."""
         req = self._req(ClaimRequest, session_id=self.session_id, request_id=request_id, timeout_s=timeout_s)
         return self._call(b"claim", "/claim", req, ClaimResponse, wait_s=timeout_s)
+
+    def move(self, block_ids: Sequence[int], device: int) -> list[int]:
+        """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.
+
+        The copy runs here, on this process's current streams (see :mod:`kvpool.transfer`), so kernels you
+        launch next on ``device`` see the KV; the originals are freed only once the copy has read them.
+        """
+        from kvpool.transfer import copy_blocks
+
+        if not block_ids:
+            return []
+        src = self.arena(device=self.arena().descriptor.device_of(block_ids[0]))
+        dst = self.arena(device=device)
+        new = self.alloc(len(block_ids), device=device)
+        try:
+            done = copy_blocks(src, block_ids, dst, new)
+            if done is not None:
+                done.synchronize()
+        except BaseException:
+            self.free(new)
+            raise
+        self.free(block_ids)
+        return new
 
     def heartbeat(self) -> None:
         req = self._req(SessionRef, session_id=self.session_id)
@@ -320,7 +347,7 @@ class PoolClient:
             return
         if now != self.epoch:
             forget_mappings()
-            self._arena = None
+            self._arenas = {}
             self._lost = PoolRestarted(
                 f"the pool restarted (epoch {self.epoch} -> {now}): the old arena and its blocks are gone; "
                 "call reconnect() and map the arena again"

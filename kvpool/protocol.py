@@ -171,6 +171,13 @@ class ArenaDescriptor(BaseModel):
                 return self.model_copy(update=fields)
         raise ValueError(f"the pool has no arena on device {device}; it has {[p.index for p in self.arenas]}")
 
+    def device_of(self, block_id: int) -> int | None:
+        """The device whose arena holds ``block_id`` (None on a pool that lists no arenas)."""
+        for part in self.arenas:
+            if part.first_block <= block_id < part.first_block + part.num_blocks:
+                return part.index
+        return None
+
 
 class ErrorBody(BaseModel):
     detail: Any

@@ -1,0 +1,45 @@
+"""Moving blocks between two arenas (two GPUs of one node) by block ids.
+
+The copy runs in the worker that needs the KV, on its current CUDA streams, not in the pool: that orders it
+before the worker's own kernels that read the copied blocks, and keeps the pool out of the data path. Both
+arenas are mapped in the worker (the source through peer access), so the bytes move GPU to GPU over the
+node's links: one gather on the source GPU, one peer copy, one scatter on the destination, for every layer at
+once (see :meth:`Arena.blocks_view`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvpool.arena import Arena
+from kvpool.errors import InvalidRequest
+
+
+def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequence[int]) -> torch.Tensor | None:
+    """Copy blocks ``src_ids`` of ``src`` into blocks ``dst_ids`` of ``dst``, stream-ordered.
+
+    Returns an event (CUDA) recorded once the source blocks have been read: wait on it before the source
+    blocks may be reused. The writes into ``dst`` are ordered on ``dst``'s current stream, ahead of whatever
+    the caller launches there next. On the CPU the copy is done when this returns and the result is None.
+    """
+    if len(src_ids) != len(dst_ids):
+        raise InvalidRequest(f"copy of {len(src_ids)} blocks into {len(dst_ids)}: give one target per block")
+    if src.layout != dst.layout:
+        raise InvalidRequest(f"arenas of different layouts: {src.layout.diff(dst.layout)}")
+    if not src_ids:
+        return None
+    src_all, dim = src.blocks_view()
+    dst_all, _ = dst.blocks_view()
+    src_idx = torch.tensor(src.local_ids(src_ids), device=src_all.device)
+    dst_idx = torch.tensor(dst.local_ids(dst_ids), device=dst_all.device)
+    staged = src_all.index_select(dim, src_idx)
+    if staged.device != dst_all.device:
+        staged = staged.to(dst_all.device, non_blocking=True)
+    done = None
+    if dst_all.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dst_all.device))
+    dst_all.index_copy_(dim, dst_idx, staged)
+    return done

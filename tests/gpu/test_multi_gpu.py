@@ -1,0 +1,44 @@
+"""Two GPUs, one pool: an arena per device, mapped by UUID, blocks moved GPU to GPU by ids."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.client import PoolClient
+from tests.conftest import start_pool
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+
+@pytest.fixture
+def gpu_pair_pool():
+    pool = start_pool(
+        "--backend", "cuda", "--devices", "0,1", "--num-blocks", "512", "--num-layers", "8", "--num-kv-heads", "4",
+        "--head-dim", "128", "--block-size", "16", "--dtype", "bfloat16",
+    )  # fmt: skip
+    yield pool
+    pool.stop()
+
+
+def test_each_arena_lives_on_its_gpu_and_moves_keep_every_byte(gpu_pair_pool):
+    with PoolClient(gpu_pair_pool.url, name="pair") as pool:
+        desc = pool.descriptor()
+        uuids = [p.device.uuid for p in desc.arenas if p.device is not None]
+        assert len(set(uuids)) == 2
+        a0, a1 = pool.arena(device=0), pool.arena(device=1)
+        assert (a0.device, a1.device) == (torch.device("cuda:0"), torch.device("cuda:1"))
+        src = pool.alloc(64, device=0)
+        view, dim = a0.blocks_view()
+        idx = torch.tensor(a0.local_ids(src), device="cuda:0")
+        payload = torch.randn(view.index_select(dim, idx).shape, device="cuda:0").to(view.dtype)
+        view.index_copy_(dim, idx, payload)
+        torch.cuda.synchronize(0)
+        moved = pool.move(src, device=1)
+        torch.cuda.synchronize(1)
+        got = a1.blocks_view()[0].index_select(dim, torch.tensor(a1.local_ids(moved), device="cuda:1"))
+        assert torch.equal(got.cpu(), payload.cpu())
+        assert pool.stats()["arenas"][0]["in_use"] == 0
