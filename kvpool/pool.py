@@ -188,43 +188,41 @@ class Pool:
     def commit(self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResult:
         """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..)."""
         holder = self.session(session_id).holder
-        chunks = self.hasher.chunks(token_ids)
-        if len(block_ids) < len(chunks):
+        num_full = len(token_ids) // self.layout.block_size
+        if len(block_ids) < num_full:
             raise InvalidRequest(
-                f"token_ids fill {len(chunks)} blocks of {self.layout.block_size} tokens but only "
+                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens but only "
                 f"{len(block_ids)} block ids were given"
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
         self.allocator.check_held(holder, block_ids)
-        blocks = list(block_ids[: len(chunks)])
+        blocks = list(block_ids[:num_full])
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)
         arenas = {self.allocator.partition[b] for b in blocks}
         if len(arenas) > 1:
             raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
-        new = self.index.plan(self.hashers[arenas.pop()].keys(chunks), chunks, blocks)
+        new = self.index.plan(self.hashers[arenas.pop()].blocks(token_ids), blocks)
         self.index.apply(new)
         for node in new:
             self.allocator.mark_committed(node.block)
         c = self.counters
         c.commit_requests += 1
         c.committed_blocks += len(new)
-        c.duplicate_blocks += len(chunks) - len(new)
-        return CommitResult(committed=len(new), duplicates=len(chunks) - len(new), num_blocks=len(chunks))
+        c.duplicate_blocks += num_full - len(new)
+        return CommitResult(committed=len(new), duplicates=num_full - len(new), num_blocks=num_full)
 
     def lookup(self, session_id: str, token_ids: Sequence[int], arena: int = 0) -> LookupResult:
         """The longest cached prefix of ``token_ids`` in ``arena``, with a ref taken on each block for the session."""
         holder = self.session(session_id).holder
         if not 0 <= arena < len(self.hashers):
             raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        hasher = self.hashers[arena]
-        chunks = hasher.chunks(token_ids)
-        ids = self.index.match(hasher.keys(chunks), chunks)
+        ids = self.index.match(self.hashers[arena].blocks(token_ids))
         self.allocator.acquire(holder, ids)
         c = self.counters
         c.lookup_requests += 1
-        c.lookup_blocks += len(chunks)
+        c.lookup_blocks += len(token_ids) // self.layout.block_size
         c.hit_blocks += len(ids)
         return LookupResult(ids, len(ids) * self.layout.block_size)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import xxhash
 
@@ -60,6 +60,19 @@ class PrefixHasher:
         """Keys of the full blocks of ``token_ids``, one per block."""
         return self.keys(self.chunks(token_ids))
 
+    def blocks(self, token_ids: Sequence[int]) -> Iterator[tuple[bytes, bytes]]:
+        """(key, token bytes) of each full block, computed lazily so that a lookup stops paying at its first miss."""
+        data = token_bytes(token_ids)
+        step = self.block_size * 4
+        digest, key = self.digest, self.root
+        for off in range(0, len(data) - step + 1, step):
+            chunk = data[off : off + step]
+            key = digest(key + chunk)
+            yield key, chunk
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return num_tokens // self.block_size
+
 
 class _Node:
     __slots__ = ("block", "key", "parent", "tokens")
@@ -81,10 +94,10 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._by_block)
 
-    def match(self, keys: Sequence[bytes], chunks: Sequence[bytes]) -> list[int]:
-        """Blocks of the longest verified prefix."""
+    def match(self, blocks: Iterable[tuple[bytes, bytes]]) -> list[int]:
+        """Blocks of the longest verified prefix of ``blocks`` ((key, token bytes) pairs, in order)."""
         nodes, prev, out = self._nodes, None, []
-        for key, chunk in zip(keys, chunks, strict=True):
+        for key, chunk in blocks:
             node = nodes.get(key)
             if node is None or node.parent is not prev or node.tokens != chunk:
                 break
@@ -92,7 +105,7 @@ class PrefixIndex:
             prev = node
         return out
 
-    def plan(self, keys: Sequence[bytes], chunks: Sequence[bytes], blocks: Sequence[int]) -> list[_Node]:
+    def plan(self, blocks: Iterable[tuple[bytes, bytes]], block_ids: Sequence[int]) -> list[_Node]:
         """Check a commit without changing anything; return the nodes :meth:`apply` would add.
 
         A block whose content is already indexed (the same tokens after the same parent) is a duplicate: it is
@@ -102,7 +115,7 @@ class PrefixIndex:
         """
         nodes, by_block, prev = self._nodes, self._by_block, None
         new: list[_Node] = []
-        for key, chunk, block in zip(keys, chunks, blocks, strict=True):
+        for (key, chunk), block in zip(blocks, block_ids, strict=True):
             node = nodes.get(key)
             if node is not None and node.parent is prev and node.tokens == chunk:
                 owner = by_block.get(block)
