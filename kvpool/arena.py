@@ -313,16 +313,23 @@ def _map(descriptor: ArenaDescriptor) -> Arena:
     assert descriptor.device is not None
     index = cuda.ordinal_of(descriptor.device.uuid)
     if descriptor.owner_pid == os.getpid():
-        raise InvalidRequest("the pool process cannot map its own arena through IPC; map it from a worker")
+        raise InvalidRequest(
+            f"this process has the pool's PID ({os.getpid()}): either it is the pool itself (map the arena from a "
+            "worker), or it runs in another PID namespace where CUDA IPC fails: share the pool's PID namespace "
+            "(docker compose: pid: service:kvpool)"
+        )
     with torch.cuda.device(index):
         ptr = cuda.ipc_open(base64.b64decode(descriptor.handle))
         raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
     return Arena(descriptor, raw)
 
 
-def forget_mappings() -> None:
-    """Invalidate every mapped arena of this process (used when the pool restarted)."""
+def forget_mappings(epoch: str | None = None) -> None:
+    """Invalidate the mapped arenas of pool epoch ``epoch`` (used when that pool restarted), or all of them.
+
+    Scoped to one epoch so that a process talking to two pools does not lose the other pool's views when one
+    restarts: epochs are random per pool start, so an epoch names exactly one pool's arenas.
+    """
     with _map_lock:
-        for arena in _mapped.values():
-            arena.invalidate()
-        _mapped.clear()
+        for key in [k for k in _mapped if epoch is None or k[0] == epoch]:
+            _mapped.pop(key).invalidate()

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
@@ -143,6 +143,8 @@ class PoolClient:
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):
+            if self._lost is not None:  # already known lost: wait for reconnect() instead of warning every beat
+                continue
             try:
                 self._http_call("POST", f"/sessions/{self.session_id}/heartbeat", None, SessionInfo)
             except UnknownSession as exc:
@@ -156,11 +158,18 @@ class PoolClient:
                 log.warning("kvpool heartbeat failed: %s", exc)
 
     def reconnect(self) -> None:
-        """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand."""
+        """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand.
+
+        If the pool restarted, the old arena's views are invalidated here too, even when no call noticed the
+        restart first: they point at memory the new pool does not manage.
+        """
+        old_epoch = self.epoch
         self._close_conns()
         self._arenas = {}
         self._lost = None
         self._open_session()
+        if self.epoch != old_epoch:
+            forget_mappings(old_epoch)
 
     def close(self) -> None:
         if self._closed:
@@ -190,9 +199,14 @@ class PoolClient:
 
         ``device`` picks one arena of a pool that serves several GPUs (as the pool names the device).
         """
+        if isinstance(self._lost, PoolRestarted):
+            raise self._lost
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
-            arena = self._arenas[device] = open_arena(self.descriptor(), layout or self.layout, device)
+            descriptor = self.descriptor()
+            if descriptor.epoch != self.epoch:  # restarted, and nothing noticed yet: never map it for an old session
+                self._restarted(descriptor.epoch)
+            arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device)
         elif layout is not None:
             open_arena(arena.descriptor, layout)
         return arena
@@ -346,10 +360,14 @@ class PoolClient:
         except (httpx.HTTPError, ValidationError, KvpoolError):
             return
         if now != self.epoch:
-            forget_mappings()
-            self._arenas = {}
-            self._lost = PoolRestarted(
-                f"the pool restarted (epoch {self.epoch} -> {now}): the old arena and its blocks are gone; "
-                "call reconnect() and map the arena again"
-            )
-            raise self._lost
+            self._restarted(now)
+
+    def _restarted(self, now: str) -> NoReturn:
+        """Retire this epoch's arena views and fail every later call with PoolRestarted until reconnect()."""
+        forget_mappings(self.epoch)
+        self._arenas = {}
+        self._lost = PoolRestarted(
+            f"the pool restarted (epoch {self.epoch} -> {now}): the old arena and its blocks are gone; "
+            "call reconnect() and map the arena again"
+        )
+        raise self._lost

@@ -22,6 +22,18 @@ class CudaError(RuntimeError):
 class IpcMemHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]
 
+    def to_bytes(self) -> bytes:
+        # Not bytes(self.reserved): a c_char array reads as a C string and stops at the first zero byte.
+        return ctypes.string_at(ctypes.addressof(self), IPC_HANDLE_BYTES)
+
+    @classmethod
+    def from_bytes(cls, handle: bytes) -> IpcMemHandle:
+        if len(handle) != IPC_HANDLE_BYTES:
+            raise CudaError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
+        h = cls()
+        ctypes.memmove(ctypes.addressof(h), handle, IPC_HANDLE_BYTES)
+        return h
+
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -90,14 +102,11 @@ def mem_get_info() -> tuple[int, int]:
 def ipc_get_handle(ptr: int) -> bytes:
     handle = IpcMemHandle()
     _check(cudart().cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(ptr)), "cudaIpcGetMemHandle")
-    return bytes(handle.reserved)
+    return handle.to_bytes()
 
 
 def ipc_open(handle: bytes) -> int:
-    if len(handle) != IPC_HANDLE_BYTES:
-        raise CudaError(f"a CUDA IPC handle is {IPC_HANDLE_BYTES} bytes, got {len(handle)}")
-    h = IpcMemHandle()
-    ctypes.memmove(h.reserved, handle, IPC_HANDLE_BYTES)
+    h = IpcMemHandle.from_bytes(handle)
     ptr = ctypes.c_void_p()
     _check(
         cudart().cudaIpcOpenMemHandle(ctypes.byref(ptr), h, CUDA_IPC_MEM_LAZY_ENABLE_PEER_ACCESS),
