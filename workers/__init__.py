@@ -1,0 +1,1 @@
+"""Prefill and decode worker processes, the paged Llama model they run, and ``kvpool demo`` (docs/workers.md)."""

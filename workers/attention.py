@@ -87,9 +87,7 @@ def prefill_attention(
     query_pos = torch.arange(num_cached, total, device=q.device)
     key_pos = torch.arange(total, device=q.device)
     mask = (key_pos[None, :] <= query_pos[:, None]).repeat(g, 1)  # [G*T, S], rows ordered as _grouped's
-    out = F.scaled_dot_product_attention(
-        _grouped(q, hkv)[None], k[None], v[None], attn_mask=mask, scale=scale
-    )
+    out = F.scaled_dot_product_attention(_grouped(q, hkv)[None], k[None], v[None], attn_mask=mask, scale=scale)
     return _ungrouped(out[0], t)
 
 
@@ -118,6 +116,8 @@ def paged_decode_attention_torch(
     scores = torch.matmul(qg, k.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
     valid = torch.arange(max_len, device=q.device)[None, :] < context_lens[:, None].to(q.device)
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    # Slots past a context hold whatever the block held before (NaN, even): weight 0 must not meet them.
+    v = v.masked_fill(~valid[:, None, :, None], 0.0)
     out = torch.matmul(scores.softmax(-1), v)  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(q.dtype)
 
@@ -140,18 +140,22 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    max_context_len: int | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """One query token per sequence over its paged context; ``backend`` is ``auto``, ``triton`` or ``torch``.
 
     Shapes as in :func:`paged_decode_attention_torch`; ``block_tables`` and ``context_lens`` are int32 on the
-    cache's device. Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype.
+    cache's device. ``max_context_len``, when the caller knows it, spares the GPU path a device-to-host sync.
+    Returns ``[B, num_heads, head_dim]`` in ``q``'s dtype.
     """
     use_triton = backend == "triton" or (backend == "auto" and triton_available(q.device))
     if use_triton:
         from workers.triton_paged import paged_decode_attention_triton
 
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return paged_decode_attention_triton(
+            q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
+        )
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 

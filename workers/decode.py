@@ -1,0 +1,197 @@
+"""The decode worker: claims handed-over requests and decodes them in batches, reading KV from the arena.
+
+The loop, until ``--num-requests`` requests have finished or a stop signal (SIGINT/SIGTERM) arrives:
+
+1. Claim parked handoffs (the oldest first) while the batch has room: a blocking claim when idle, a
+   non-blocking one between steps. A claim moves the prompt's block refs to this session; the blocks are read
+   in place, nothing is copied.
+2. One step for the whole batch (:func:`workers.sequence.decode_step`): one ``alloc`` for every sequence that
+   crossed into a new block, the forward pass with paged attention through each block table (the Triton kernel
+   on CUDA), one greedy token per sequence.
+3. Finished sequences (``max_new_tokens`` reached): wait for the stream, ``free`` their blocks, print one JSON
+   line with the tokens and timings.
+
+If the pool runs out of blocks mid-step, the most recently admitted sequence is dropped (its blocks freed, an
+error line printed) so the others can go on: a decode worker must not wait on blocks only it can free.
+A stop signal stops the claiming; sequences already running are finished, then the worker exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.client import PoolClient
+from kvpool.errors import HandoffNotFound, PoolExhausted
+from workers.cli import (
+    add_model_arguments,
+    add_pool_arguments,
+    connect,
+    emit,
+    load_model,
+    setup,
+    synchronize,
+)
+from workers.model import KVCaches, LlamaModel
+from workers.request import HandoffMeta
+from workers.sequence import Sequence, decode_step
+
+
+@dataclass
+class Admitted:
+    meta: HandoffMeta
+    claimed_at: float
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        pool: PoolClient,
+        model: LlamaModel,
+        kv_caches: KVCaches,
+        block_size: int,
+        max_batch: int,
+        stop_at_eos: bool = False,
+    ) -> None:
+        self.pool = pool
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.eos = frozenset(model.config.eos_token_id) if stop_at_eos else frozenset()
+        self.running: list[Sequence] = []
+        self.admitted: dict[str, Admitted] = {}
+
+    def admit(self, limit: int, wait_s: float) -> list[dict[str, Any]]:
+        """Claim up to ``limit`` handoffs (waiting ``wait_s`` for the first); returns records of any that end
+        at once (``max_new_tokens == 1``)."""
+        records: list[dict[str, Any]] = []
+        for i in range(min(limit, self.max_batch - len(self.running))):
+            try:
+                claim = self.pool.claim(None, timeout_s=wait_s if i == 0 else 0.0)
+            except HandoffNotFound:
+                break
+            meta = HandoffMeta.from_dict(claim.meta)
+            seq = Sequence(
+                request_id=claim.request_id,
+                prompt_len=claim.num_tokens,
+                block_ids=list(claim.block_ids),
+                output=[meta.first_token],
+                max_new_tokens=meta.max_new_tokens,
+                eos_token_ids=self.eos,
+            )
+            self.admitted[seq.request_id] = Admitted(meta, time.time())
+            self.running.append(seq)
+        records += self._retire()
+        return records
+
+    def step(self) -> list[dict[str, Any]]:
+        """One token for every running sequence; records of the sequences that finished."""
+        records: list[dict[str, Any]] = []
+        while self.running:
+            try:
+                decode_step(self.model, self.kv_caches, self.running, self.pool, self.block_size)
+                break
+            except PoolExhausted as exc:
+                victim = self.running.pop()
+                self.pool.free(victim.block_ids)
+                info = self.admitted.pop(victim.request_id)
+                records.append(
+                    {
+                        "request_id": victim.request_id,
+                        "error": f"dropped, the pool is full: {exc}",
+                        "tokens": victim.output,
+                        "prompt_len": info.meta.prompt_len,
+                    }
+                )
+        return records + self._retire()
+
+    def _retire(self) -> list[dict[str, Any]]:
+        done = [s for s in self.running if s.done]
+        if not done:
+            return []
+        self.running = [s for s in self.running if not s.done]
+        synchronize(self.model.device)  # no kernel of ours still reads the blocks we are about to free
+        self.pool.free([b for s in done for b in s.block_ids])
+        now = time.time()
+        return [self._record(s, now) for s in done]
+
+    def _record(self, seq: Sequence, now: float) -> dict[str, Any]:
+        info = self.admitted.pop(seq.request_id)
+        m = info.meta
+        decoded = len(seq.output) - 1
+        decode_s = now - info.claimed_at
+        return {
+            "request_id": seq.request_id,
+            "prompt_len": m.prompt_len,
+            "tokens": seq.output,
+            "num_tokens": len(seq.output),
+            "hit_tokens": m.hit_tokens,
+            "computed_tokens": m.computed_tokens,
+            "queue_ms": round(1e3 * (info.claimed_at - m.handed_off_at), 3),
+            "decode_ms": round(1e3 * decode_s, 3),
+            "ms_per_token": round(1e3 * decode_s / decoded, 3) if decoded else None,
+            "e2e_ms": round(1e3 * (now - m.arrived_at), 3),
+        }
+
+    def close(self) -> None:
+        """Give back the blocks of sequences still running (closing the session would also release them)."""
+        if self.running:
+            synchronize(self.model.device)
+            self.pool.free([b for s in self.running for b in s.block_ids])
+            self.running.clear()
+
+
+def parse_args(argv: Seq[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvpool worker decode", description=__doc__.split("\n\n")[0])
+    add_pool_arguments(parser)
+    add_model_arguments(parser)
+    parser.add_argument("--num-requests", type=int, default=None, help="exit after this many (default: run on)")
+    parser.add_argument("--max-batch", type=int, default=32, help="sequences decoded together per step")
+    parser.add_argument("--idle-wait-s", type=float, default=0.5, help="how long one claim waits when idle")
+    parser.add_argument("--stop-at-eos", action="store_true", help="end a sequence at the model's EOS token")
+    return parser.parse_args(argv)
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    args = parse_args(argv)
+    setup(args)
+    stopping = False
+
+    def stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    finished = 0
+    with connect(args, "decode") as pool:
+        layout = pool.descriptor().layout
+        arena = pool.arena(layout)
+        model = load_model(args, layout, arena.device)
+        worker = DecodeWorker(pool, model, arena.kv_caches(), layout.block_size, args.max_batch, args.stop_at_eos)
+        try:
+            while args.num_requests is None or finished < args.num_requests:
+                if stopping and not worker.running:
+                    break
+                records: list[dict[str, Any]] = []
+                if not stopping:
+                    left = (args.num_requests - finished - len(worker.running)) if args.num_requests else 1 << 30
+                    wait = 0.0 if worker.running else args.idle_wait_s
+                    records += worker.admit(left, wait)
+                if worker.running:
+                    records += worker.step()
+                for record in records:
+                    emit(record)
+                finished += len(records)
+        finally:
+            worker.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""``kvpool demo``: the whole flow on one machine, checked against a monolithic run of the same model.
+
+It starts a pool, one prefill and one decode worker, each its own process (``python -m ...``), sends a handful of
+prompts (some sharing a prefix, one repeated), prints each request's generated tokens, prefix-cache hits and
+timings, then runs the same prompts through :func:`workers.monolithic.greedy_generate` in this process and exits
+non-zero if any token differs. With no flags it uses a tiny seeded random model and runs on the CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from kvpool.arena import resolve_backend
+from kvpool.client import http_client
+from kvpool.layout import KVLayout
+from workers.cli import TINY
+from workers.kvcache import layout_for
+from workers.model import LlamaConfig, LlamaModel
+from workers.monolithic import greedy_generate
+from workers.request import GenerationRequest
+
+SOURCE_ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env() -> dict[str, str]:
+    """The environment of the processes the demo starts: this interpreter's import path, wherever it runs from."""
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": f"{SOURCE_ROOT}{os.pathsep}{path}" if path else str(SOURCE_ROOT)}
+
+
+@dataclass
+class PoolHandle:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_pool(
+    layout: KVLayout, num_blocks: int, workdir: Path, backend: str, model_name: str, timeout_s: float = 60.0
+) -> PoolHandle:
+    """``kvpool serve`` on a Unix socket in ``workdir`` (no TCP port), ready when ``/health`` answers 200."""
+    sock = workdir / "kvpool.sock"
+    log = workdir / "pool.log"
+    args = [
+        sys.executable, "-m", "kvpool", "serve", "--socket", str(sock), "--port", "0",
+        "--num-blocks", str(num_blocks), "--num-layers", str(layout.num_layers),
+        "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
+        "--block-size", str(layout.block_size), "--dtype", layout.dtype, "--order", layout.order,
+        "--backend", backend, "--model", model_name, "--log-level", "warning",
+    ]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
+    pool = PoolHandle(proc, f"unix://{sock}", log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the pool exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
+        if sock.exists():
+            try:
+                with http_client(pool.url, None, 2.0) as http:
+                    if http.get("/health").status_code == 200:
+                        return pool
+            except (httpx.HTTPError, OSError):
+                pass  # not listening yet
+        time.sleep(0.05)
+    pool.stop()
+    raise RuntimeError(f"the pool did not become healthy in {timeout_s}s:\n{log.read_text(errors='replace')}")
+
+
+@dataclass
+class FlowResult:
+    prefill: list[dict[str, Any]]
+    decode: list[dict[str, Any]]
+    wall_s: float
+
+    def tokens(self) -> dict[str, list[int]]:
+        return {r["request_id"]: r.get("tokens", []) for r in self.decode}
+
+
+def _run(cmd: list[str], workdir: Path, name: str) -> subprocess.Popen[bytes]:
+    """Start a worker; its JSON lines go to ``<name>.out``, its log to ``<name>.log`` (files: no pipe to fill)."""
+    with (workdir / f"{name}.out").open("wb") as out, (workdir / f"{name}.log").open("wb") as err:
+        return subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env())
+
+
+def run_workers(
+    url: str,
+    model_args: Sequence[str],
+    requests: Sequence[GenerationRequest],
+    workdir: Path,
+    timeout_s: float = 120.0,
+    decode_args: Sequence[str] = (),
+) -> FlowResult:
+    """Run one prefill and one decode worker process against the pool at ``url`` over ``requests``."""
+    req_file = workdir / "requests.jsonl"
+    req_file.write_text("".join(r.to_json() + "\n" for r in requests))
+    threads = max(1, (os.cpu_count() or 2) // 2)
+    base = ["--pool", url, "--threads", str(threads), *model_args]
+    t0 = time.perf_counter()
+    decode = _run(
+        [sys.executable, "-m", "workers.decode", *base, "--num-requests", str(len(requests)), *decode_args],
+        workdir,
+        "decode",
+    )
+    prefill = _run([sys.executable, "-m", "workers.prefill", *base, "--requests", str(req_file)], workdir, "prefill")
+    try:
+        prefill.wait(timeout=timeout_s)
+        _check_exit(prefill, workdir, "prefill")  # a failed request would leave the decode waiting for it
+        decode.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        _check_exit(decode, workdir, "decode")
+    finally:
+        for proc in (prefill, decode):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    wall = time.perf_counter() - t0
+    return FlowResult(_lines(workdir / "prefill.out"), _lines(workdir / "decode.out"), wall)
+
+
+def _check_exit(proc: subprocess.Popen[bytes], workdir: Path, name: str) -> None:
+    if proc.returncode != 0:
+        out = (workdir / f"{name}.out").read_text(errors="replace")
+        log = (workdir / f"{name}.log").read_text(errors="replace")
+        raise RuntimeError(f"the {name} worker exited with {proc.returncode}:\n{out[-2000:]}{log[-4000:]}")
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def demo_prompts(vocab_size: int, block_size: int, max_new_tokens: int, seed: int = 0) -> list[GenerationRequest]:
+    """Six prompts: three share a three-block system prefix, one repeats an earlier prompt, two stand alone."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(vocab_size) for _ in range(n)]
+
+    system = toks(3 * block_size + 5)
+    prompts = [
+        system + toks(9),
+        toks(2 * block_size + 3),
+        system + toks(block_size + 1),
+        system + toks(4),
+        toks(7),
+    ]
+    prompts.append(list(prompts[1]))
+    return [GenerationRequest(f"req-{i}", p, max_new_tokens) for i, p in enumerate(prompts)]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--model", type=Path, default=None, help="local HF-format checkpoint (default: tiny random)")
+    which.add_argument("--random-model", action="store_true", help="a tiny seeded random model (the default)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["auto", "cuda", "cpu"], default="auto")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--order", choices=["layer_major", "block_major"], default="layer_major")
+    parser.add_argument("--num-blocks", type=int, default=256)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument("--json", action="store_true", help="print one JSON summary instead of the table")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    backend = resolve_backend(args.backend)
+    device = torch.device("cuda" if backend == "cuda" else "cpu")
+    if args.model is not None:
+        config = LlamaConfig.from_dir(args.model)
+        model_args = ["--model", str(args.model)]
+        name = args.model.resolve().name
+    else:
+        config = TINY
+        model_args = ["--random-model", "--seed", str(args.seed)]
+        name = f"random-tiny-seed{args.seed}"
+    layout = layout_for(config, args.block_size, args.dtype, args.order)
+    requests = demo_prompts(config.vocab_size, args.block_size, args.max_new_tokens, args.seed)
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
+    try:
+        t0 = time.perf_counter()
+        pool = start_pool(layout, args.num_blocks, workdir, backend, name)
+        pool_s = time.perf_counter() - t0
+        try:
+            flow = run_workers(pool.url, model_args, requests, workdir, args.timeout_s)
+            with http_client(pool.url, None, 5.0) as http:
+                stats = http.get("/stats").json()
+        finally:
+            pool.stop()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    dtype = getattr(torch, args.dtype)
+    model = (
+        LlamaModel.from_pretrained(args.model, device, dtype)
+        if args.model is not None
+        else LlamaModel.random(config, args.seed, device, dtype)
+    )
+    t1 = time.perf_counter()
+    expected = greedy_generate(model, [r.prompt for r in requests], args.max_new_tokens, layout)
+    mono_s = time.perf_counter() - t1
+    got = flow.tokens()
+    mismatched = [r.request_id for r, want in zip(requests, expected, strict=True) if got.get(r.request_id) != want]
+    summary = _summary(requests, flow, expected, stats, pool_s, mono_s, backend)
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        _print_table(summary)
+    if mismatched:
+        print(f"MISMATCH: disaggregated output differs from the monolithic run for {mismatched}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _summary(
+    requests: Sequence[GenerationRequest],
+    flow: FlowResult,
+    expected: list[list[int]],
+    stats: dict[str, Any],
+    pool_s: float,
+    mono_s: float,
+    backend: str,
+) -> dict[str, Any]:
+    prefill = {r["request_id"]: r for r in flow.prefill}
+    decode = {r["request_id"]: r for r in flow.decode}
+    rows = []
+    for req, want in zip(requests, expected, strict=True):
+        p, d = prefill.get(req.request_id, {}), decode.get(req.request_id, {})
+        rows.append({
+            "request_id": req.request_id,
+            "prompt_len": len(req.prompt),
+            "hit_tokens": p.get("hit_tokens"),
+            "computed_tokens": p.get("computed_tokens"),
+            "prefill_ms": p.get("forward_ms"),
+            "ms_per_token": d.get("ms_per_token"),
+            "e2e_ms": d.get("e2e_ms"),
+            "tokens": d.get("tokens"),
+            "match": d.get("tokens") == want,
+            "error": p.get("error") or d.get("error"),
+        })  # fmt: skip
+    generated = sum(len(r["tokens"] or []) for r in rows)
+    return {
+        "backend": backend,
+        "requests": rows,
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "hit_tokens": sum(r["hit_tokens"] or 0 for r in rows),
+        "computed_tokens": sum(r["computed_tokens"] or 0 for r in rows),
+        "generated_tokens": generated,
+        "pool_start_s": round(pool_s, 3),
+        "workers_wall_s": round(flow.wall_s, 3),
+        "monolithic_s": round(mono_s, 3),
+        "pool_hit_rate": stats.get("hit_rate"),
+        "blocks_in_use_after": stats.get("in_use"),
+        "all_match": all(r["match"] for r in rows),
+    }
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    print(f"kvpool demo ({s['backend']}): 1 pool + 1 prefill worker + 1 decode worker, separate processes")
+    print(f"{'request':<8} {'prompt':>6} {'hit':>4} {'computed':>8} {'prefill ms':>10} {'ms/tok':>7}  "
+          f"{'same':<4} tokens")  # fmt: skip
+    for r in s["requests"]:
+        toks = " ".join(map(str, (r["tokens"] or [])[:10])) + (" ..." if len(r["tokens"] or []) > 10 else "")
+        print(
+            f"{r['request_id']:<8} {r['prompt_len']:>6} {r['hit_tokens'] or 0:>4} {r['computed_tokens'] or 0:>8} "
+            f"{r['prefill_ms'] or 0:>10.2f} {r['ms_per_token'] or 0:>7.2f}  {'yes' if r['match'] else 'NO':<4} "
+            f"{toks}{'  ' + r['error'] if r['error'] else ''}"
+        )
+    print(
+        f"prompt tokens {s['prompt_tokens']}: {s['hit_tokens']} from the prefix cache, {s['computed_tokens']} "
+        f"computed; {s['generated_tokens']} generated"
+    )
+    print(
+        f"pool start {s['pool_start_s']:.2f} s, workers {s['workers_wall_s']:.2f} s (process start included), "
+        f"monolithic {s['monolithic_s']:.2f} s; blocks in use after: {s['blocks_in_use_after']}"
+    )
+    print("disaggregated == monolithic: " + ("yes" if s["all_match"] else "NO"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""A Llama-architecture decoder in plain torch whose attention reads and writes a paged KV cache.
+
+Why not ``transformers``: the workers must put each token's K and V into arena blocks chosen by the pool and read
+them back through a block table, which no stock cache class does; and the workers must run where only torch and
+safetensors are installed. The maths follows ``transformers``' ``LlamaForCausalLM`` step for step (RMSNorm in
+fp32, rotate-half RoPE with ``rope_theta`` and the ``linear``/``llama3`` scalings, grouped-query attention,
+SwiGLU), so greedy tokens match it in fp32; ``tests/workers`` checks that.
+
+Weights come from a local Hugging Face-format directory (``config.json`` and ``*.safetensors``, sharded or not),
+or are drawn from a seeded generator. Nothing is downloaded.
+
+The cache is passed in as ``kv_caches``: per layer a ``(K, V)`` pair shaped ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, the arena's own views or a private cache with the same geometry
+(:func:`workers.kvcache.private_kv_caches`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from workers.attention import paged_decode_attention, prefill_attention, write_kv
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class LlamaConfig:
+    """The fields of a Hugging Face ``LlamaConfig`` that the forward pass uses."""
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads, as in transformers
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if not self.head_dim:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
+        """Read a ``config.json`` of either transformers 4 (``rope_theta``) or 5 (``rope_parameters``)."""
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported: Llama uses 'silu'")
+        if raw.get("pretraining_tp", 1) != 1:
+            raise ValueError("pretraining_tp > 1 checkpoints are not supported")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in raw.items() if k in known and v is not None}
+        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+        if "rope_theta" in rope:
+            values["rope_theta"] = rope.pop("rope_theta")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        values["rope_scaling"] = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        eos = raw.get("eos_token_id")
+        values["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        values["torch_dtype"] = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        return cls(**values)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> LlamaConfig:
+        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies of rotate-half RoPE, fp32, with the ``linear`` and ``llama3`` scalings."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the statistics in fp32 and the product in the weight's dtype, as transformers does."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer; q/k/v and gate/up are fused so each is one matmul."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class AttentionBatch:
+    """Where the forward pass writes this step's K/V and how it attends.
+
+    ``slot_blocks``/``slot_offsets`` ([N] on the device) name the cache slot of each input token. Prefill
+    (``block_table`` of one sequence, ``num_cached`` tokens already in it) and decode (``block_tables``
+    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields.
+    """
+
+    slot_blocks: torch.Tensor
+    slot_offsets: torch.Tensor
+    block_table: torch.Tensor | None = None
+    num_cached: int = 0
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    max_context_len: int = 0
+
+    @classmethod
+    def prefill(
+        cls, block_table: Sequence[int], num_cached: int, num_new: int, block_size: int, device: torch.device
+    ) -> AttentionBatch:
+        table = torch.tensor(block_table, dtype=torch.long)
+        pos = torch.arange(num_cached, num_cached + num_new)
+        return cls(
+            slot_blocks=table[pos // block_size].to(device),
+            slot_offsets=(pos % block_size).to(device),
+            block_table=table.to(device),
+            num_cached=num_cached,
+        )
+
+    @classmethod
+    def decode(
+        cls, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int, device: torch.device
+    ) -> AttentionBatch:
+        """One new token per sequence at ``positions[i]``; its K/V go into that sequence's table too."""
+        width = max(len(t) for t in block_tables)
+        padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        rows = torch.arange(len(positions))
+        return cls(
+            slot_blocks=padded[rows, pos // block_size].long().to(device),
+            slot_offsets=(pos % block_size).to(device),
+            block_tables=padded.to(device),
+            context_lens=(pos + 1).to(torch.int32).to(device),
+            max_context_len=max(positions) + 1,
+        )
+
+
+class LlamaModel:
+    """Weights plus a forward pass over a paged cache. Not an ``nn.Module``: inference only, no autograd."""
+
+    def __init__(
+        self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: str | torch.device, dtype: torch.dtype
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def take(name: str) -> torch.Tensor:
+            return tensors[name].to(device=self.device, dtype=dtype)
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return take(name) if name in tensors else None
+
+        def fused(*names: str) -> torch.Tensor | None:
+            parts = [maybe(n) for n in names]
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise ValueError(f"checkpoint has only some of {names}")
+            return torch.cat(parts, 0)  # type: ignore[arg-type]
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        lm_head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = self.embed if lm_head == "model.embed_tokens.weight" else take(lm_head)
+        self.layers: list[LayerWeights] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            a, m = p + "self_attn.", p + "mlp."
+            self.layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight"),
+                    qkv=fused(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),  # type: ignore[arg-type]
+                    qkv_bias=fused(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                    o=take(a + "o_proj.weight"),
+                    o_bias=maybe(a + "o_proj.bias"),
+                    post_norm=take(p + "post_attention_layernorm.weight"),
+                    gate_up=fused(m + "gate_proj.weight", m + "up_proj.weight"),  # type: ignore[arg-type]
+                    gate_up_bias=fused(m + "gate_proj.bias", m + "up_proj.bias"),
+                    down=take(m + "down_proj.weight"),
+                    down_bias=maybe(m + "down_proj.bias"),
+                )
+            )
+        self.inv_freq = rope_inv_freq(config).to(self.device)
+        self.scale = config.head_dim**-0.5
+
+    # construction ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> LlamaModel:
+        """Load a local Hugging Face-format checkpoint; ``dtype`` defaults to the checkpoint's."""
+        from workers.checkpoint import load_safetensors
+
+        config = LlamaConfig.from_dir(path)
+        dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)
+        return cls(config, load_safetensors(path), device, dtype)
+
+    @classmethod
+    def random(
+        cls,
+        config: LlamaConfig,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> LlamaModel:
+        """Seeded random weights, the same on every device (drawn on the CPU in fp32, then moved).
+
+        Projections are drawn with std ``fan_in ** -0.5`` (not transformers' 0.02) so that logits are spread
+        out: greedy tokens then do not hinge on rounding, and runs that differ only in kernels agree.
+        """
+        gen = torch.Generator().manual_seed(seed)
+
+        def normal(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+
+        c = config
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        t: dict[str, torch.Tensor] = {
+            "model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=gen),
+            "model.norm.weight": torch.ones(c.hidden_size),
+        }
+        if not c.tie_word_embeddings:
+            t["lm_head.weight"] = normal(c.vocab_size, c.hidden_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            t[p + "input_layernorm.weight"] = torch.ones(c.hidden_size)
+            t[p + "post_attention_layernorm.weight"] = torch.ones(c.hidden_size)
+            t[p + "self_attn.q_proj.weight"] = normal(hq * d, c.hidden_size)
+            t[p + "self_attn.k_proj.weight"] = normal(hkv * d, c.hidden_size)
+            t[p + "self_attn.v_proj.weight"] = normal(hkv * d, c.hidden_size)
+            t[p + "self_attn.o_proj.weight"] = normal(c.hidden_size, hq * d)
+            t[p + "mlp.gate_proj.weight"] = normal(c.intermediate_size, c.hidden_size)
+            t[p + "mlp.up_proj.weight"] = normal(c.intermediate_size, c.hidden_size)
+            t[p + "mlp.down_proj.weight"] = normal(c.hidden_size, c.intermediate_size)
+        return cls(config, t, device, dtype)
+
+    # forward ---------------------------------------------------------------------------------------------
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
+    ) -> torch.Tensor:
+        if batch.block_tables is not None:
+            assert batch.context_lens is not None
+            return paged_decode_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale,
+                max_context_len=batch.max_context_len,
+            )  # fmt: skip
+        assert batch.block_table is not None
+        return prefill_attention(q, k_cache, v_cache, batch.block_table, batch.num_cached, self.scale)
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """Final hidden states ``[N, hidden]`` of ``N`` tokens; writes their K/V into ``kv_caches``."""
+        c = self.config
+        n = input_ids.shape[0]
+        hq, hkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        cos, sin = self._rope(positions)
+        h = self.embed[input_ids]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            q, k, v = F.linear(x, layer.qkv, layer.qkv_bias).split([hq * d, hkv * d, hkv * d], dim=-1)
+            q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            write_kv(k_cache, v_cache, k, v, batch.slot_blocks, batch.slot_offsets)
+            o = self._attend(q, k_cache, v_cache, batch)
+            h = h + F.linear(o.reshape(n, hq * d), layer.o, layer.o_bias)
+            x = rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return rms_norm(h, self.norm, c.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given hidden states (only those that are sampled from, to spare the vocab matmul)."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def prefill(
+        self, token_ids: Sequence[int], block_table: Sequence[int], num_cached: int, kv_caches: KVCaches
+    ) -> torch.Tensor:
+        """Run the tokens after the first ``num_cached`` (whose K/V are already in ``block_table``'s blocks).
+
+        Returns the fp32 logits ``[vocab]`` of the last token. ``block_table`` must cover ``len(token_ids)``.
+        """
+        new = list(token_ids[num_cached:])
+        if not new:
+            raise ValueError("prefill needs at least one token to compute")
+        bs = kv_caches[0][0].shape[1]
+        if len(block_table) * bs < len(token_ids):
+            raise ValueError(f"{len(block_table)} blocks of {bs} cannot hold {len(token_ids)} tokens")
+        batch = AttentionBatch.prefill(block_table, num_cached, len(new), bs, self.device)
+        ids = torch.tensor(new, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_cached, num_cached + len(new), device=self.device)
+        hidden = self.forward(ids, positions, kv_caches, batch)
+        return self.logits(hidden[-1:])[0]
+
+    def decode(
+        self,
+        token_ids: Sequence[int],
+        positions: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        kv_caches: KVCaches,
+    ) -> torch.Tensor:
+        """One step for a batch: token ``i`` sits at ``positions[i]`` of sequence ``i``. Returns [B, vocab] fp32."""
+        bs = kv_caches[0][0].shape[1]
+        batch = AttentionBatch.decode(block_tables, positions, bs, self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.logits(self.forward(ids, pos, kv_caches, batch))

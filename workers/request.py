@@ -1,0 +1,71 @@
+"""The JSON-lines requests a prefill worker reads, and the metadata a handoff carries to the decode side.
+
+A request is ``{"request_id": str, "prompt": [int], "max_new_tokens": int}``; the prompt is token ids (the
+workers have no tokenizer: tokenizing is the serving front end's job). A handoff's ``meta`` is the small JSON the
+pool parks beside the block ids, everything the decode worker needs to go on without asking the prefill.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import IO, Any
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int = 16
+
+    @classmethod
+    def from_json(cls, line: str) -> GenerationRequest:
+        data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError("a request is a JSON object")
+        req = cls(
+            request_id=str(data["request_id"]),
+            prompt=[int(t) for t in data["prompt"]],
+            max_new_tokens=int(data.get("max_new_tokens", 16)),
+        )
+        if not req.prompt:
+            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        if req.max_new_tokens < 1:
+            raise ValueError(f"request {req.request_id!r}: max_new_tokens must be at least 1")
+        return req
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+
+def read_requests(stream: IO[str]) -> Iterator[GenerationRequest]:
+    """Requests from a JSON-lines stream; blank lines are skipped."""
+    for line in stream:
+        if line.strip():
+            yield GenerationRequest.from_json(line)
+
+
+@dataclass(frozen=True)
+class HandoffMeta:
+    """What the prefill tells the decode side besides the block ids.
+
+    ``first_token`` was sampled from the prompt's last logits; ``arrived_at``/``handed_off_at`` are wall-clock
+    seconds (``time.time()``: both workers run on one node, so their clocks agree) for end-to-end timings.
+    """
+
+    prompt_len: int
+    first_token: int
+    max_new_tokens: int
+    arrived_at: float
+    handed_off_at: float
+    computed_tokens: int
+    hit_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HandoffMeta:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

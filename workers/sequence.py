@@ -1,0 +1,81 @@
+"""A sequence being decoded, and one batched greedy decode step over many of them.
+
+The decode worker and the monolithic generator both step sequences with :func:`decode_step`, so the two runs
+that the demo compares differ only in where blocks come from (the pool, or a private list) and in whether the
+prompt's KV was computed in this process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from workers.model import KVCaches, LlamaModel
+
+
+class BlockSource(Protocol):
+    """Where blocks come from: :class:`kvpool.client.PoolClient` or :class:`workers.monolithic.LocalBlocks`."""
+
+    def alloc(self, num_blocks: int) -> list[int]: ...
+
+    def free(self, block_ids: list[int]) -> object: ...
+
+
+@dataclass
+class Sequence:
+    """A request on the decode side.
+
+    ``num_cached`` tokens have their K/V in ``block_ids``; ``output[-1]`` is the next token to feed, at position
+    ``num_cached``. ``output[0]`` is the token sampled from the prompt's last logits (by the prefill).
+    """
+
+    request_id: str
+    prompt_len: int
+    block_ids: list[int]
+    output: list[int]
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+    @property
+    def num_cached(self) -> int:
+        return self.prompt_len + len(self.output) - 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens or (
+            bool(self.eos_token_ids) and self.output[-1] in self.eos_token_ids
+        )
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def grow(seqs: Seq[Sequence], blocks: BlockSource, block_size: int) -> None:
+    """Give every sequence a block for the token it is about to write, with one ``alloc`` for the batch."""
+    short = [s for s in seqs if blocks_needed(s.num_cached + 1, block_size) > len(s.block_ids)]
+    if not short:
+        return
+    fresh = blocks.alloc(len(short))
+    for s, block in zip(short, fresh, strict=True):
+        s.block_ids.append(block)
+
+
+def decode_step(
+    model: LlamaModel, kv_caches: KVCaches, seqs: Seq[Sequence], blocks: BlockSource, block_size: int
+) -> None:
+    """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync)."""
+    grow(seqs, blocks, block_size)
+    logits = model.decode(
+        [s.output[-1] for s in seqs], [s.num_cached for s in seqs], [s.block_ids for s in seqs], kv_caches
+    )
+    for s, token in zip(seqs, greedy(logits), strict=True):
+        s.output.append(token)
+
+
+def greedy(logits: torch.Tensor) -> list[int]:
+    """Argmax per row; ``.tolist()`` is the one point where the host waits for the step's kernels."""
+    return logits.argmax(-1).tolist()
