@@ -52,6 +52,9 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
         "--pool", default=None, help="pool URL: unix:///path/kvpool.sock or http://127.0.0.1:8470 [env KVPOOL_URL]"
     )
     parser.add_argument("--name", default=None, help="session name shown in the pool's stats")
+    parser.add_argument(
+        "--device", type=int, default=None, help="the GPU whose arena to use, as the pool names it (default: its first)"
+    )
     parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice, all cores)"

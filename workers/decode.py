@@ -25,7 +25,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.client import PoolClient
+from kvpool.client import DeviceSession
 from kvpool.errors import HandoffNotFound, PoolExhausted
 from workers.cli import (
     add_model_arguments,
@@ -50,7 +50,7 @@ class Admitted:
 class DecodeWorker:
     def __init__(
         self,
-        pool: PoolClient,
+        pool: DeviceSession,
         model: LlamaModel,
         kv_caches: KVCaches,
         block_size: int,
@@ -171,9 +171,10 @@ def main(argv: Seq[str] | None = None) -> int:
     finished = 0
     with connect(args, "decode") as pool:
         layout = pool.descriptor().layout
-        arena = pool.arena(layout)
+        blocks = DeviceSession(pool, args.device, layout)
+        arena = blocks.arena
         model = load_model(args, layout, arena.device)
-        worker = DecodeWorker(pool, model, arena.kv_caches(), layout.block_size, args.max_batch, args.stop_at_eos)
+        worker = DecodeWorker(blocks, model, arena.kv_caches(), layout.block_size, args.max_batch, args.stop_at_eos)
         try:
             while args.num_requests is None or finished < args.num_requests:
                 if stopping and not worker.running:

@@ -61,7 +61,13 @@ class PoolHandle:
 
 
 def start_pool(
-    layout: KVLayout, num_blocks: int, workdir: Path, backend: str, model_name: str, timeout_s: float = 60.0
+    layout: KVLayout,
+    num_blocks: int,
+    workdir: Path,
+    backend: str,
+    model_name: str,
+    timeout_s: float = 60.0,
+    extra: Sequence[str] = (),
 ) -> PoolHandle:
     """``kvpool serve`` on a Unix socket in ``workdir`` (no TCP port), ready when ``/health`` answers 200."""
     sock = workdir / "kvpool.sock"
@@ -71,7 +77,7 @@ def start_pool(
         "--num-blocks", str(num_blocks), "--num-layers", str(layout.num_layers),
         "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
         "--block-size", str(layout.block_size), "--dtype", layout.dtype, "--order", layout.order,
-        "--backend", backend, "--model", model_name, "--log-level", "warning",
+        "--backend", backend, "--model", model_name, "--log-level", "warning", *extra,
     ]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
@@ -115,6 +121,7 @@ def run_workers(
     workdir: Path,
     timeout_s: float = 120.0,
     decode_args: Sequence[str] = (),
+    prefill_args: Sequence[str] = (),
 ) -> FlowResult:
     """Run one prefill and one decode worker process against the pool at ``url`` over ``requests``."""
     req_file = workdir / "requests.jsonl"
@@ -127,7 +134,9 @@ def run_workers(
         workdir,
         "decode",
     )
-    prefill = _run([sys.executable, "-m", "workers.prefill", *base, "--requests", str(req_file)], workdir, "prefill")
+    prefill = _run(
+        [sys.executable, "-m", "workers.prefill", *base, "--requests", str(req_file), *prefill_args], workdir, "prefill"
+    )
     try:
         prefill.wait(timeout=timeout_s)
         _check_exit(prefill, workdir, "prefill")  # a failed request would leave the decode waiting for it
@@ -185,6 +194,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--timeout-s", type=float, default=120.0)
+    parser.add_argument(
+        "--devices",
+        default=None,
+        metavar="P,D",
+        help="prefill on device P, decode on device D, one pool arena each (KV moves between them by block ids)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON summary instead of the table")
     return parser.parse_args(argv)
 
@@ -207,10 +222,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
     try:
         t0 = time.perf_counter()
-        pool = start_pool(layout, args.num_blocks, workdir, backend, name)
+        placement: dict[str, list[str]] = {"extra": [], "prefill_args": [], "decode_args": []}
+        if args.devices:
+            p_dev, d_dev = args.devices.split(",")
+            placement = {
+                "extra": ["--devices", args.devices],
+                "prefill_args": ["--device", p_dev],
+                "decode_args": ["--device", d_dev],
+            }
+        pool = start_pool(layout, args.num_blocks, workdir, backend, name, extra=placement["extra"])
         pool_s = time.perf_counter() - t0
         try:
-            flow = run_workers(pool.url, model_args, requests, workdir, args.timeout_s)
+            flow = run_workers(
+                pool.url,
+                model_args,
+                requests,
+                workdir,
+                args.timeout_s,
+                decode_args=placement["decode_args"],
+                prefill_args=placement["prefill_args"],
+            )
             with http_client(pool.url, None, 5.0) as http:
                 stats = http.get("/stats").json()
         finally:

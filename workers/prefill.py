@@ -23,7 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvpool.client import PoolClient
+from kvpool.client import DeviceSession
 from kvpool.errors import KvpoolError, PoolExhausted
 from workers.cli import (
     add_model_arguments,
@@ -39,7 +39,7 @@ from workers.request import GenerationRequest, HandoffMeta
 from workers.sequence import blocks_needed, greedy
 
 
-def alloc_waiting(pool: PoolClient, num_blocks: int, timeout_s: float) -> list[int]:
+def alloc_waiting(pool: DeviceSession, num_blocks: int, timeout_s: float) -> list[int]:
     """``alloc``, retried with backoff while the pool is exhausted: decode frees blocks as requests end."""
     deadline = time.monotonic() + timeout_s
     delay = 0.002
@@ -57,7 +57,7 @@ class PrefillWorker:
     """Runs requests one at a time against one pool session and one mapped arena."""
 
     def __init__(
-        self, pool: PoolClient, model: LlamaModel, kv_caches: KVCaches, block_size: int, alloc_timeout_s: float
+        self, pool: DeviceSession, model: LlamaModel, kv_caches: KVCaches, block_size: int, alloc_timeout_s: float
     ) -> None:
         self.pool = pool
         self.model = model
@@ -126,9 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     failures = 0
     with connect(args, "prefill") as pool:
         layout = pool.descriptor().layout
-        arena = pool.arena(layout)
+        blocks = DeviceSession(pool, args.device, layout)
+        arena = blocks.arena
         model = load_model(args, layout, arena.device)
-        worker = PrefillWorker(pool, model, arena.kv_caches(), layout.block_size, args.alloc_timeout_s)
+        worker = PrefillWorker(blocks, model, arena.kv_caches(), layout.block_size, args.alloc_timeout_s)
         for line in stream:
             if not line.strip():
                 continue
