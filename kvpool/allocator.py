@@ -154,16 +154,21 @@ class BlockAllocator:
         if src == dst or not ids:
             return
         held = self._holders[src]
-        target = self._holders.setdefault(dst, {})
         for block in ids:
             left = held[block] - 1
             if left:
                 held[block] = left
             else:
                 del held[block]
-            target[block] = target.get(block, 0) + 1
         if not held:
             del self._holders[src]
+        target = self._holders.get(dst)
+        if target is None and len(set(ids)) == len(ids):
+            self._holders[dst] = dict.fromkeys(ids, 1)  # a new holder (a handoff): its refs in one go
+            return
+        target = self._holders.setdefault(dst, {})
+        for block in ids:
+            target[block] = target.get(block, 0) + 1
 
     def release_holder(self, holder: str) -> int:
         """Drop every ref ``holder`` holds (a closed or crashed session); return blocks that reached ref 0."""
@@ -174,32 +179,40 @@ class BlockAllocator:
         ids = [block for block, count in held.items() for _ in range(count)]
         return self.free(holder, ids)
 
-    def mark_committed(self, block: int) -> None:
-        """Flag an in-use block as holding findable KV: at ref 0 it will be cached, not freed."""
-        self._check_range([block])
-        if self.ref_cnt[block] == 0:
-            raise InvalidRequest(f"block {block} is not in use: commit blocks while holding a ref on them")
-        self.committed[block] = True
+    def mark_committed(self, blocks: Sequence[int]) -> None:
+        """Flag in-use blocks as holding findable KV: at ref 0 they will be cached, not freed."""
+        self._check_range(blocks)
+        idle = [b for b in blocks if self.ref_cnt[b] == 0]
+        if idle:
+            raise InvalidRequest(f"blocks {idle[:8]} are not in use: commit blocks while holding a ref on them")
+        committed = self.committed
+        for block in blocks:
+            committed[block] = True
 
     # -- validation -----------------------------------------------------------------------------------
 
     def _check_range(self, ids: Iterable[int]) -> None:
         n = self.num_blocks
+        ids = ids if isinstance(ids, list | tuple) else list(ids)
+        if not ids or (min(ids) >= 0 and max(ids) < n):
+            return
         bad = [b for b in ids if not 0 <= b < n]
         if bad:
             raise InvalidRequest(f"block ids out of range [0, {n}): {bad[:8]}")
 
-    def check_held(self, holder: str, ids: Sequence[int]) -> Counter[int]:
+    def check_held(self, holder: str, ids: Sequence[int]) -> None:
+        """Raise unless ``holder`` holds at least as many refs on each block as ``ids`` lists it."""
         self._check_range(ids)
         held = self._holders.get(holder, {})
-        wanted = Counter(ids)
-        missing = [b for b, count in wanted.items() if held.get(b, 0) < count]
+        if len(set(ids)) == len(ids):  # the usual case, without counting
+            missing = [b for b in ids if b not in held]
+        else:
+            missing = [b for b, count in Counter(ids).items() if held.get(b, 0) < count]
         if missing:
             raise NotOwner(
                 f"the session holds no reference on blocks {sorted(missing)[:8]} (never allocated by it, "
                 "already freed, or listed more times than it holds them)"
             )
-        return wanted
 
     def check(self) -> None:
         """Assert every invariant; the tests call this after each step."""

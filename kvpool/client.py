@@ -79,10 +79,12 @@ def raise_for(status: int, body: bytes) -> None:
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=15)
+    # No TLS on a Unix socket or plain http: skip building an SSL context (tens of ms per client).
+    verify = url.startswith("https://")
     if url.startswith("unix://"):
-        transport = httpx.HTTPTransport(uds=url[len("unix://") :], limits=limits)
+        transport = httpx.HTTPTransport(uds=url[len("unix://") :], limits=limits, verify=False)
         return httpx.Client(transport=transport, base_url="http://kvpool", headers=headers, timeout=timeout_s)
-    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s, limits=limits)
+    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s, limits=limits, verify=verify)
 
 
 class PoolClient:
@@ -123,6 +125,7 @@ class PoolClient:
         self._arenas: dict[int | None, Arena] = {}
         self._closed = False
         self._lost: KvpoolError | None = None
+        self._session_lock = threading.Lock()  # orders reconnect() against the heartbeat marking a session lost
         self._open_session()
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -145,14 +148,20 @@ class PoolClient:
         while not self._stop.wait(self.lease_ttl_s / 3):
             if self._lost is not None:  # already known lost: wait for reconnect() instead of warning every beat
                 continue
+            session_id = self.session_id
             try:
-                self._http_call("POST", f"/sessions/{self.session_id}/heartbeat", None, SessionInfo)
+                self._http_call("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
             except UnknownSession as exc:
-                try:
-                    self._check_epoch()
-                    self._lost = exc
-                except PoolRestarted as restarted:
-                    self._lost = restarted
+                # Under the lock that reconnect() takes: a beat for the old session that comes back after
+                # reconnect() opened a new one must not mark the new one lost.
+                with self._session_lock:
+                    if self.session_id != session_id:
+                        continue
+                    try:
+                        self._check_epoch()
+                        self._lost = exc
+                    except PoolRestarted as restarted:
+                        self._lost = restarted
                 log.warning("kvpool session lost: %s", self._lost)
             except (KvpoolError, httpx.HTTPError) as exc:
                 log.warning("kvpool heartbeat failed: %s", exc)
@@ -163,13 +172,14 @@ class PoolClient:
         If the pool restarted, the old arena's views are invalidated here too, even when no call noticed the
         restart first: they point at memory the new pool does not manage.
         """
-        old_epoch = self.epoch
-        self._close_conns()
-        self._arenas = {}
-        self._lost = None
-        self._open_session()
-        if self.epoch != old_epoch:
-            forget_mappings(old_epoch)
+        with self._session_lock:
+            old_epoch = self.epoch
+            self._close_conns()
+            self._arenas = {}
+            self._lost = None
+            self._open_session()
+            if self.epoch != old_epoch:
+                forget_mappings(old_epoch)
 
     def close(self) -> None:
         if self._closed:

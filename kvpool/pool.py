@@ -204,9 +204,8 @@ class Pool:
         if len(arenas) > 1:
             raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
         new = self.index.plan(self.hashers[arenas.pop()].blocks(token_ids), blocks)
+        self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
-        for node in new:
-            self.allocator.mark_committed(node.block)
         c = self.counters
         c.commit_requests += 1
         c.committed_blocks += len(new)

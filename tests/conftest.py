@@ -37,6 +37,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this repo first on PYTHONPATH, anything already there kept."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -89,7 +95,7 @@ def start_pool(*flags: str, env: dict[str, str] | None = None, timeout_s: float 
     sock, port, log = workdir / "kvpool.sock", free_port(), workdir / "pool.log"
     args = [sys.executable, "-m", "kvpool", "serve", "--socket", str(sock), "--port", str(port)]
     args += ["--backend", "cpu", "--log-level", "warning", *flags]
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = child_env(**(env or {}))
     with log.open("wb") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
     pool = PoolProcess(proc, sock, port, log, args)

@@ -27,8 +27,7 @@ def test_committed_blocks_are_cached_at_ref_zero_and_evicted_lru_tail_first():
     evicted: list[int] = []
     a._on_evict = evicted.append
     ids = a.allocate("s", 4)
-    for b in ids:
-        a.mark_committed(b)
+    a.mark_committed(ids)
     a.free("s", ids)
     assert books(a) == (0, 0, 4)
     # freed in reverse: the chain's tail (3) is least recent and goes first
@@ -40,8 +39,7 @@ def test_committed_blocks_are_cached_at_ref_zero_and_evicted_lru_tail_first():
 def test_referenced_blocks_are_never_evicted():
     a = BlockAllocator(3)
     ids = a.allocate("s", 3)
-    for b in ids:
-        a.mark_committed(b)
+    a.mark_committed(ids)
     a.free("s", ids[1:])
     a.acquire("u", [2])
     assert a.allocate("t", 1) == [1]
@@ -79,7 +77,7 @@ def test_partitions_allocate_from_their_own_range_and_cache():
     with pytest.raises(PoolExhausted, match="on arena 1"):
         a.allocate("s", 1, partition=1)
     assert a.allocate("s", 3, partition=0) == [0, 1, 2]
-    a.mark_committed(4)
+    a.mark_committed([4])
     a.free("s", [3, 4])
     assert a.counts(1) == (1, 0, 1) and a.counts(0) == (0, 3, 0)
     with pytest.raises(InvalidRequest, match="no arena 2"):
@@ -129,8 +127,7 @@ def test_invariants_hold_under_any_sequence(seq, sizes):
             elif op == "free":
                 a.free(holder, pick)
             elif op == "commit":
-                for b in set(pick):
-                    a.mark_committed(b)
+                a.mark_committed(sorted(set(pick)))
             elif op == "acquire":
                 a.acquire(holder, [b for b in range(n) if a.ref_cnt[b] > 0 or a.committed[b]][:k])
             elif op == "transfer":

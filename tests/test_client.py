@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -13,13 +12,13 @@ import pytest
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, LayoutMismatch, NotOwner
 from kvpool.layout import KVLayout
-from tests.conftest import ROOT
+from tests.conftest import child_env
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
 
 def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     return subprocess.run(
         [sys.executable, "-m", "tests.pattern_worker", *args], capture_output=True, text=True, env=env, timeout=120
     )

@@ -61,16 +61,15 @@ def test_move_copies_every_layer_of_the_blocks_to_the_other_arena(two_arenas):
 def test_prefill_on_one_arena_and_decode_on_another_give_the_monolithic_tokens():
     """The demo's check, across arenas: the decode claims blocks of arena 0 and moves them into arena 1."""
     import json
-    import os
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, child_env
 
     run = subprocess.run(
         [sys.executable, "-m", "workers.demo", "--backend", "cpu", "--devices", "0,1", "--max-new-tokens", "6",
          "--json"],
-        capture_output=True, text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        capture_output=True, text=True, timeout=240, env=child_env(), cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])

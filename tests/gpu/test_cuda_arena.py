@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import os
 import subprocess
 import sys
 
@@ -11,7 +10,7 @@ import pytest
 import torch
 
 from kvpool.client import PoolClient
-from tests.conftest import ROOT, start_pool
+from tests.conftest import child_env, start_pool
 from tests.test_client import run_worker
 
 pytestmark = pytest.mark.gpu
@@ -45,7 +44,7 @@ def test_two_processes_alias_one_allocation_both_ways(cuda_pool):
         assert arena.device.type == "cuda" and arena.raw.numel() == desc.nbytes
         peer = subprocess.Popen(
             [sys.executable, "-m", "tests.gpu.alias_worker", cuda_pool.url],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=child_env(),
         )  # fmt: skip
         try:
             assert peer.stdout is not None and peer.stdin is not None

@@ -48,15 +48,14 @@ def test_each_arena_lives_on_its_gpu_and_moves_keep_every_byte(gpu_pair_pool):
 def test_prefill_on_gpu0_and_decode_on_gpu1_match_a_single_gpu_run(dtype):
     """`kvpool demo --devices 0,1`: exits non-zero unless every request's tokens equal the monolithic run's."""
     import json
-    import os
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, child_env
 
     run = subprocess.run(
         [sys.executable, "-m", "workers.demo", "--backend", "cuda", "--devices", "0,1", "--dtype", dtype, "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     summary = json.loads(run.stdout.strip().splitlines()[-1])

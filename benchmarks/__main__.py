@@ -1,0 +1,70 @@
+"""``python -m benchmarks SUITE [options]`` (and ``kvpool bench SUITE``): run one benchmark suite.
+
+Each suite measures kvpool side by side with what users would do instead, in the same run, prints a result block
+and writes JSON and a PNG into ``--out``. ``python -m benchmarks SUITE --help`` lists a suite's options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+
+from benchmarks import harness
+
+SUITES: dict[str, tuple[str, str]] = {
+    "control-plane": ("benchmarks.control_plane", "/alloc+/free latency and throughput against the framework's floor"),
+    "handoff": ("benchmarks.handoff", "prefill -> decode KV handoff against torch.multiprocessing and copies"),
+    "attach": ("benchmarks.attach", "a new process opening arenas of growing size"),
+    "e2e": ("benchmarks.e2e", "prefill and decode workers through the pool against one monolithic worker"),
+    "prefix": ("benchmarks.prefix", "prefix lookup and commit of a 32k-token prompt, in process and through the pool"),
+    "copy": ("benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
+}
+# Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
+DELEGATED: dict[str, tuple[str, str]] = {"soak": ("benchmarks.soak", "long-running load on a pool")}
+
+
+def available() -> dict[str, tuple[str, str]]:
+    delegated = {k: v for k, v in DELEGATED.items() if importlib.util.find_spec(v[0]) is not None}
+    return {**SUITES, **delegated}
+
+
+def suite_parser(name: str) -> argparse.ArgumentParser:
+    """The parser of one suite: the common options, then the suite's own (imported only when asked for)."""
+    module = importlib.import_module(SUITES[name][0])
+    parser = argparse.ArgumentParser(
+        prog=f"kvpool bench {name}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    harness.add_common_arguments(parser)
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run)
+    return parser
+
+
+def usage() -> str:
+    lines = [(__doc__ or "").strip(), "", "suites:"]
+    lines += [f"  {name:<15}{help_text}" for name, (_, help_text) in available().items()]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    suites = available()
+    if not argv or argv[0] in {"-h", "--help"}:
+        print(usage())
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in suites:
+        print(f"kvpool bench: unknown suite {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    if name in DELEGATED:
+        return int(importlib.import_module(DELEGATED[name][0]).main(rest) or 0)
+    args = suite_parser(name).parse_args(rest)
+    harness.ARGV[:] = argv
+    return int(args.run(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

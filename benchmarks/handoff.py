@@ -1,0 +1,474 @@
+"""handoff: prefill -> decode KV handoff through the pool, against what users do instead, in the same run.
+
+Two real processes (a producer standing for the prefill, a consumer for the decode) and a real pool. For each KV
+size the variants run interleaved, round by round:
+
+  pool-fast   the consumer has ``claim(request_id, timeout_s)`` pending on the fast channel (PoolClient's default);
+              the producer calls ``handoff``; done when the claim returned and the block table is built as a tensor
+              on the arena's device (and, on CUDA, the stream synchronized): the consumer then holds usable views
+              of the KV, since the arena's per-layer views were mapped once, at start
+  pool-http   the same through HTTP (PoolClient(fast=False)), to show what the fast channel saves
+  mp-queue    the KV as 64 per-layer tensors (32 layers x K, V), fresh per request, put on a torch.multiprocessing
+              Queue (CUDA IPC per tensor on GPU, shared memory on CPU); done when the consumer got them all and
+              synchronized
+  copy        ``copy_`` of the same bytes into 64 fresh tensors on the same device, synchronized (device to device
+              on GPU; a memory copy on CPU): the cost of moving the KV once
+  pinned      (GPU only) device -> pinned host -> device through preallocated pinned buffers
+
+The pool and mp-queue timings cross processes on one clock: ``time.perf_counter_ns`` is CLOCK_MONOTONIC, the same
+in every process on Linux. A KV of S bytes takes ceil(S / block bytes) arena blocks (default layout: 32 layers,
+8 KV heads, head dim 128, fp16, 16 tokens a block = 2 MiB blocks); every tensor variant moves exactly S bytes.
+After each trial the consumer checks a marker the producer wrote, outside the timed span.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import time
+import uuid
+from typing import Any
+
+from benchmarks import harness
+
+NUM_TENSORS_PER_LAYER = 2
+TARGET_FLAT = 1.5
+TARGET_VS_COPY = 10.0
+TARGET_VS_MP = 50.0
+PARTS = ("handoff_call", "claim_returned", "table")
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sizes",
+        type=harness.size_list,
+        default=None,
+        help="KV bytes per request [GPU 1MiB,16MiB,256MiB,1GiB,4GiB,8GiB; CPU 1MiB,16MiB,256MiB]",
+    )
+    parser.add_argument(
+        "--max-bytes",
+        type=harness.parse_size,
+        default=None,
+        help="drop sizes above this [GPU 8GiB, CPU 256MiB; at most 1GiB makes sense on CPU]",
+    )
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--claim-lead-ms",
+        type=float,
+        default=5.0,
+        help="how long the consumer's claim is pending before the producer hands off [5]",
+    )
+
+
+# -- the two processes -------------------------------------------------------------------------------------------
+
+
+class _Actor:
+    """State of the producer or the consumer process: its pool clients, its mapping of the arena, its tensors."""
+
+    def __init__(self, role: str, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+        import torch
+        import torch.multiprocessing  # registers the tensor reductions that the queue variant pickles with
+
+        from kvpool.client import PoolClient
+
+        self.torch = torch
+        self.dev = torch.device(device)
+        self.cuda = self.dev.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(self.dev)
+            torch.empty(1, device=self.dev)  # a worker has its CUDA context long before any handoff
+        kind = "prefill" if role == "producer" else "decode"
+        self.clients = {
+            "pool-fast": PoolClient(url, name=f"{role}-fast", role=kind, heartbeat=False),
+            "pool-http": PoolClient(url, name=f"{role}-http", role=kind, fast=False, heartbeat=False),
+        }
+        self.arena = self.clients["pool-fast"].arena()
+        self.queue, self.ready, self.lead_s = queue, ready, lead_s
+        self.src: list[Any] = []
+        self.pinned: list[Any] = []
+        self.sent: list[Any] = []
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.dev)
+
+    def close(self) -> None:
+        for client in self.clients.values():
+            client.close()
+
+    def marks(self, ids: list[int]) -> tuple[Any, Any]:
+        """The first element of the first block's layer-0 K and the last of the last block's last-layer V."""
+        first, last = self.arena.local_ids([ids[0], ids[-1]])
+        top = self.arena.layout.num_layers - 1
+        return self.arena.k(0)[first].view(-1)[:1], self.arena.v(top)[last].view(-1)[-1:]
+
+    # producer ----------------------------------------------------------------------------------------------
+
+    def setup(self, nbytes: int) -> str:
+        """Source tensors and pinned buffers of this size for the copy variants (made outside any timing); 0 frees
+        the last size's, so that the next size has the device's memory."""
+        torch = self.torch
+        self.src = self.pinned = self.sent = []
+        if self.cuda:
+            torch.cuda.empty_cache()
+        if not nbytes:
+            return "released"
+        n = self.numel(nbytes)
+        self.src = [torch.ones(n, dtype=torch.float16, device=self.dev) for _ in range(self.num_tensors)]
+        if self.cuda:
+            self.pinned = [torch.empty(n, dtype=torch.float16, pin_memory=True) for _ in range(self.num_tensors)]
+        self.sync()
+        return "ok"
+
+    @property
+    def num_tensors(self) -> int:
+        return self.arena.layout.num_layers * NUM_TENSORS_PER_LAYER
+
+    def numel(self, nbytes: int) -> int:
+        return max(1, nbytes // (2 * self.num_tensors))
+
+    def handoff(
+        self, variant: str, request_id: str, num_blocks: int, num_tokens: int, marker: float
+    ) -> tuple[int, int]:
+        client = self.clients[variant]
+        ids = client.alloc(num_blocks)
+        for mark in self.marks(ids):
+            mark.fill_(marker)
+        self.sync()  # the KV is written before it is handed off
+        if not self.ready.wait(60):
+            raise RuntimeError("the consumer never put its claim in")
+        self.ready.clear()
+        time.sleep(self.lead_s)
+        t0 = time.perf_counter_ns()
+        client.handoff(request_id, ids, num_tokens)
+        return t0, time.perf_counter_ns()
+
+    def put(self, nbytes: int, marker: float) -> int:
+        torch = self.torch
+        self.sent = []
+        n = self.numel(nbytes)
+        tensors = [torch.empty(n, dtype=torch.float16, device=self.dev) for _ in range(self.num_tensors)]
+        for t in tensors:
+            t[:1].fill_(marker)
+        self.sync()
+        t0 = time.perf_counter_ns()
+        self.queue.put(tensors)
+        self.sent = tensors  # kept alive until the next request, as a producer must for CUDA IPC
+        return t0
+
+    def copy(self) -> int:
+        torch = self.torch
+        t0 = time.perf_counter_ns()
+        dst = [torch.empty_like(s) for s in self.src]
+        for d, s in zip(dst, self.src, strict=True):
+            d.copy_(s)
+        self.sync()
+        return time.perf_counter_ns() - t0
+
+    def pinned_copy(self) -> int:
+        torch = self.torch
+        t0 = time.perf_counter_ns()
+        for p, s in zip(self.pinned, self.src, strict=True):
+            p.copy_(s, non_blocking=True)
+        dst = [torch.empty_like(s) for s in self.src]
+        for d, p in zip(dst, self.pinned, strict=True):
+            d.copy_(p, non_blocking=True)
+        self.sync()
+        return time.perf_counter_ns() - t0
+
+    # consumer ----------------------------------------------------------------------------------------------
+
+    def claim(self, variant: str, request_id: str, marker: float) -> tuple[int, int, bool]:
+        client = self.clients[variant]
+        self.ready.set()
+        got = client.claim(request_id, timeout_s=60)
+        claimed = time.perf_counter_ns()
+        table = self.arena.block_table(got.block_ids)
+        self.sync()
+        t1 = time.perf_counter_ns()
+        ok = all(float(m.item()) == marker for m in self.marks(got.block_ids)) and len(table) == len(got.block_ids)
+        client.free(got.block_ids)
+        return claimed, t1, ok
+
+    def get(self, marker: float) -> tuple[int, bool]:
+        tensors = self.queue.get(timeout=120)
+        self.sync()
+        t1 = time.perf_counter_ns()
+        ok = len(tensors) == self.num_tensors and all(float(t[0].item()) == marker for t in (tensors[0], tensors[-1]))
+        del tensors
+        return t1, ok
+
+
+def _actor_main(role: str, conn: Any, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+    """A process's loop: run the method named by each command and send back what it returned (or the error)."""
+    actor = _Actor(role, url, device, queue, ready, lead_s)
+    conn.send("ready")
+    try:
+        while (msg := conn.recv()) is not None:
+            name, *params = msg
+            try:
+                conn.send(("ok", getattr(actor, name)(*params)))
+            except Exception as exc:
+                conn.send(("error", f"{role}.{name}: {type(exc).__name__}: {exc}"))
+    finally:
+        actor.close()
+
+
+class _Peer:
+    """The parent's handle on one of the two processes."""
+
+    def __init__(self, ctx: Any, role: str, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+        self.role = role
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_actor_main, args=(role, child, url, device, queue, ready, lead_s), daemon=True)
+        self.proc.start()
+
+    def started(self) -> None:
+        if not self.conn.poll(300) or self.conn.recv() != "ready":
+            raise RuntimeError(f"the {self.role} process did not start")
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send(msg)
+
+    def reply(self, timeout_s: float = 600) -> Any:
+        if not self.conn.poll(timeout_s):
+            raise RuntimeError(f"the {self.role} process did not answer within {timeout_s}s")
+        status, value = self.conn.recv()
+        if status != "ok":
+            raise RuntimeError(value)
+        return value
+
+    def call(self, *msg: Any) -> Any:
+        self.send(*msg)
+        return self.reply()
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        harness.wait_children([self.proc])
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch.multiprocessing as tmp
+
+    from kvpool.layout import KVLayout
+
+    device = harness.resolve_device(args)
+    layout = KVLayout(
+        num_layers=args.num_layers,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        block_size=args.block_size,
+        dtype="float16",
+    )
+    max_bytes = args.max_bytes or (8 * GIB if device.is_cuda else 256 * MIB)
+    if args.sizes:
+        sizes = args.sizes
+    elif args.quick:
+        sizes = [1 * MIB, 64 * MIB, 1 * GIB] if device.is_cuda else [1 * MIB, 8 * MIB]
+    else:
+        sizes = [s * MIB for s in (1, 16, 256, 1024, 4096, 8192)]
+    sizes = sorted(s for s in sizes if s <= max_bytes) or [min(sizes)]
+    rounds = args.rounds or (3 if args.quick else 10)
+    variants = ["pool-fast", "pool-http", "mp-queue", "copy", *(["pinned"] if device.is_cuda else [])]
+    per_token = layout.block_nbytes // layout.block_size
+    num_blocks = math.ceil(max(sizes) / layout.block_nbytes) + 1
+    config = {
+        "sizes": sizes,
+        "rounds": rounds,
+        "warmup_rounds": 1,
+        "variants": variants,
+        "layout": layout.model_dump(),
+        "block_nbytes": layout.block_nbytes,
+        "arena_blocks": num_blocks,
+        "tensors": 2 * layout.num_layers,
+        "claim_lead_ms": args.claim_lead_ms,
+    }
+    report = harness.Report("handoff", args, device, config)
+    samples: dict[tuple[int, str], list[int]] = {}
+    breakdown: dict[tuple[int, str, str], list[int]] = {}
+    failures: list[str] = []
+
+    flags = [*harness.layout_flags(layout), "--num-blocks", str(num_blocks)]
+    with harness.start_pool(device, *flags) as pool:
+        ctx = tmp.get_context("spawn")
+        queue, ready = ctx.Queue(), ctx.Event()
+        lead = args.claim_lead_ms / 1e3
+        peers = [
+            _Peer(ctx, role, pool.url, device.torch_device, queue, ready, lead) for role in ("producer", "consumer")
+        ]
+        producer, consumer = peers
+        try:
+            for peer in peers:
+                peer.started()
+            total = len(sizes) * (rounds + 1) * len(variants)
+            with harness.progress(total, "handoff", args.no_progress) as bar:
+                for size in sizes:
+                    producer.call("setup", size)
+                    blocks, tokens = math.ceil(size / layout.block_nbytes), max(1, size // per_token)
+                    for r in range(rounds + 1):
+                        for variant in harness.rotated(variants, r):
+                            marker = float(r % 1000 + 1)
+                            ns, ok, parts = _trial(variant, producer, consumer, size, blocks, tokens, marker)
+                            bar.update()
+                            if not ok:
+                                failures.append(f"{variant} at {harness.fmt_bytes(size)}: the consumer read wrong KV")
+                            if r > 0:
+                                samples.setdefault((size, variant), []).append(ns)
+                                for part, value in parts.items():
+                                    breakdown.setdefault((size, variant, part), []).append(value)
+                    producer.call("setup", 0)
+        finally:
+            for peer in peers:
+                peer.stop()
+
+    report.notes.extend(failures)
+    _summarize(report, samples, breakdown, sizes, variants, layout.block_nbytes)
+    report.print_block("handoff", _body(report, sizes, variants))
+    report.save(_plot(report, sizes, variants))
+    return 1 if failures else 0
+
+
+def _trial(
+    variant: str, producer: _Peer, consumer: _Peer, size: int, blocks: int, tokens: int, marker: float
+) -> tuple[int, bool, dict[str, int]]:
+    """One timed handoff of ``size`` bytes by ``variant``: nanoseconds, whether the consumer read the right KV, and
+    for the pool the parts: the producer's handoff call, the claim's return after it, the block table's build."""
+    if variant.startswith("pool-"):
+        request_id = uuid.uuid4().hex
+        consumer.send("claim", variant, request_id, marker)
+        t0, returned = producer.call("handoff", variant, request_id, blocks, tokens, marker)
+        claimed, t1, ok = consumer.reply()
+        return t1 - t0, ok, {"handoff_call": returned - t0, "claim_returned": claimed - t0, "table": t1 - claimed}
+    if variant == "mp-queue":
+        consumer.send("get", marker)
+        t0 = producer.call("put", size, marker)
+        t1, ok = consumer.reply()
+        return t1 - t0, ok, {}
+    return producer.call("copy" if variant == "copy" else "pinned_copy"), True, {}
+
+
+def _summarize(
+    report: harness.Report,
+    samples: dict[tuple[int, str], list[int]],
+    breakdown: dict[tuple[int, str, str], list[int]],
+    sizes: list[int],
+    variants: list[str],
+    block_nbytes: int,
+) -> None:
+    for (size, variant), ns in samples.items():
+        row = {"variant": variant, "kv_bytes": size, "blocks": math.ceil(size / block_nbytes)}
+        row |= harness.summarize_ns(ns)
+        report.raw[f"{variant}/{size}"] = ns
+        for part in PARTS:
+            values = breakdown.get((size, variant, part))
+            if values:
+                row[f"{part}_p50_us"] = harness.summarize_ns(values)["p50_us"]
+                report.raw[f"{variant}/{size}/{part}"] = values
+        report.results.append(row)
+    p50 = {(r["kv_bytes"], r["variant"]): r["p50_us"] for r in report.results}
+    lo, hi = sizes[0], sizes[-1]
+    flat = p50[hi, "pool-fast"] / p50[lo, "pool-fast"]
+    report.targets.append(
+        harness.Target(
+            f"pool-fast p50 flat in KV size ({harness.fmt_bytes(hi)} vs {harness.fmt_bytes(lo)})",
+            f"<= {TARGET_FLAT}x",
+            f"{flat:.2f}x ({harness.fmt_us(p50[hi, 'pool-fast'])} vs {harness.fmt_us(p50[lo, 'pool-fast'])})",
+            flat <= TARGET_FLAT,
+            "" if hi >= 8 * GIB else "the goal is stated for 8 GiB vs 1 MiB on GPU",
+        )
+    )
+    at = max((s for s in sizes if s <= GIB), default=lo)
+    for other, goal in (("copy", TARGET_VS_COPY), ("mp-queue", TARGET_VS_MP)):
+        ratio = p50[at, other] / p50[at, "pool-fast"]
+        report.targets.append(
+            harness.Target(
+                f"pool-fast vs {other} at {harness.fmt_bytes(at)}",
+                f">= {goal:.0f}x faster",
+                f"{ratio:.1f}x ({harness.fmt_us(p50[at, 'pool-fast'])} vs {harness.fmt_us(p50[at, other])})",
+                ratio >= goal,
+                "" if at == GIB else "the goal is stated at 1 GiB",
+            )
+        )
+
+
+def _body(report: harness.Report, sizes: list[int], variants: list[str]) -> str:
+    rows = {(r["kv_bytes"], r["variant"]): r for r in report.results}
+    lat = [
+        [
+            harness.fmt_bytes(s),
+            *(f"{harness.fmt_us(rows[s, v]['p50_us'])} / {harness.fmt_us(rows[s, v]['p99_us'])}" for v in variants),
+        ]
+        for s in sizes
+    ]
+    others = [v for v in variants if v != "pool-fast"]
+    ratio = [
+        [harness.fmt_bytes(s), *(f"{rows[s, v]['p50_us'] / rows[s, 'pool-fast']['p50_us']:.1f}x" for v in others)]
+        for s in sizes
+    ]
+    parts = [
+        [harness.fmt_bytes(s), v, rows[s, v]["blocks"], *(harness.fmt_us(rows[s, v][f"{p}_p50_us"]) for p in PARTS)]
+        for v in variants
+        if v.startswith("pool-")
+        for s in sizes
+    ]
+    return (
+        "Handoff latency p50 / p99:\n"
+        + harness.table(["KV", *variants], lat)
+        + "\n\nHow much longer than pool-fast (p50):\n"
+        + harness.table(["KV", *others], ratio)
+        + "\n\nWhere the pool's time goes (p50, from the handoff call): the producer's call returns; the consumer's "
+        "claim returns; the block table is built:\n"
+        + harness.table(
+            ["KV", "variant", "blocks", "handoff call", "claim returned", "table built (after claim)"], parts
+        )
+    )
+
+
+def _plot(report: harness.Report, sizes: list[int], variants: list[str]) -> Any:
+    plt = harness.pyplot()
+    rows = {(r["kv_bytes"], r["variant"]): r for r in report.results}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    mib = [s / MIB for s in sizes]
+    for v in variants:
+        p50 = [rows[s, v]["p50_us"] / 1e3 for s in sizes]
+        p99 = [rows[s, v]["p99_us"] / 1e3 for s in sizes]
+        line = axes[0].plot(mib, p50, marker="o", label=v)[0]
+        axes[0].fill_between(mib, p50, p99, color=line.get_color(), alpha=0.15)
+        if v != "pool-fast":
+            axes[1].plot(
+                mib, [rows[s, v]["p50_us"] / rows[s, "pool-fast"]["p50_us"] for s in sizes], marker="o", label=v
+            )
+    axes[0].set(
+        title="handoff latency (p50, band to p99)",
+        xlabel="KV per request",
+        ylabel="ms",
+        xscale="log",
+        yscale="log",
+    )
+    axes[1].set(
+        title="how much longer than pool-fast (p50)",
+        xlabel="KV per request",
+        ylabel="x",
+        xscale="log",
+        yscale="log",
+    )
+    axes[1].axhline(TARGET_VS_COPY, color="grey", lw=0.8, ls="--")
+    axes[1].axhline(TARGET_VS_MP, color="grey", lw=0.8, ls=":")
+    for ax in axes:
+        ax.set_xticks(mib, [harness.fmt_bytes(s) for s in sizes], rotation=30)
+        ax.minorticks_off()
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"kvpool handoff ({harness.describe_device(harness.device_info(report.device))})")
+    return fig

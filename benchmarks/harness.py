@@ -1,0 +1,490 @@
+"""What every suite shares: options, device choice, real servers in subprocesses, statistics, the printed
+result block, and the JSON and PNG written for each run.
+
+Each suite is one module with ``add_arguments(parser)`` and ``run(args) -> int``; this module keeps them short
+and alike, so that a reader compares figures, not formats. Nothing here imports torch at module level: the
+control-plane client processes never need it, and starting them stays cheap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULT_WIDTH = 64
+
+# -- options ------------------------------------------------------------------------------------------------
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options every suite takes, with the same names and meanings."""
+    parser.add_argument("--out", type=Path, default=Path("results"), help="where the JSON and PNG go [results/]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds: a smoke run, not a figure")
+    parser.add_argument(
+        "--device", choices=("auto", "cuda", "cpu"), default="auto", help="arena backend [auto: cuda when present]"
+    )
+    parser.add_argument("--gpu", type=int, default=0, metavar="INDEX", help="CUDA ordinal of the arena [0]")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (each variant once per round)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of token ids and orders")
+    parser.add_argument("--tag", default="", help="added to the result file names")
+    parser.add_argument(
+        "--metadata", action="append", default=[], metavar="KEY=VALUE", help="stored in the JSON (repeatable)"
+    )
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``1MiB``, ``8GiB``, ``4096`` (the pool's own parser, so flags read alike everywhere)."""
+    from kvpool.config import parse_size as parse
+
+    try:
+        return parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def size_list(text: str) -> list[int]:
+    return [parse_size(part) for part in text.split(",") if part.strip()]
+
+
+def int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",") if part.strip()]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_us(us: float) -> str:
+    """Microseconds in the unit a reader takes in at a glance."""
+    if us >= 1e6:
+        return f"{us / 1e6:.2f} s"
+    if us >= 1e3:
+        return f"{us / 1e3:.2f} ms"
+    return f"{us:.1f} us"
+
+
+# -- device ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where the arena lives: ``cuda`` (with its ordinal) or ``cpu``."""
+
+    kind: str
+    index: int = 0
+
+    @property
+    def backend(self) -> str:
+        return self.kind
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+
+def resolve_device(args: argparse.Namespace) -> Device:
+    """The device of this run: CUDA when present unless ``--device cpu``; a missing GPU asked for is an error."""
+    if args.device == "cpu":
+        return Device("cpu")
+    import torch
+
+    if torch.cuda.is_available():
+        if args.gpu >= torch.cuda.device_count():
+            raise SystemExit(f"--gpu {args.gpu}: only {torch.cuda.device_count()} CUDA devices are visible")
+        return Device("cuda", args.gpu)
+    if args.device == "cuda":
+        raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu)")
+    return Device("cpu")
+
+
+def device_info(device: Device) -> dict[str, Any]:
+    """What the figures were measured on: the GPU's name and memory, or the CPU's model and cores."""
+    info: dict[str, Any] = {"kind": device.kind, "cpu": cpu_model(), "cpu_count": os.cpu_count()}
+    if device.is_cuda:
+        import torch
+
+        props = torch.cuda.get_device_properties(device.index)
+        info.update(
+            index=device.index,
+            name=props.name,
+            total_memory_bytes=props.total_memory,
+            capability=f"{props.major}.{props.minor}",
+            cuda=torch.version.cuda,
+        )
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={device.index}"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+            if out.returncode == 0:
+                info["driver"] = out.stdout.strip()
+    else:
+        info["name"] = info["cpu"]
+    return info
+
+
+def cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def describe_device(info: dict[str, Any]) -> str:
+    if info["kind"] == "cuda":
+        return f"{info['name']} (cuda:{info['index']}), {info['cpu_count']} CPU cores"
+    return f"CPU: {info['cpu']}, {info['cpu_count']} cores"
+
+
+# -- environment ----------------------------------------------------------------------------------------------
+
+
+def git_revision() -> dict[str, Any]:
+    """The commit the figures belong to, and whether the tree had changes on top of it."""
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {"revision": os.environ.get("KVPOOL_GIT_REVISION", "unknown"), "dirty": None}
+    if rev.returncode != 0:
+        return {"revision": os.environ.get("KVPOOL_GIT_REVISION", "unknown"), "dirty": None}
+    return {"revision": rev.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    import kvpool
+
+    out = {"python": platform.python_version(), "kvpool": kvpool.__version__}
+    for name in ("torch", "fastapi", "uvicorn", "pydantic", "httpx"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+# -- statistics -----------------------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile of already sorted values (numpy's default method)."""
+    if not sorted_values:
+        return math.nan
+    pos = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize_ns(samples_ns: Iterable[int]) -> dict[str, float]:
+    """n, mean, min, p50, p90, p99 and max of nanosecond samples, in microseconds."""
+    values = sorted(samples_ns)
+    if not values:
+        return {"n": 0}
+    us = [v / 1e3 for v in values]
+    return {
+        "n": len(us),
+        "mean_us": sum(us) / len(us),
+        "min_us": us[0],
+        "p50_us": percentile(us, 50),
+        "p90_us": percentile(us, 90),
+        "p99_us": percentile(us, 99),
+        "max_us": us[-1],
+    }
+
+
+def thin(samples: Sequence[int], limit: int = 1000) -> list[int]:
+    """At most ``limit`` evenly strided samples (in their measured order), so the raw JSON stays small."""
+    if len(samples) <= limit:
+        return list(samples)
+    step = len(samples) / limit
+    return [samples[int(i * step)] for i in range(limit)]
+
+
+def rotated(items: Sequence[Any], k: int) -> list[Any]:
+    """Items starting at position ``k``: each round starts with another variant, so none always runs first."""
+    k %= max(1, len(items))
+    return [*items[k:], *items[:k]]
+
+
+# -- progress and the printed block ----------------------------------------------------------------------------
+
+
+def progress(total: int, desc: str, disable: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, file=sys.stderr, leave=False)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+@dataclass
+class Target:
+    """A goal from the issue, checked against this run's own figures (ratios measured side by side)."""
+
+    name: str
+    goal: str
+    measured: str
+    met: bool | None
+    detail: str = ""
+
+    def line(self) -> str:
+        verdict = {True: "MET", False: "MISSED", None: "n/a"}[self.met]
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"{self.name}: {self.measured} [goal {self.goal}] {verdict}{detail}"
+
+
+# -- the run's record -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Report:
+    """One suite run: its configuration, where it ran, its figures; printed once and saved as JSON and PNG."""
+
+    suite: str
+    args: argparse.Namespace
+    device: Device
+    config: dict[str, Any]
+    results: list[dict[str, Any]] = field(default_factory=list)
+    raw: dict[str, Any] = field(default_factory=dict)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    started: dt.datetime = field(default_factory=lambda: dt.datetime.now(dt.UTC))
+
+    def to_json(self) -> dict[str, Any]:
+        meta = dict(item.split("=", 1) if "=" in item else (item, "") for item in self.args.metadata)
+        return {
+            "suite": self.suite,
+            "timestamp": self.started.isoformat(timespec="seconds"),
+            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "benchmarks", *ARGV]),
+            "config": self.config,
+            "device": device_info(self.device),
+            "versions": versions(),
+            "git": git_revision(),
+            "metadata": meta,
+            "results": self.results,
+            "targets": [t.__dict__ for t in self.targets],
+            "notes": self.notes,
+            "raw": self.raw,
+        }
+
+    def print_block(self, title: str, body: str) -> None:
+        info = device_info(self.device)
+        head = f" kvpool {title} Result "
+        print("=" * ((RESULT_WIDTH - len(head)) // 2) + head + "=" * ((RESULT_WIDTH - len(head) + 1) // 2))
+        print(f"{'Device:':<12}{describe_device(info)}")
+        print(f"{'Date:':<12}{self.started.strftime('%Y-%m-%d %H:%M UTC')}")
+        print(body)
+        if self.targets:
+            print("Targets:")
+            for target in self.targets:
+                print(f"  {target.line()}")
+        for note in self.notes:
+            print(f"Note: {note}")
+        print("=" * RESULT_WIDTH)
+
+    def save(self, figure: Any) -> tuple[Path, Path]:
+        """Write ``<suite>[-tag]-<UTC time>.json`` and ``.png`` into ``--out``; return both paths."""
+        out: Path = self.args.out
+        out.mkdir(parents=True, exist_ok=True)
+        stem = "-".join(filter(None, [self.suite, self.args.tag, self.started.strftime("%Y%m%dT%H%M%SZ")]))
+        json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
+        json_path.write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
+        figure.savefig(png_path, dpi=110, bbox_inches="tight")
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+        print(f"Saved {json_path} and {png_path}")
+        return json_path, png_path
+
+
+ARGV: list[str] = []  # set by __main__ so the JSON records the exact command line
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend: no display, same PNG everywhere."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- servers in subprocesses ----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a child process: this checkout first on the path, what was there kept after it."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
+@dataclass
+class Server:
+    """A server subprocess (a real pool, or the bare floor) with its Unix socket, TCP port and log."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+    socket: Path
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def tcp_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_server(name: str, argv: Sequence[str], timeout_s: float = 300.0) -> Server:
+    """Start ``python -m <argv> --socket S --port P`` and wait for ``/health`` to answer 200.
+
+    The timeout is long because a large CPU arena is reserved page by page before the pool reports healthy.
+    """
+    workdir = Path(tempfile.mkdtemp(prefix="kvb-"))
+    sock, port, log = workdir / "s.sock", free_port(), workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", *argv, "--socket", str(sock), "--port", str(port)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
+    server = Server(name, proc, workdir, sock, port, log)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            text = server.output()
+            server.stop()
+            raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}\n{text}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{server.tcp_url}/health", timeout=2).status_code == 200:
+                return server
+        time.sleep(0.05)
+    text = server.output()
+    server.stop()
+    raise RuntimeError(f"{name} not healthy after {timeout_s}s: {' '.join(cmd)}\n{text}")
+
+
+def start_pool(device: Device, *flags: str, timeout_s: float = 300.0) -> Server:
+    """A real ``kvpool serve`` on the run's device; sessions live an hour so that idle benchmark clients keep theirs."""
+    argv = ["kvpool", "serve", "--backend", device.backend, "--device", str(device.index)]
+    argv += ["--log-level", "warning", "--lease-ttl-s", "3600", "--handoff-ttl-s", "3600", *flags]
+    return start_server("pool", argv, timeout_s)
+
+
+@contextlib.contextmanager
+def servers(*starters: Any) -> Iterator[list[Server]]:
+    """Start servers one after another and stop all of them on the way out, whatever happened."""
+    started: list[Server] = []
+    try:
+        for start in starters:
+            started.append(start())
+        yield started
+    finally:
+        for server in reversed(started):
+            server.stop()
+
+
+def layout_flags(layout: Any) -> list[str]:
+    """``kvpool serve`` flags for a :class:`kvpool.layout.KVLayout`."""
+    return [
+        "--num-layers",
+        str(layout.num_layers),
+        "--num-kv-heads",
+        str(layout.num_kv_heads),
+        "--head-dim",
+        str(layout.head_dim),
+        "--block-size",
+        str(layout.block_size),
+        "--dtype",
+        layout.dtype,
+        "--order",
+        layout.order,
+    ]
+
+
+def wait_children(procs: Iterable[Any], timeout_s: float = 30.0) -> None:
+    """Join worker processes, killing any that hang, so that a failed run never leaves one behind."""
+    for proc in procs:
+        proc.join(timeout_s)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
