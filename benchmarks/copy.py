@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         sizes = [s for s in sizes if s <= 256 * MIB]
     per_block = LAYOUT.block_nbytes
     counts = [max(1, s // per_block) for s in sizes]
-    num_blocks = 2 * max(counts) + 8
+    num_blocks = 3 * max(counts) + 16
     rounds = args.rounds or (2 if args.quick else 10)
     report = harness.Report("copy", args, backend, {})
     report.config.update(sizes=sizes, blocks=counts, rounds=rounds, warmup_rounds=1, layout=LAYOUT.model_dump(),
@@ -68,8 +68,9 @@ def run(args: argparse.Namespace) -> int:
     with harness.start_pool(backend, *flags) as pool, PoolClient(pool.url, name="copy-bench") as client:
         a0, a1 = client.arena(device=0), client.arena(device=1)
         devs = [a0.device, a1.device]
-        src_all = client.alloc(num_blocks - 8, device=0)
-        dst_all = client.alloc(num_blocks - 8, device=1)
+        spare = max(counts) + 8  # room for the move variant's fresh blocks on both arenas
+        src_all = client.alloc(num_blocks - spare, device=0)
+        dst_all = client.alloc(num_blocks - spare, device=1)
         src_buf = torch.empty(max(counts) * per_block, dtype=torch.uint8, device=a0.device)
         dst_buf = torch.empty_like(src_buf, device=a1.device)
         with harness.progress(len(counts) * (rounds + 1) * len(VARIANTS), "copy", args.no_progress) as bar:

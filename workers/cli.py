@@ -73,6 +73,8 @@ def load_model(args: argparse.Namespace, layout: KVLayout, device: torch.device)
     """The model the flags name, on the arena's device, after checking that its KV fits the arena."""
     config = model_config(args)
     check_layout(config, layout)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # kernels launch on the current device: make it the arena's, not cuda:0
     dtype = getattr(torch, args.dtype) if args.dtype else kv_dtype(layout)
     if args.model is not None:
         return LlamaModel.from_pretrained(args.model, device=device, dtype=dtype)
