@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 
 import uvicorn
@@ -17,6 +18,8 @@ from server.plane import ControlPlane
 
 log = logging.getLogger("kvpool")
 
+SHUTDOWN_GRACE_S = 2.0
+
 
 def bind_tcp(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
@@ -27,9 +30,30 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_socket_dir(directory: Path) -> None:
+    """Refuse a socket directory where another user could swap the pool's socket for their own.
+
+    Whoever can rename files in the directory can put a socket of theirs at the pool's path, and clients would
+    send it their token and trust the arena it describes. That is anyone when the directory is world-writable
+    without the sticky bit, and its owner when that is another user (a squatter on the default ``/tmp`` path).
+    """
+    st = directory.stat()
+    if st.st_uid not in (os.getuid(), 0):
+        raise SystemExit(
+            f"kvpool: {directory} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): its owner could "
+            "replace the pool's socket; remove it or pick another --socket"
+        )
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise SystemExit(
+            f"kvpool: {directory} is world-writable: anyone could replace the pool's socket; use a directory "
+            "writable by the pool's user only (share it with clients through its group)"
+        )
+
+
 def bind_unix(path: Path, mode: int) -> socket.socket:
     """Bind a Unix socket, replacing a stale file but never a live pool's socket."""
     path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    check_socket_dir(path.parent)
     if path.exists():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -46,6 +70,22 @@ def bind_unix(path: Path, mode: int) -> socket.socket:
     return sock
 
 
+class PoolServer(uvicorn.Server):
+    """uvicorn's server, answering waiting claims (503) as soon as a shutdown starts.
+
+    uvicorn waits for in-flight requests before it runs the app's shutdown, and a claim can wait an hour: the
+    claims must be released first, or a SIGTERM would either hang or cut them off without an answer.
+    """
+
+    def __init__(self, config: uvicorn.Config, plane: ControlPlane) -> None:
+        super().__init__(config)
+        self.plane = plane
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.plane.stop_waiting()
+        await super().shutdown(sockets=sockets)
+
+
 def serve(settings: PoolSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     plane = ControlPlane(settings)
@@ -59,8 +99,17 @@ def serve(settings: PoolSettings) -> None:
         fast = FastChannel(plane, settings.fast_socket, settings.socket_mode, settings.max_body_bytes)
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
-    config = uvicorn.Config(app, log_level=settings.log_level, access_log=False, timeout_keep_alive=30, lifespan="on")
-    server = uvicorn.Server(config)
+    # A /claim may wait up to an hour for its handoff; without a bound on the graceful shutdown, one waiting claim
+    # would keep a stopping pool (SIGTERM) alive that long. Every other call finishes in microseconds.
+    config = uvicorn.Config(
+        app,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+        lifespan="on",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    server = PoolServer(config, plane)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
     log.info(
         "kvpool %s listening on %s",

@@ -37,6 +37,8 @@ from kvpool.protocol import (
 
 log = logging.getLogger(__name__)
 
+STOPPING = "the pool is shutting down: claim again once it is back (a restarted pool has a new epoch)"
+
 
 class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
@@ -47,6 +49,7 @@ class ControlPlane:
         self.host_arenas: list[HostArena] = []
         self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
+        self._stopping = False
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
 
     # -- life -------------------------------------------------------------------------------------------
@@ -128,6 +131,18 @@ class ControlPlane:
             return self.arena_of[device]
         except KeyError:
             raise InvalidRequest(f"the pool has no arena on device {device}; it has {list(self.arena_of)}") from None
+
+    def stop_waiting(self) -> None:
+        """Answer every waiting claim now with 503, and let no new claim wait: the pool is stopping.
+
+        A claim may wait up to an hour; a stopping pool should neither wait that long for it nor cut it off with
+        no answer. The claimer gets PoolUnavailable and claims again from the restarted pool.
+        """
+        self._stopping = True
+        for futures in self._waiters.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(PoolUnavailable(STOPPING))
 
     def close(self) -> None:
         for futures in self._waiters.values():
@@ -216,6 +231,8 @@ class ControlPlane:
                         f"no handoff {'parked' if req.request_id is None else repr(req.request_id)} "
                         f"within {req.timeout_s}s"
                     ) from None
+            if self._stopping:
+                raise PoolUnavailable(STOPPING)
             fut: asyncio.Future[None] = loop.create_future()
             waiters = self._waiters[req.request_id]
             waiters.add(fut)

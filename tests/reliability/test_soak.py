@@ -1,0 +1,78 @@
+"""The soak script in CI: a short run of ``benchmarks/soak.py`` (16 clients, 8 s) that must pass its own checks,
+plus the checks themselves, shown to fire on books that do not balance and on pools that are not local.
+
+The full 60 s run is ``python -m benchmarks.soak`` (or ``kvpool bench soak``); this is the same code, shorter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import soak
+from tests.conftest import ROOT, SMALL_POOL, start_pool
+
+
+def run_soak(*args: str, timeout_s: float = 180) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"soak-{os.getpid()}-{len(args)}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak", *args, "--json", str(out)],
+        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env, check=False,
+    )  # fmt: skip
+    summary = json.loads(out.read_text()) if out.exists() else {}
+    out.unlink(missing_ok=True)
+    return proc, summary
+
+
+def test_short_soak_passes_with_16_clients() -> None:
+    proc, s = run_soak("--duration", "8", "--clients", "16", "--crash-every", "2")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "PASS" in proc.stdout and "ops/s" in proc.stdout
+    assert s["violations"] == 0, s["violation_messages"]
+    assert sum(s["clients"].values()) == 16 and set(s["clients"]) == {"fast", "http-uds", "http-tcp"}
+    assert all(s["ops"][op] > 50 for op in soak.OPS), s["ops"]
+    assert s["samples"] >= 20, "the books must have been sampled all along"
+    assert s["crashed_workers"] >= 1
+    assert s["end"]["in_use"] == 0 and s["end"]["handoffs"] == 0 and s["end"]["sessions"] == 0
+    assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
+
+
+def test_soak_against_a_given_pool() -> None:
+    pool = start_pool(*SMALL_POOL, "--lease-ttl-s", "2")
+    try:
+        proc, s = run_soak("--url", pool.url, "--duration", "3", "--clients", "4", "--crash-every", "0")
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        assert s["violations"] == 0 and sum(s["ops"].values()) > 100
+        stats = pool.stats()
+        assert stats["in_use"] == 0 and stats["handoffs"] == 0
+    finally:
+        pool.stop()
+
+
+@pytest.mark.parametrize("url", ["http://10.1.2.3:8470", "http://example.com:8470", "https://127.0.0.1:8470"])
+def test_soak_refuses_a_pool_that_is_not_local(url: str) -> None:
+    with pytest.raises(SystemExit, match="refusing"):
+        soak.check_local(url)
+
+
+@pytest.mark.parametrize("url", ["unix:///tmp/x.sock", "http://127.0.0.1:8470", "http://localhost:1", "http://[::1]:2"])
+def test_soak_accepts_local_pools(url: str) -> None:
+    soak.check_local(url)
+
+
+def test_balance_check_flags_books_that_do_not_add_up() -> None:
+    tally = soak.Tally()
+    soak.check_balance({"free": 10, "in_use": 5, "cached": 1, "num_blocks": 16}, tally, "sample")
+    assert tally.violation_count == 0 and tally.samples == 1
+    soak.check_balance({"free": 10, "in_use": 5, "cached": 2, "num_blocks": 16}, tally, "sample")
+    soak.check_balance({"free": 17, "in_use": -1, "cached": 0, "num_blocks": 16}, tally, "sample")
+    assert tally.violation_count == 2
+    assert "do not balance" in tally.violations[0]
