@@ -95,10 +95,18 @@ def start_pool(*flags: str, env: dict[str, str] | None = None, timeout_s: float 
     sock, port, log = workdir / "kvpool.sock", free_port(), workdir / "pool.log"
     args = [sys.executable, "-m", "kvpool", "serve", "--socket", str(sock), "--port", str(port)]
     args += ["--backend", "cpu", "--log-level", "warning", *flags]
-    full_env = child_env(**(env or {}))
+    return launch(args, sock, port, log, child_env(**(env or {})), timeout_s=timeout_s)
+
+
+def launch(
+    args: list[str], sock: Path, port: int, log: Path, env: dict[str, str], wait: bool = True, timeout_s: float = 60.0
+) -> PoolProcess:
+    """Run a pool command line; with ``wait``, return once ``/health`` on ``port`` answers 200."""
     with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     pool = PoolProcess(proc, sock, port, log, args)
+    if not wait:
+        return pool
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

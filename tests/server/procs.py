@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
-from tests.conftest import ROOT, PoolProcess
+from tests.conftest import PoolProcess, child_env, launch
 
 SMALL_LAYOUT = (
     "--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
@@ -35,22 +30,5 @@ def serve(
     """
     log = Path(tempfile.mkdtemp(prefix="kvp-log-")) / "pool.log"
     args = [sys.executable, "-m", "kvpool", "serve", "--backend", "cpu", "--log-level", "warning", *flags]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
-    full_env = {**clean, "PYTHONPATH": str(ROOT), **(env or {})}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT)
-    pool = PoolProcess(proc, socket, port, log, args)
-    if not wait:
-        return pool
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pool exited with {proc.returncode}:\n{pool.output()}")
-        try:
-            if httpx.get(f"{pool.tcp_url}/health", timeout=1).status_code == 200:
-                return pool
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    pool.stop()
-    raise RuntimeError(f"pool not healthy after {timeout_s}s:\n{pool.output()}")
+    inherited = {k: v for k, v in child_env().items() if not k.startswith("KVPOOL_")}
+    return launch(args, socket, port, log, {**inherited, **(env or {})}, wait=wait, timeout_s=timeout_s)
