@@ -17,6 +17,7 @@ import base64
 import logging
 import os
 import threading
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -236,8 +237,8 @@ class Arena:
     def local_ids(self, block_ids: Sequence[int]) -> list[int]:
         """Pool block ids as indices into this arena's views (they differ only on a multi-device pool)."""
         first, n = self.first_block, self.num_blocks
-        local = [b - first for b in block_ids]
-        if any(not 0 <= b < n for b in local):
+        local = list(block_ids) if not first else [b - first for b in block_ids]
+        if local and (min(local) < 0 or max(local) >= n):
             raise IndexError(f"blocks outside this arena's ids [{first}, {first + n}): {list(block_ids)[:8]}")
         return local
 
@@ -245,7 +246,12 @@ class Arena:
         """The int32 block table of a sequence, on the arena's device, ready for a paged-attention kernel."""
         import torch
 
-        return torch.tensor(self.local_ids(block_ids), dtype=torch.int32, device=self.device)
+        local = array("i", self.local_ids(block_ids))
+        return (
+            torch.frombuffer(local, dtype=torch.int32).to(self.device)
+            if local
+            else torch.empty(0, dtype=torch.int32, device=self.device)
+        )
 
     def blocks_view(self) -> tuple[torch.Tensor, int]:
         """The whole arena as one 3-D tensor and the dim that indexes blocks, for copying blocks in bulk.
