@@ -16,19 +16,16 @@ import math
 import os
 import platform
 import shlex
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+from kvpool import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_WIDTH = 64
@@ -374,47 +371,10 @@ def free_port() -> int:
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a child process: this checkout first on the path, what was there kept after it."""
-    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+    return launch.child_env(**(extra or {}))
 
 
-@dataclass
-class Server:
-    """A server subprocess (a real pool, or the bare floor) with its Unix socket, TCP port and log."""
-
-    name: str
-    proc: subprocess.Popen[bytes]
-    workdir: Path
-    socket: Path
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"unix://{self.socket}"
-
-    @property
-    def tcp_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> Server:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+Server = launch.ServerProcess
 
 
 def start_server(name: str, argv: Sequence[str], timeout_s: float = 300.0) -> Server:
@@ -424,23 +384,10 @@ def start_server(name: str, argv: Sequence[str], timeout_s: float = 300.0) -> Se
     """
     workdir = Path(tempfile.mkdtemp(prefix="kvb-"))
     sock, port, log = workdir / "s.sock", free_port(), workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", *argv, "--socket", str(sock), "--port", str(port)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=ROOT)
-    server = Server(name, proc, workdir, sock, port, log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            text = server.output()
-            server.stop()
-            raise RuntimeError(f"{name} exited with {proc.returncode}: {' '.join(cmd)}\n{text}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{server.tcp_url}/health", timeout=2).status_code == 200:
-                return server
-        time.sleep(0.05)
-    text = server.output()
-    server.stop()
-    raise RuntimeError(f"{name} not healthy after {timeout_s}s: {' '.join(cmd)}\n{text}")
+    return launch.spawn(
+        [*argv, "--socket", str(sock), "--port", str(port)],
+        socket=sock, port=port, log=log, env=child_env(), timeout_s=timeout_s, workdir=workdir,
+    )  # fmt: skip
 
 
 def start_pool(device: Device, *flags: str, timeout_s: float = 300.0) -> Server:

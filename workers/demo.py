@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -23,41 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 from kvpool.arena import resolve_backend
 from kvpool.client import http_client
+from kvpool.launch import ServerProcess, child_env, spawn
 from kvpool.layout import KVLayout
 from workers.cli import TINY
 from workers.kvcache import layout_for
 from workers.model import LlamaConfig, LlamaModel
 from workers.monolithic import greedy_generate
 from workers.request import GenerationRequest
-
-SOURCE_ROOT = Path(__file__).resolve().parents[1]
-
-
-def child_env() -> dict[str, str]:
-    """The environment of the processes the demo starts: this interpreter's import path, wherever it runs from."""
-    path = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": f"{SOURCE_ROOT}{os.pathsep}{path}" if path else str(SOURCE_ROOT)}
-
-
-@dataclass
-class PoolHandle:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def start_pool(
@@ -68,34 +43,17 @@ def start_pool(
     model_name: str,
     timeout_s: float = 60.0,
     extra: Sequence[str] = (),
-) -> PoolHandle:
+) -> ServerProcess:
     """``kvpool serve`` on a Unix socket in ``workdir`` (no TCP port), ready when ``/health`` answers 200."""
     sock = workdir / "kvpool.sock"
-    log = workdir / "pool.log"
     args = [
-        sys.executable, "-m", "kvpool", "serve", "--socket", str(sock), "--port", "0",
+        "kvpool", "serve", "--socket", str(sock), "--port", "0",
         "--num-blocks", str(num_blocks), "--num-layers", str(layout.num_layers),
         "--num-kv-heads", str(layout.num_kv_heads), "--head-dim", str(layout.head_dim),
         "--block-size", str(layout.block_size), "--dtype", layout.dtype, "--order", layout.order,
         "--backend", backend, "--model", model_name, "--log-level", "warning", *extra,
     ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=child_env())
-    pool = PoolHandle(proc, f"unix://{sock}", log)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the pool exited with {proc.returncode}:\n{log.read_text(errors='replace')}")
-        if sock.exists():
-            try:
-                with http_client(pool.url, None, 2.0) as http:
-                    if http.get("/health").status_code == 200:
-                        return pool
-            except (httpx.HTTPError, OSError):
-                pass  # not listening yet
-        time.sleep(0.05)
-    pool.stop()
-    raise RuntimeError(f"the pool did not become healthy in {timeout_s}s:\n{log.read_text(errors='replace')}")
+    return spawn(args, socket=sock, port=0, log=workdir / "pool.log", timeout_s=timeout_s)
 
 
 @dataclass

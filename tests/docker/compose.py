@@ -150,7 +150,4 @@ def validator() -> Draft7Validator:
 
 
 def schema_errors(doc: dict[str, Any]) -> list[str]:
-    return [
-        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-        for e in validator().iter_errors(doc)
-    ]
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator().iter_errors(doc)]

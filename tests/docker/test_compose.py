@@ -122,9 +122,7 @@ def test_workers_share_the_pools_pid_and_ipc_namespaces(files: tuple[str, ...]) 
     pool = services[POOL]
     for worker in WORKERS:
         pid, ipc = services[worker].get("pid"), services[worker].get("ipc")
-        assert pid in (f"service:{POOL}", "host"), (
-            f"{worker}: same-PID CUDA IPC fails without a shared PID namespace"
-        )
+        assert pid in (f"service:{POOL}", "host"), f"{worker}: same-PID CUDA IPC fails without a shared PID namespace"
         assert ipc in (f"service:{POOL}", "host"), f"{worker}: the arena's /dev/shm is the pool's"
         if pid == "host":
             assert pool.get("pid") == "host"
@@ -135,9 +133,7 @@ def test_workers_share_the_pools_pid_and_ipc_namespaces(files: tuple[str, ...]) 
         assert pool.get("shm_size"), "the CPU arena lives in the pool's /dev/shm: size it"
 
 
-@pytest.mark.parametrize(
-    "env", [{}, {"KVPOOL_GPUS": "GPU-5c3a9e8e-0000-4000-8000-000000000000"}], ids=["0", "uuid"]
-)
+@pytest.mark.parametrize("env", [{}, {"KVPOOL_GPUS": "GPU-5c3a9e8e-0000-4000-8000-000000000000"}], ids=["0", "uuid"])
 def test_every_container_reserves_the_arena_gpu(env: dict[str, str]) -> None:
     services = model(GPU_FILES, env)["services"]
     reserved = set()
@@ -197,9 +193,7 @@ def test_tcp_stays_on_loopback(files: tuple[str, ...], env: dict[str, str]) -> N
 
 
 def test_settings_reach_the_containers() -> None:
-    passed = {
-        k for name in SERVICES for k in env_of(model(GPU_FILES)["services"][name]) if k.startswith("KVPOOL_")
-    }
+    passed = {k for name in SERVICES for k in env_of(model(GPU_FILES)["services"][name]) if k.startswith("KVPOOL_")}
     fields = {f"KVPOOL_{name.upper()}" for name in PoolSettings.model_fields if name not in NOT_PASSED}
     missing = fields - passed - FIXED
     assert not missing, f"add {sorted(missing)} to the environment in docker/compose.yaml and to .env.example"
@@ -243,9 +237,7 @@ def test_docker_compose_config_agrees(files: tuple[str, ...]) -> None:
     for name in files:
         args += ["-f", str(DOCKER / name)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_", "COMPOSE_"))}
-    done = subprocess.run(
-        [*args, "config", "--format", "json"], capture_output=True, text=True, env=env, cwd=ROOT
-    )
+    done = subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     theirs = json.loads(done.stdout)["services"]
     ours = model(files, ENVS["env-example"])["services"]

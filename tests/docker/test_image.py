@@ -45,9 +45,7 @@ def test_base_is_a_pinned_cuda_pytorch_runtime() -> None:
     for arg in args_of("ARG"):
         key, _, default = arg.partition("=")
         base = base.replace(f"${{{key}}}", default).replace(f"${key}", default)
-    assert re.fullmatch(
-        r"pytorch/pytorch:\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime(@sha256:[0-9a-f]{64})?", base
-    )
+    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda\d+\.\d+-cudnn\d+-runtime(@sha256:[0-9a-f]{64})?", base)
 
 
 def test_installs_only_through_the_ci_script() -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-from tests.conftest import PoolProcess, child_env, launch
+from kvpool.launch import child_env, spawn
+from tests.conftest import PoolProcess
 
 SMALL_LAYOUT = (
     "--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
@@ -29,6 +29,7 @@ def serve(
     is expected to refuse to start).
     """
     log = Path(tempfile.mkdtemp(prefix="kvp-log-")) / "pool.log"
-    args = [sys.executable, "-m", "kvpool", "serve", "--backend", "cpu", "--log-level", "warning", *flags]
+    args = ["kvpool", "serve", "--backend", "cpu", "--log-level", "warning", *flags]
     inherited = {k: v for k, v in child_env().items() if not k.startswith("KVPOOL_")}
-    return launch(args, socket, port, log, {**inherited, **(env or {})}, wait=wait, timeout_s=timeout_s)
+    return spawn(args, socket=socket, port=port, log=log, env={**inherited, **(env or {})}, wait=wait,
+                 timeout_s=timeout_s)  # fmt: skip
