@@ -10,13 +10,13 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.errors import KvpoolError, Unauthorized
+from kvpool.errors import KvpoolError
 from kvpool.metrics import registry_for
 from kvpool.protocol import (
     AllocRequest,
@@ -133,8 +133,8 @@ class BodyLimit:
 class RequireToken:
     """With a token set, refuse every request but ``GET /health`` without it, before its body is read.
 
-    The routes also check it (``authorize``); this gate covers the rest (``/openapi.json``, ``/docs``, unknown
-    paths), so "every endpoint but /health" holds whatever the framework adds.
+    One gate in front of the whole app, rather than a check per route, so "every endpoint but /health" also holds
+    for what the framework adds (``/openapi.json``, ``/docs``) and for unknown paths.
     """
 
     OPEN = frozenset({"/health"})
@@ -162,14 +162,6 @@ class RequireToken:
 def create_app(plane: ControlPlane) -> FastAPI:
     settings = plane.settings
     token = settings.token.get_secret_value().encode() if settings.token else None
-
-    async def authorize(request: Request) -> None:
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.encode(), token):
-            raise Unauthorized(UNAUTHORIZED)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -222,7 +214,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
             return Health(status="ok", epoch=plane.epoch)
         return JSONResponse(Health(status="starting", epoch=plane.epoch).model_dump(), status_code=503)
 
-    api = APIRouter(dependencies=[Depends(authorize)])
+    api = APIRouter()  # the token is checked for every path but /health by RequireToken, before any body is read
     registry = registry_for(lambda: plane.pool)
 
     @api.get("/arena")
