@@ -1,7 +1,9 @@
 """A worker process for the integration tests: writes a known pattern into blocks, or reads and checks it.
 
-Run as ``python -m tests.pattern_worker write|read URL REQUEST_ID NUM_BLOCKS``. The writer hands its blocks off
-under REQUEST_ID and exits; the reader claims them in another process and checks every element.
+Run as ``python -m tests.pattern_worker write|read|commit URL REQUEST_ID NUM_BLOCKS``. The writer hands its blocks
+off under REQUEST_ID and exits; the reader claims them in another process and checks every element. ``commit``
+writes the pattern, commits the blocks as the prompt ``prompt_tokens(NUM_BLOCKS)`` and exits: its blocks stay
+cached for any other process's lookup.
 """
 
 from __future__ import annotations
@@ -26,11 +28,15 @@ def pattern(arena, block_ids: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def prompt_tokens(num_blocks: int, block_size: int) -> list[int]:
+    return [(7 * i + 3) % 1000 for i in range(num_blocks * block_size)]
+
+
 def main(argv: list[str]) -> int:
     mode, url, request_id, n = argv[0], argv[1], argv[2], int(argv[3])
     with PoolClient(url, name=f"pattern-{mode}", role="prefill" if mode == "write" else "decode") as pool:
         arena = pool.arena()
-        if mode == "write":
+        if mode in ("write", "commit"):
             ids = pool.alloc(n)
             idx = torch.tensor(ids, device=arena.device)
             for (layer, kv), values in zip(
@@ -40,8 +46,11 @@ def main(argv: list[str]) -> int:
                 view[idx] = values.to(arena.device)
             if arena.device.type == "cuda":
                 torch.cuda.synchronize()
-            pool.handoff(request_id, ids, n * arena.layout.block_size, {"writer": "pattern"})
-            print("WROTE", ids, flush=True)
+            if mode == "commit":
+                pool.commit(ids, prompt_tokens(n, arena.layout.block_size))
+            else:
+                pool.handoff(request_id, ids, n * arena.layout.block_size, {"writer": "pattern"})
+            print("WROTE", " ".join(map(str, ids)), flush=True)
         else:
             got = pool.claim(request_id, timeout_s=30)
             idx = torch.tensor(got.block_ids, device=arena.device)

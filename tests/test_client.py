@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, LayoutMismatch, NotOwner
@@ -31,6 +32,25 @@ def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
     assert r.returncode == 0 and "READ OK" in r.stdout, r.stdout + r.stderr
     s = pool_server.stats()
     assert (s["free"], s["in_use"], s["handoffs"]) == (64, 0, 0)
+
+
+def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_server):
+    from tests.pattern_worker import pattern, prompt_tokens
+
+    w = run_worker("commit", pool_server.url, "-", "4")
+    assert w.returncode == 0, w.stderr
+    written = [int(b) for b in w.stdout.split("WROTE", 1)[1].split()]
+    with PoolClient(pool_server.url, name="reader", layout=SMALL) as pool:
+        arena = pool.arena()
+        shared = prompt_tokens(4, SMALL.block_size)[: 3 * SMALL.block_size]
+        hit = pool.lookup([*shared, 999, 998, 997, 996, 995])
+        assert hit.block_ids == written[:3] and hit.num_tokens == 3 * SMALL.block_size
+        want = pattern(arena, written)
+        for (layer, kv), values in zip([(i, kv) for i in range(SMALL.num_layers) for kv in (0, 1)], want, strict=True):
+            view = arena.k(layer) if kv == 0 else arena.v(layer)
+            assert torch.equal(view[hit.block_ids], values[:3])
+        pool.free(hit.block_ids)
+    assert pool_server.stats()["cached"] == 4
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
