@@ -66,9 +66,6 @@ class BlockAllocator:
         free, cached = len(self._free[partition]), len(self._lru[partition])
         return free, self.sizes[partition] - free - cached, cached
 
-    def holders(self) -> list[str]:
-        return list(self._holders)
-
     def held(self, holder: str) -> dict[int, int]:
         """{block: refs} that ``holder`` holds (a copy)."""
         return dict(self._holders.get(holder, {}))

@@ -87,20 +87,6 @@ class HostArena:
     def close(self) -> None:
         raise NotImplementedError
 
-    def describe(self, epoch: str, num_blocks: int, layout: KVLayout, model: str = "") -> ArenaDescriptor:
-        return ArenaDescriptor(
-            epoch=epoch,
-            backend=self.backend,
-            device=self.device,
-            handle=self.handle,
-            nbytes=self.nbytes,
-            num_blocks=num_blocks,
-            block_nbytes=layout.block_nbytes,
-            layout=layout,
-            owner_pid=os.getpid(),
-            model=model,
-        )
-
 
 class CpuHostArena(HostArena):
     backend = "cpu"

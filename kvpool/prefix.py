@@ -70,9 +70,6 @@ class PrefixHasher:
             key = digest(key + chunk)
             yield key, chunk
 
-    def num_blocks(self, num_tokens: int) -> int:
-        return num_tokens // self.block_size
-
 
 class _Node:
     __slots__ = ("block", "key", "parent", "tokens")
@@ -142,6 +139,3 @@ class PrefixIndex:
         node = self._by_block.pop(block, None)
         if node is not None and self._nodes.get(node.key) is node:
             del self._nodes[node.key]
-
-    def is_indexed(self, block: int) -> bool:
-        return block in self._by_block

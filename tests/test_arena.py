@@ -11,13 +11,18 @@ import torch
 from kvpool.arena import CpuHostArena, open_arena, size_in_blocks
 from kvpool.errors import InvalidRequest, LayoutMismatch
 from kvpool.layout import KVLayout
+from kvpool.protocol import ArenaDescriptor
 
 
 @pytest.fixture
 def cpu_arena(tmp_path):
     def make(layout: KVLayout, num_blocks: int = 6):
         host = CpuHostArena(num_blocks * layout.block_nbytes, tmp_path, epoch=os.urandom(4).hex())
-        return host, open_arena(host.describe("e-" + host.path.name, num_blocks, layout))
+        descriptor = ArenaDescriptor(
+            epoch="e-" + host.path.name, backend="cpu", device=None, handle=host.handle, nbytes=host.nbytes,
+            num_blocks=num_blocks, block_nbytes=layout.block_nbytes, layout=layout, owner_pid=os.getpid(),
+        )  # fmt: skip
+        return host, open_arena(descriptor)
 
     return make
 
