@@ -111,6 +111,12 @@ def serve(settings: PoolSettings) -> None:
     )
     server = PoolServer(config, plane)
     app.state.on_fatal = lambda: setattr(server, "should_exit", True)
+    if settings.port and settings.token is None:
+        log.warning(
+            "TCP port %d takes requests from every local user (socket permissions cannot guard it), and /arena "
+            "hands out the arena's handle: set --token, or --port 0 to serve the Unix socket only",
+            settings.port,
+        )
     log.info(
         "kvpool %s listening on %s",
         plane.epoch,
