@@ -179,8 +179,11 @@ class BlockAllocator:
     def mark_committed(self, blocks: Sequence[int]) -> None:
         """Flag in-use blocks as holding findable KV: at ref 0 they will be cached, not freed."""
         self._check_range(blocks)
-        idle = [b for b in blocks if self.ref_cnt[b] == 0]
-        if idle:
+        if not blocks:
+            return
+        ref = self.ref_cnt
+        if min(map(ref.__getitem__, blocks)) == 0:
+            idle = [b for b in blocks if ref[b] == 0]
             raise InvalidRequest(f"blocks {idle[:8]} are not in use: commit blocks while holding a ref on them")
         committed = self.committed
         for block in blocks:

@@ -200,10 +200,13 @@ class Pool:
         blocks = list(block_ids[:num_full])
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)
-        arenas = {self.allocator.partition[b] for b in blocks}
-        if len(arenas) > 1:
-            raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
-        new = self.index.plan(self.hashers[arenas.pop()].blocks(token_ids), blocks)
+        arena = 0
+        if len(self.arena_sizes) > 1:
+            arenas = {self.allocator.partition[b] for b in blocks}
+            if len(arenas) > 1:
+                raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
+            arena = arenas.pop()
+        new = self.index.plan(self.hashers[arena].blocks(token_ids), blocks)
         self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
         c = self.counters

@@ -112,7 +112,8 @@ class PrefixIndex:
         """
         nodes, by_block, prev = self._nodes, self._by_block, None
         new: list[_Node] = []
-        for (key, chunk), block in zip(blocks, block_ids, strict=True):
+        pairs = zip(blocks, block_ids, strict=True)
+        for (key, chunk), block in pairs:
             node = nodes.get(key)
             if node is not None and node.parent is prev and node.tokens == chunk:
                 owner = by_block.get(block)
@@ -122,6 +123,16 @@ class PrefixIndex:
                     )
                 prev = node
                 continue
+            if block in by_block:
+                raise InvalidRequest(
+                    f"block {block} already holds cached KV of other tokens: commit only blocks you wrote"
+                )
+            prev = _Node(key, block, chunk, prev)
+            new.append(prev)
+            break
+        # Past the first new node no indexed node can follow (its parent would be a node not yet indexed), so the
+        # rest of the chain is new: only a block that already holds other cached KV stops it.
+        for (key, chunk), block in pairs:
             if block in by_block:
                 raise InvalidRequest(
                     f"block {block} already holds cached KV of other tokens: commit only blocks you wrote"
