@@ -49,7 +49,7 @@ class StubPlane:
         self.ids = list(range(MAX_IDS))
 
     def alloc(self, req: AllocRequest) -> AllocResponse:
-        return AllocResponse(block_ids=self.ids[: req.num_blocks])
+        return AllocResponse.model_construct(block_ids=self.ids[: req.num_blocks])  # as the pool builds it
 
     def free(self, req: FreeRequest) -> FreeResponse:
         return FreeResponse(freed=len(req.block_ids))
@@ -63,7 +63,7 @@ class StubPlane:
     def _unsupported(self, req: Any) -> Any:
         raise NotImplementedError("the bare floor serves alloc and free only")
 
-    commit = lookup = handoff = claim = _unsupported
+    commit = lookup = handoff = claim = accept = _unsupported
 
 
 def create_bare_app(plane: StubPlane, channel: FastChannel) -> FastAPI:

@@ -228,12 +228,10 @@ class _Pool(_Side):
         super().__init__(workdir)
         base = ["--pool", url, "--threads", str(threads), *model_args]
         py = [sys.executable, "-m"]
-        self.procs["decode"] = _spawn(
-            [*py, "workers.decode", *base, "--max-batch", str(max_batch), "--idle-wait-s", "0.05"],
-            workdir / "decode.log",
-            stdin=False,
-        )
-        self.procs["prefill"] = _spawn([*py, "workers.prefill", *base], workdir / "prefill.log")
+        decode = ["--name", "e2e-decode", "--max-batch", str(max_batch), "--idle-wait-s", "0.05"]
+        self.procs["decode"] = _spawn([*py, "workers.decode", *base, *decode], workdir / "decode.log", stdin=False)
+        prefill = [*py, "workers.prefill", *base, "--handoff-to", "e2e-decode"]
+        self.procs["prefill"] = _spawn(prefill, workdir / "prefill.log")
         for name, proc in self.procs.items():
             assert proc.stdout is not None
             _Lines(name, proc.stdout, self.lines)

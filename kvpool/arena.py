@@ -17,11 +17,11 @@ import base64
 import logging
 import os
 import threading
-from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from kvpool.channel import pack_ids
 from kvpool.errors import ArenaClosed, InvalidRequest, LayoutMismatch
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, DeviceInfo
@@ -229,15 +229,32 @@ class Arena:
         return local
 
     def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The int32 block table of a sequence, on the arena's device, ready for a paged-attention kernel."""
+        """The int32 block table of a sequence, on the arena's device, for a paged-attention kernel.
+
+        Packed ids (a :class:`kvpool.client.Claim`'s ``ids``, an ``array('i')``, an int32 numpy array) are taken
+        as they are, with no id converted. On CUDA the table is copied from pinned memory without waiting: the
+        copy is enqueued on the current stream, so a kernel launched after it there reads the table; synchronize
+        before reading it on another stream or from the host.
+        """
         import torch
 
-        local = array("i", self.local_ids(block_ids))
-        return (
-            torch.frombuffer(local, dtype=torch.int32).to(self.device)
-            if local
-            else torch.empty(0, dtype=torch.int32, device=self.device)
-        )
+        packed = pack_ids(block_ids)
+        if packed is None:
+            raise IndexError(f"block ids outside int32: {list(block_ids)[:8]}")
+        if not len(packed):
+            return torch.empty(0, dtype=torch.int32, device=self.device)
+        host = torch.frombuffer(packed, dtype=torch.int32)
+        if self.first_block:
+            host = host - self.first_block
+        if int(host.min()) < 0 or int(host.max()) >= self.num_blocks:
+            first = self.first_block
+            raise IndexError(
+                f"blocks outside this arena's ids [{first}, {first + self.num_blocks}): {(host + first).tolist()[:8]}"
+            )
+        device = self.device
+        if device.type == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)
+        return host.clone()  # never alias the caller's buffer
 
     def blocks_view(self) -> tuple[torch.Tensor, int]:
         """The whole arena as one 3-D tensor and the dim that indexes blocks, for copying blocks in bulk.

@@ -1,29 +1,139 @@
-"""Framing of the fast channel (see ``server/fastpath.py``) and its blocking client connection."""
+"""Framing of the fast channel (see ``server/fastpath.py``) and its blocking client connection.
+
+A frame is ``len || head \\n body``: head is an op name in requests and a status code in replies. The body is
+the request or reply model as JSON; for a model with ``block_ids`` the ids may instead follow the JSON packed as
+little-endian int32, after a NUL byte (a JSON text never holds a raw NUL): ``{"block_ids": [], ...} \\0 ids``.
+The attached array replaces the empty list. Packed ids cost a memcpy where JSON costs a parse per id (about
+55 ns an id on one side with pydantic, against 15 for packing a list and nothing for an array that is packed
+already), so a request's thousands of ids stay cheap on the hot path.
+"""
 
 from __future__ import annotations
 
 import socket
 import struct
+import sys
+from array import array
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from kvpool.errors import InvalidRequest
 
 HEADER = struct.Struct("<I")
+SEP = b"\0"
+M = TypeVar("M", bound=BaseModel)
 
 
 def frame(head: bytes, body: bytes) -> bytes:
-    """``len || head \\n body``: head is an op name in requests and a status code in replies."""
     payload = b"%s\n%s" % (head, body)
     return HEADER.pack(len(payload)) + payload
 
 
+def pack_ids(ids: Sequence[int] | Any) -> memoryview | None:
+    """Block ids as int32 bytes: without a copy when they already are (``array('i')``, a 1-D int32 numpy array
+    or CPU tensor), else packed from the sequence; None when a value does not fit in int32 (the caller then
+    sends JSON, and the pool says what is wrong with it)."""
+    if type(ids) is array and ids.typecode == "i" and sys.byteorder == "little":  # the hot path: no checks to pay
+        return memoryview(ids).cast("B")
+    if sys.byteorder == "little":
+        if type(ids).__module__.startswith("torch") and ids.device.type == "cpu":
+            ids = ids.numpy()  # shares the tensor's memory
+        try:
+            view = memoryview(ids)
+        except TypeError:
+            view = None
+        if view is not None and view.format in ("i", "<i", "=i") and view.ndim == 1 and view.c_contiguous:
+            return view.cast("B")
+    try:
+        packed = array("i", ids)
+    except (OverflowError, TypeError):
+        return None
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def unpack_ids(data: bytes | memoryview) -> array:
+    if len(data) % 4:
+        raise InvalidRequest(f"attached block ids must be whole int32 values: {len(data)} bytes is not a multiple of 4")
+    ids = array("i")
+    ids.frombytes(data)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    return ids
+
+
+def encode(model: BaseModel, ids: memoryview | None = None) -> bytes:
+    """The body for ``model``; ``ids`` (packed) go attached, and ``model.block_ids`` must then be empty."""
+    body = model.model_dump_json().encode()
+    return body if ids is None else b"".join((body, SEP, ids))
+
+
+def decode(model: type[M], body: bytes) -> tuple[M, array | None]:
+    """Parse a body into ``model``; returns the attached ids too (packed), already set on ``block_ids``."""
+    head, sep, tail = body.partition(SEP)
+    parsed = model.model_validate_json(head)
+    if not sep:
+        return parsed, None
+    if "block_ids" not in type(parsed).model_fields:
+        raise InvalidRequest(f"{model.__name__} takes no block ids, but ids were attached")
+    if parsed.block_ids:  # type: ignore[attr-defined]
+        raise InvalidRequest("block ids were given twice: in the JSON and attached; attach them with block_ids []")
+    ids = unpack_ids(tail)
+    limit = type(parsed).model_fields["block_ids"].metadata
+    most = next((m.max_length for m in limit if getattr(m, "max_length", None) is not None), None)
+    if most is not None and len(ids) > most:
+        raise InvalidRequest(f"{len(ids)} attached block ids, more than the {most} one call may carry")
+    parsed.block_ids = ids.tolist()  # type: ignore[attr-defined]
+    return parsed, ids
+
+
 class FastConnection:
-    """One kept-open Unix-socket connection; one call in flight at a time (use one per thread)."""
+    """One kept-open Unix-socket connection, used by one thread at a time.
+
+    Calls can be pipelined: :meth:`send` writes a request without waiting, and its reply is read, in order,
+    before the next :meth:`call`'s (or by :meth:`settle`). A refused pipelined request is reported there.
+    """
 
     def __init__(self, path: str, timeout_s: float | None = None) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.sock.connect(path)
+        self.pending: deque[str] = deque()
 
-    def call(self, op: bytes, body: bytes) -> tuple[int, bytes]:
+    def call(self, op: bytes, body: bytes, between: Callable[[], None] | None = None) -> tuple[int, bytes]:
+        """Send a request and read its answer; ``between`` runs once the request is written."""
+        refused = self.settle()
+        if refused:
+            raise PipelinedRefusal(refused)
         self.sock.sendall(frame(op, body))
+        if between is not None:
+            between()
+        return self.receive()
+
+    def send(self, op: bytes, body: bytes, label: str) -> None:
+        """Write a request and return at once; ``label`` names it if the pool refuses it."""
+        self.sock.sendall(frame(op, body))
+        self.pending.append(label)
+
+    def settle(self) -> list[tuple[str, int, bytes]]:
+        """Read the replies of every pipelined request; return the refused ones as (label, status, body)."""
+        refused = []
+        while self.pending:
+            label, status, body = self.take()
+            if status != 200:
+                refused.append((label, status, body))
+        return refused
+
+    def take(self) -> tuple[str, int, bytes]:
+        """The reply of the oldest pipelined request, as (label, status, body)."""
+        status, body = self.receive()
+        return self.pending.popleft(), status, body
+
+    def receive(self) -> tuple[int, bytes]:
         (size,) = HEADER.unpack(self._recv(HEADER.size))
         status, _, reply = self._recv(size).partition(b"\n")
         return int(status), reply
@@ -40,3 +150,11 @@ class FastConnection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class PipelinedRefusal(Exception):
+    """Pipelined requests the pool refused, found before the next call was sent (that call was not sent)."""
+
+    def __init__(self, refused: list[tuple[str, int, bytes]]) -> None:
+        super().__init__(f"{len(refused)} pipelined requests refused")
+        self.refused = refused

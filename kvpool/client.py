@@ -4,6 +4,11 @@ One client holds one session, kept alive by a background heartbeat and released 
 connection (TCP or Unix socket), and, when the pool serves it, the fast channel for the hot calls (alloc, free,
 commit, lookup, handoff, claim): a kept-open Unix socket per thread that costs tens of microseconds a call
 instead of an HTTP round trip. The arena is mapped once per process, whatever the number of clients.
+
+Block ids go over the fast channel packed as int32 (see :mod:`kvpool.channel`): hand a request's block table
+over as an ``array('i')``, an int32 numpy array or CPU tensor, and no id is converted on the way. A client opened
+with ``inbox=True`` also receives handoffs addressed to it (``handoff(..., to=name)``) straight from their
+producer, without waiting for the pool (see :mod:`kvpool.inbox`).
 """
 
 from __future__ import annotations
@@ -12,15 +17,19 @@ import contextlib
 import json
 import logging
 import os
+import struct
 import threading
-from collections.abc import Sequence
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
 
 from kvpool.arena import Arena, forget_mappings, open_arena
-from kvpool.channel import FastConnection
+from kvpool.channel import SEP, FastConnection, PipelinedRefusal, decode, encode, pack_ids
 from kvpool.config import default_socket
 from kvpool.errors import (
     ERRORS,
@@ -30,6 +39,7 @@ from kvpool.errors import (
     PoolUnavailable,
     UnknownSession,
 )
+from kvpool.inbox import Delivery, Inbox, Outbox, encode_delivery
 from kvpool.layout import KVLayout
 from kvpool.protocol import (
     AllocRequest,
@@ -49,31 +59,88 @@ from kvpool.protocol import (
     Role,
     SessionCreate,
     SessionInfo,
+    SessionList,
     SessionRef,
+    SessionSummary,
 )
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=BaseModel)
+T = TypeVar("T")
 _BY_STATUS = {cls.status: cls for cls in reversed(list(ERRORS.values()))}
+#: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is normally
+#: parked already, since the producer writes it to the pool before it sends the ids
+ACCEPT_WAIT_S = 10.0
+#: request ids claimed through the pool remembered, so that a late direct delivery of one is dropped
+CLAIMED_KEPT = 4096
+#: a HandoffRequest with its ids attached, as the direct path writes it
+HANDOFF_JSON = b'{"session_id":%s,"request_id":%s,"block_ids":[],"num_tokens":%d,"meta":%s,"ttl_s":%s,"to":%s}'
 
 
 def default_url() -> str:
     return os.environ.get("KVPOOL_URL") or f"unix://{default_socket()}"
 
 
-def raise_for(status: int, body: bytes) -> None:
-    """Turn an error reply back into the exception the pool raised."""
+def error_for(status: int, body: bytes) -> KvpoolError:
+    """The exception the pool raised, from its error reply."""
     try:
         data = json.loads(body)
     except ValueError:
         data = {"detail": body.decode(errors="replace")}
     detail = data.get("detail") if isinstance(data, dict) else data
     if status == 422:
-        raise InvalidRequest(f"the pool refused the request: {detail}")
+        return InvalidRequest(f"the pool refused the request: {detail}")
     name = data.get("error") if isinstance(data, dict) else None
     cls = ERRORS.get(name or "") or _BY_STATUS.get(status, KvpoolError)
-    raise cls(detail if isinstance(detail, str) else json.dumps(detail))
+    return cls(detail if isinstance(detail, str) else json.dumps(detail))
+
+
+def raise_for(status: int, body: bytes) -> NoReturn:
+    raise error_for(status, body)
+
+
+def _as_list(ids: Sequence[int] | Any) -> list[int]:
+    return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+class Claim:
+    """A claimed handoff: its block ids packed (``ids``, int32, as they came off the wire) and as a list
+    (``block_ids``, built on first use, so that a caller building a block table from ``ids`` never pays for it).
+
+    ``direct`` is True when the producer delivered the ids to this client's inbox; the pool's answer to the
+    claim is then still on its way (see :meth:`PoolClient.confirm`).
+    """
+
+    __slots__ = ("_list", "direct", "ids", "meta", "num_tokens", "request_id")
+
+    def __init__(
+        self,
+        request_id: str,
+        num_tokens: int,
+        meta: dict[str, Any],
+        ids: array,
+        block_ids: list[int] | None = None,
+        direct: bool = False,
+    ) -> None:
+        self.request_id = request_id
+        self.num_tokens = num_tokens
+        self.meta = meta
+        self.ids = ids
+        self._list = block_ids
+        self.direct = direct
+
+    @property
+    def block_ids(self) -> list[int]:
+        if self._list is None:
+            self._list = self.ids.tolist()
+        return self._list
+
+    def __repr__(self) -> str:
+        return (
+            f"Claim(request_id={self.request_id!r}, num_tokens={self.num_tokens}, blocks={len(self.ids)}, "
+            f"direct={self.direct})"
+        )
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
@@ -97,6 +164,10 @@ class PoolClient:
         token: the pool's bearer token, if it has one (default ``$KVPOOL_TOKEN``).
         layout: your model's KV layout; the pool refuses a session whose layout differs from the arena's.
         fast: use the fast channel when the pool serves one and it is reachable from here.
+        inbox: receive the handoffs addressed to this session (``handoff(..., to=name)``) straight from their
+            producer (needs the fast channel; give the session a name no other live session has).
+        spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
+            but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
     """
 
     def __init__(
@@ -110,6 +181,8 @@ class PoolClient:
         fast: bool = True,
         timeout_s: float = 30.0,
         heartbeat: bool = True,
+        inbox: bool = False,
+        spin_s: float = 0.001,
     ) -> None:
         self.url = url or default_url()
         self.name = name
@@ -118,6 +191,14 @@ class PoolClient:
         self.layout = layout
         self.timeout_s = timeout_s
         self._use_fast = fast
+        self._want_inbox = inbox
+        self.spin_s = spin_s
+        self._inbox: Inbox | None = None
+        self._outbox: Outbox | None = None
+        self._inbox_lock = threading.RLock()
+        self._delivered: OrderedDict[str, Delivery] = OrderedDict()
+        self._claimed: OrderedDict[str, None] = OrderedDict()
+        self._inboxes: dict[str, str | None] = {}
         self._http = http_client(self.url, self.token, timeout_s)
         self._local = threading.local()
         self._conns: list[FastConnection] = []
@@ -136,13 +217,21 @@ class PoolClient:
     # -- session ----------------------------------------------------------------------------------------
 
     def _open_session(self) -> None:
-        req = SessionCreate(name=self.name, role=self.role, layout=self.layout)
+        want_inbox = self._want_inbox and self._use_fast
+        req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=want_inbox)
         info = self._http_call("POST", "/sessions", req, SessionInfo)
         self.session_id = info.session_id
         self.epoch = info.epoch
         self.lease_ttl_s = info.lease_ttl_s
         path = info.fast_socket
         self._fast_path = path if self._use_fast and path and os.path.exists(path) else None
+        self._delivered.clear()
+        self._claimed.clear()
+        if info.inbox is not None and self._fast_path is not None:
+            try:
+                self._inbox = Inbox(info.inbox, self.epoch, os.stat(self._fast_path).st_mode & 0o777)
+            except OSError as exc:  # the pool's directory is not writable from here: handoffs come through the pool
+                log.warning("no inbox at %s (%s): addressed handoffs will come through the pool", info.inbox, exc)
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.lease_ttl_s / 3):
@@ -175,6 +264,7 @@ class PoolClient:
         with self._session_lock:
             old_epoch = self.epoch
             self._close_conns()
+            self._close_inbox()
             self._arenas = {}
             self._lost = None
             self._open_session()
@@ -191,7 +281,15 @@ class PoolClient:
         with contextlib.suppress(httpx.HTTPError):
             self._http.delete(f"/sessions/{self.session_id}")
         self._close_conns()
+        self._close_inbox()
+        if self._outbox is not None:
+            self._outbox.close()
         self._http.close()
+
+    def _close_inbox(self) -> None:
+        if self._inbox is not None:
+            self._inbox.close()
+            self._inbox = None
 
     def __enter__(self) -> PoolClient:
         return self
@@ -228,17 +326,17 @@ class PoolClient:
         return self._call(b"alloc", "/alloc", req, AllocResponse).block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
-        req = self._req(FreeRequest, session_id=self.session_id, block_ids=list(block_ids))
-        return self._call(b"free", "/free", req, FreeResponse).freed
+        req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
+        return self._call(b"free", "/free", req, FreeResponse, ids=ids).freed
 
     def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
         """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished)."""
-        req = self._req(CommitRequest, session_id=self.session_id, block_ids=list(block_ids), token_ids=list(token_ids))
-        return self._call(b"commit", "/commit", req, CommitResponse)
+        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=_as_list(token_ids))
+        return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids``; you hold a ref on each returned block until you free it."""
-        req = self._req(LookupRequest, session_id=self.session_id, token_ids=list(token_ids), device=device)
+        req = self._req(LookupRequest, session_id=self.session_id, token_ids=_as_list(token_ids), device=device)
         return self._call(b"lookup", "/lookup", req, LookupResponse)
 
     def handoff(
@@ -248,22 +346,173 @@ class PoolClient:
         num_tokens: int,
         meta: dict[str, Any] | None = None,
         ttl_s: float | None = None,
+        to: str | None = None,
     ) -> HandoffResponse:
-        req = self._req(
-            HandoffRequest,
-            session_id=self.session_id,
-            request_id=request_id,
-            block_ids=list(block_ids),
-            num_tokens=num_tokens,
-            meta=meta or {},
-            ttl_s=ttl_s,
-        )
-        return self._call(b"handoff", "/handoff", req, HandoffResponse)
+        """Park the blocks under ``request_id`` for a consumer; your refs on them move to the handoff.
 
-    def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> ClaimResponse:
-        """Take a parked handoff (the oldest if ``request_id`` is None), waiting up to ``timeout_s``."""
+        ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
+        there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
+        """
+        ids = pack_ids(block_ids) if self._fast_path is not None and to is not None else None
+        inbox = self._inbox_of(to) if to is not None and ids is not None else None
+        if inbox is not None and ids is not None:
+            resp = self._handoff_direct(inbox, request_id, ids, num_tokens, meta or {}, ttl_s, str(to))
+        else:
+            req, ids = self._with_ids(
+                HandoffRequest,
+                block_ids,
+                session_id=self.session_id,
+                request_id=request_id,
+                num_tokens=num_tokens,
+                meta=meta or {},
+                ttl_s=ttl_s,
+                to=to,
+            )
+            resp = self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)
+        if to is not None:
+            self._inboxes[to] = resp.inbox
+        return resp
+
+    def _handoff_direct(
+        self,
+        inbox: str,
+        request_id: str,
+        ids: memoryview,
+        num_tokens: int,
+        meta: dict[str, Any],
+        ttl_s: float | None,
+        to: str,
+    ) -> HandoffResponse:
+        """The handoff to the pool, and its ids to the addressee's inbox once the pool has it.
+
+        This is the direct path's critical path, so the request is written by hand and goes unvalidated: a
+        pydantic model would cost more than the rest of the path. The pool validates it as any request, and a
+        refusal reaches the addressee's claim.
+        """
+        try:
+            extra = json.dumps(meta, separators=(",", ":")).encode()
+            to_json = json.dumps(to).encode()
+            ttl = b"null" if ttl_s is None else b"%r" % float(ttl_s)
+            rid = json.dumps(request_id).encode()
+            head = HANDOFF_JSON % (json.dumps(self.session_id).encode(), rid, num_tokens, extra, ttl, to_json)
+            datagram = encode_delivery(self.epoch, request_id, ids, num_tokens, extra)
+        except (TypeError, ValueError, AttributeError, struct.error) as exc:
+            why = f"{exc} (meta must be a JSON object, num_tokens an integer at least 0)"
+            raise InvalidRequest(f"cannot send this handoff: {why}") from None
+        outbox = self._outbox = self._outbox or Outbox()
+
+        def deliver() -> None:
+            if not outbox.send(inbox, datagram):
+                self._inboxes.pop(to, None)
+
+        return self._exchange(b"handoff", "/handoff", head, HandoffResponse, ids=ids, between=deliver)[0]
+
+    def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
+        """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
+
+        With an inbox, a handoff delivered to it returns at once, while the pool's answer to the claim is still
+        on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
+        known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
+        first, the ids from the producer or the pool's answer, ends the wait.
+        """
+        if self._inbox is None:
+            return self._claim_from_pool(request_id, timeout_s)
+        if request_id is not None:
+            return self._claim_expected(request_id, timeout_s)
+        start = time.perf_counter()
+        with self._inbox_lock:
+            got = self._delivery(None, min(self.spin_s, timeout_s))
+        if got is not None:
+            self._pipeline(b"accept", got.request_id, ACCEPT_WAIT_S)
+            return Claim(got.request_id, got.num_tokens, got.meta, got.ids, direct=True)
+        return self._claim_from_pool(None, max(0.0, timeout_s - (time.perf_counter() - start)))
+
+    def _claim_from_pool(self, request_id: str | None, timeout_s: float) -> Claim:
         req = self._req(ClaimRequest, session_id=self.session_id, request_id=request_id, timeout_s=timeout_s)
-        return self._call(b"claim", "/claim", req, ClaimResponse, wait_s=timeout_s)
+        resp, ids = self._exchange(b"claim", "/claim", req, ClaimResponse, wait_s=timeout_s)
+        return self._claimed_in_pool(resp, ids)
+
+    def _claimed_in_pool(self, resp: ClaimResponse, ids: array | None) -> Claim:
+        if self._inbox is not None:
+            with self._inbox_lock:
+                self._delivered.pop(resp.request_id, None)
+                self._claimed[resp.request_id] = None
+                while len(self._claimed) > CLAIMED_KEPT:
+                    self._claimed.popitem(last=False)
+        packed = ids if ids is not None else array("i", resp.block_ids)
+        return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
+
+    def _claim_expected(self, request_id: str, timeout_s: float) -> Claim:
+        with self._inbox_lock:
+            got = self._delivered.pop(request_id, None)
+            if got is None:
+                conn = self._pipeline(b"claim", request_id, timeout_s)
+                got = self._delivery(request_id, min(self.spin_s, timeout_s))
+                if got is None:  # nothing delivered: the pool's answer to the claim has the ids
+                    _, status, body = self._guard(conn.take)
+                    if status != 200:
+                        raise_for(status, body)
+                    return self._claimed_in_pool(*decode(ClaimResponse, body))
+                return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True)
+        self._pipeline(b"accept", request_id, ACCEPT_WAIT_S)
+        return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True)
+
+    def confirm(self) -> None:
+        """Wait for the pool's answers to this thread's direct claims; raise if it refused one (its blocks are
+        then not yours). Any later call on this thread does the same first."""
+        conn: FastConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.pending:
+            self._guard(lambda: self._settled(conn.settle()))
+
+    def _delivery(self, request_id: str | None, spin_s: float) -> Delivery | None:
+        """A delivered handoff for this claim, from those already received or the inbox, spinning ``spin_s``."""
+        assert self._inbox is not None
+        until = time.perf_counter() + spin_s
+        while True:
+            if request_id is None:
+                if self._delivered:
+                    return self._delivered.popitem(last=False)[1]
+            elif request_id in self._delivered:
+                return self._delivered.pop(request_id)
+            got = self._inbox.receive(until)
+            if got is None:
+                return None
+            if self._claimed.pop(got.request_id, 0) is None:
+                continue  # already claimed through the pool: this copy came late
+            self._delivered[got.request_id] = got
+
+    def _pipeline(self, op: bytes, request_id: str, timeout_s: float) -> FastConnection:
+        """Send a claim (or an accept) of ``request_id`` without waiting for its answer; earlier answers first.
+
+        Its body is written by hand: this is the direct path's critical path, where building and dumping a
+        ClaimRequest costs more than the rest; the pool validates the body as it validates any claim.
+        """
+        body = b'{"session_id":%s,"request_id":%s,"timeout_s":%r}' % (
+            json.dumps(self.session_id).encode(),
+            json.dumps(request_id).encode(),
+            float(timeout_s),
+        )
+
+        def send() -> FastConnection:
+            conn = self._fast()
+            self._settled(conn.settle())
+            conn.send(op, body, request_id)
+            return conn
+
+        return self._guard(send)
+
+    def sessions(self, name: str | None = None) -> list[SessionSummary]:
+        """The pool's live sessions (by name, role and inbox), or those called ``name``."""
+        listing = self._send("GET", "/sessions", None, params={"name": name} if name is not None else None)
+        return SessionList.model_validate(listing).sessions
+
+    def _inbox_of(self, name: str) -> str | None:
+        """The inbox of the live session called ``name``: asked of the pool once, then kept up to date by the
+        answers to handoffs (which name the addressee's inbox) and by failed deliveries."""
+        if name not in self._inboxes:
+            found = self.sessions(name)
+            self._inboxes[name] = found[0].inbox if len(found) == 1 else None
+        return self._inboxes[name]
 
     def move(self, block_ids: Sequence[int], device: int) -> list[int]:
         """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.
@@ -309,16 +558,52 @@ class PoolClient:
         except ValidationError as exc:
             raise InvalidRequest(str(exc)) from None
 
-    def _call(self, op: bytes, path: str, req: BaseModel, resp: type[R], wait_s: float = 0.0) -> R:
+    def _with_ids(self, model: type[R], block_ids: Sequence[int], **fields: Any) -> tuple[R, memoryview | None]:
+        """The request, and its ids packed to go attached on the fast channel (then ``block_ids`` is empty)."""
+        ids = pack_ids(block_ids) if self._fast_path is not None else None
+        return self._req(model, block_ids=[] if ids is not None else _as_list(block_ids), **fields), ids
+
+    def _call(
+        self, op: bytes, path: str, req: BaseModel, resp: type[R], wait_s: float = 0.0, ids: memoryview | None = None
+    ) -> R:
+        return self._exchange(op, path, req, resp, wait_s, ids)[0]
+
+    def _exchange(
+        self,
+        op: bytes,
+        path: str,
+        req: BaseModel | bytes,
+        resp: type[R],
+        wait_s: float = 0.0,
+        ids: memoryview | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> tuple[R, array | None]:
+        """One call, over the fast channel when there is one, else HTTP; ``between`` runs once the request is
+        written and before its answer is read. Returns the answer and its block ids packed, if they came so.
+        ``req`` may be the request's JSON already written (the fast channel only)."""
+        if self._fast_path is None:
+            assert isinstance(req, BaseModel)
+            return self._guard(lambda: (self._http_call("POST", path, req, resp, wait_s), None))
+        request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
+
+        def call() -> tuple[R, array | None]:
+            conn = self._fast()
+            try:
+                status, body = conn.call(op, request, between)
+            except PipelinedRefusal as exc:
+                self._settled(exc.refused)
+            if status != 200:
+                raise_for(status, body)
+            return decode(resp, body)
+
+        return self._guard(call)
+
+    def _guard(self, fn: Callable[[], T]) -> T:
+        """Run a fast-channel exchange; map a lost session or a broken channel to kvpool's errors."""
         if self._lost is not None:
             raise self._lost
         try:
-            if self._fast_path is None:
-                return self._http_call("POST", path, req, resp, wait_s)
-            status, body = self._fast().call(op, req.model_dump_json().encode())
-            if status != 200:
-                raise_for(status, body)
-            return resp.model_validate_json(body)
+            return fn()
         except UnknownSession:
             self._check_epoch()
             raise
@@ -327,14 +612,37 @@ class PoolClient:
             self._check_epoch()
             raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
 
+    @staticmethod
+    def _settled(refused: list[tuple[str, int, bytes]]) -> None:
+        """Raise for the direct claims the pool refused (see :meth:`confirm`); ``refused`` on the error names them."""
+        if refused:
+            label, status, body = refused[0]
+            exc = error_for(status, body)
+            more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
+            err = type(exc)(
+                f"the pool refused the claim of request {label!r}{more}, whose ids its producer delivered to your "
+                f"inbox: {exc}"
+            )
+            err.refused = tuple(r[0] for r in refused)
+            raise err
+
     def _http_call(self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0) -> R:
         return resp.model_validate(self._send(method, path, req, wait_s))
 
-    def _send(self, method: str, path: str, req: BaseModel | None, wait_s: float = 0.0) -> Any:
+    def _send(
+        self,
+        method: str,
+        path: str,
+        req: BaseModel | None,
+        wait_s: float = 0.0,
+        params: dict[str, str] | None = None,
+    ) -> Any:
         content = req.model_dump_json().encode() if req is not None else None
         headers = {"content-type": "application/json"} if content is not None else None
         try:
-            r = self._http.request(method, path, content=content, headers=headers, timeout=self.timeout_s + wait_s)
+            r = self._http.request(
+                method, path, content=content, headers=headers, params=params, timeout=self.timeout_s + wait_s
+            )
         except httpx.HTTPError as exc:
             raise PoolUnavailable(f"cannot reach the pool at {self.url}: {exc}") from exc
         if r.status_code != 200:
@@ -398,8 +706,8 @@ class DeviceSession:
         self.arena = pool.arena(layout, device=device)
         self.first = self.arena.first_block
 
-    def _global(self, ids: Sequence[int]) -> list[int]:
-        return [b + self.first for b in ids] if self.first else list(ids)
+    def _global(self, ids: Sequence[int]) -> Sequence[int]:
+        return [b + self.first for b in ids] if self.first else ids
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return self.arena.local_ids(ids)
@@ -424,13 +732,20 @@ class DeviceSession:
         num_tokens: int,
         meta: dict[str, Any] | None = None,
         ttl_s: float | None = None,
+        to: str | None = None,
     ) -> HandoffResponse:
-        return self.pool.handoff(request_id, self._global(block_ids), num_tokens, meta, ttl_s)
+        return self.pool.handoff(request_id, self._global(block_ids), num_tokens, meta, ttl_s, to)
 
-    def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> ClaimResponse:
+    def confirm(self) -> None:
+        self.pool.confirm()
+
+    def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         got = self.pool.claim(request_id, timeout_s)
-        ids = got.block_ids
+        ids = got.ids
         here = self.arena.descriptor.device_of(self.first)
         if ids and here is not None and self.arena.descriptor.device_of(ids[0]) != here:
-            ids = self.pool.move(ids, device=here)
-        return got.model_copy(update={"block_ids": self._local(ids)})
+            ids = array("i", self.pool.move(got.block_ids, device=here))
+        elif not self.first:
+            return got
+        local = self._local(ids)
+        return Claim(got.request_id, got.num_tokens, got.meta, array("i", local), local, got.direct)

@@ -11,6 +11,8 @@ class KvpoolError(Exception):
     """Base of every error kvpool raises on purpose."""
 
     status: int = 400
+    #: the requests whose direct claims the pool refused, when this is raised for them (see PoolClient.confirm)
+    refused: tuple[str, ...] = ()
 
 
 class InvalidRequest(KvpoolError):
@@ -40,6 +42,12 @@ class NotOwner(KvpoolError):
 
 
 class HandoffExists(KvpoolError):
+    status = 409
+
+
+class HandoffRefused(KvpoolError):
+    """The producer's handoff of a request was refused, so the ids its claimer may already hold are not its."""
+
     status = 409
 
 
@@ -85,6 +93,7 @@ ERRORS: dict[str, type[KvpoolError]] = {
         HandoffNotFound,
         NotOwner,
         HandoffExists,
+        HandoffRefused,
         LayoutMismatch,
         PayloadTooLarge,
         PoolExhausted,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,14 +19,18 @@ from kvpool.allocator import BlockAllocator
 from kvpool.errors import (
     HandoffExists,
     HandoffNotFound,
+    HandoffRefused,
     InvalidRequest,
+    KvpoolError,
     LayoutMismatch,
+    NotOwner,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
 from kvpool.prefix import Digest, PrefixHasher, PrefixIndex
 
 Clock = Callable[[], float]
+REFUSALS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -35,6 +40,7 @@ class Session:
     role: str
     expires_at: float
     created_at: float
+    inbox: str | None = None
 
     @property
     def holder(self) -> str:
@@ -49,10 +55,15 @@ class Handoff:
     meta: dict[str, Any]
     from_session: str
     expires_at: float
+    ttl_s: float
+    to: str | None = None  # the one session that may claim it; None: any. Addressed, it does not expire.
 
     @property
     def holder(self) -> str:
         return f"h:{self.request_id}"
+
+    def claimable_by(self, session_id: str) -> bool:
+        return self.to is None or self.to == session_id
 
 
 @dataclass(slots=True)
@@ -106,6 +117,7 @@ class Pool:
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
+    on_session_end: Callable[[Session], None] | None = None
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex()
@@ -121,17 +133,18 @@ class Pool:
         self.hasher = self.hashers[0]
         self.sessions: dict[str, Session] = {}
         self.handoffs: dict[str, Handoff] = {}
+        self.refused: OrderedDict[str, str] = OrderedDict()  # addressed handoffs refused lately: request -> why
         self.counters = Counters()
 
     # -- sessions ---------------------------------------------------------------------------------------
 
-    def open_session(self, name: str, role: str, layout: KVLayout | None = None) -> Session:
+    def open_session(self, name: str, role: str, layout: KVLayout | None = None, inbox: str | None = None) -> Session:
         if layout is not None and layout != self.layout:
             diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in self.layout.diff(layout).items())
             raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
-        session = Session(sid, name, role, now + self.lease_ttl_s, now)
+        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox)
         self.sessions[sid] = session
         self.counters.sessions_opened += 1
         return session
@@ -161,7 +174,20 @@ class Pool:
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
-        return self.allocator.release_holder(session.holder)
+        released = self.allocator.release_holder(session.holder)
+        self._ended(session)
+        return released
+
+    def named(self, name: str) -> Session:
+        """The one live session called ``name`` (the addressee of a handoff)."""
+        now = self.clock()
+        found = [s for s in self.sessions.values() if s.name == name and s.expires_at >= now]
+        if len(found) != 1:
+            why = "no live session is" if not found else f"{len(found)} live sessions are"
+            raise InvalidRequest(
+                f"{why} named {name!r}: address a handoff to a worker that is up, under a name it alone has"
+            )
+        return found[0]
 
     # -- blocks -----------------------------------------------------------------------------------------
 
@@ -238,39 +264,94 @@ class Pool:
         num_tokens: int,
         meta: dict[str, Any] | None = None,
         ttl_s: float | None = None,
+        to: str | None = None,
     ) -> Handoff:
-        """Park the blocks under ``request_id``, moving the session's refs to the handoff."""
-        session = self.session(session_id)
-        if request_id in self.handoffs:
-            raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
-        max_tokens = len(block_ids) * self.layout.block_size
-        if num_tokens > max_tokens:
-            raise InvalidRequest(
-                f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
+        """Park the blocks under ``request_id``, moving the session's refs to the handoff.
+
+        ``to`` names the one session that may claim it. Its producer may already have sent it the ids directly, and
+        it may read them before its claim reaches the pool, so an addressed handoff is held for its addressee for
+        as long as that session lives: it does not expire, and no other session may claim it. When the addressee
+        ends, the handoff is anyone's and its time-to-live starts. If such a handoff is refused, the refusal is kept
+        a while: the addressee's claim of it fails at once with the reason.
+        """
+        try:
+            session = self.session(session_id)
+            if request_id in self.handoffs:
+                raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
+            max_tokens = len(block_ids) * self.layout.block_size
+            if num_tokens > max_tokens:
+                raise InvalidRequest(
+                    f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
+                )
+            addressee = None if to is None else self.named(to).session_id
+            ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
+            handoff = Handoff(
+                request_id=request_id,
+                block_ids=list(block_ids),
+                num_tokens=num_tokens,
+                meta=dict(meta or {}),
+                from_session=session_id,
+                expires_at=self.clock() + ttl,
+                ttl_s=ttl,
+                to=addressee,
             )
-        ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
-        handoff = Handoff(request_id, list(block_ids), num_tokens, dict(meta or {}), session_id, self.clock() + ttl)
-        self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+        except KvpoolError as exc:
+            if to is not None and not isinstance(exc, HandoffExists):
+                self.refuse(request_id, f"{type(exc).__name__}: {exc}")
+            raise
+        self.refused.pop(request_id, None)
         self.handoffs[request_id] = handoff
         self.counters.handoffs += 1
         if self.on_handoff is not None:
             self.on_handoff(request_id)
         return handoff
 
+    def refuse(self, request_id: str, why: str) -> None:
+        """Keep a while that an addressed handoff of ``request_id`` was refused, and wake its claimers to say so."""
+        if request_id in self.handoffs:
+            return  # one of that id is parked, and it stands
+        self.refused[request_id] = why
+        while len(self.refused) > REFUSALS_KEPT:
+            self.refused.popitem(last=False)
+        if self.on_handoff is not None:
+            self.on_handoff(request_id)
+
     def claim(self, session_id: str, request_id: str | None = None) -> Handoff:
         """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session."""
         session = self.session(session_id)
         if request_id is None:
-            if not self.handoffs:
-                raise HandoffNotFound("no handoff is parked")
-            request_id = next(iter(self.handoffs))
+            request_id = next((r for r, h in self.handoffs.items() if self._claimable(h, session_id)), None)
+            if request_id is None:
+                raise HandoffNotFound("no handoff is parked for this session")
         handoff = self.handoffs.get(request_id)
         if handoff is None:
+            why = self.refused.get(request_id)
+            if why is not None:
+                raise HandoffRefused(
+                    f"the handoff of request {request_id!r} was refused when its producer made it ({why}): "
+                    "any ids you were sent for it are not yours; drop the request"
+                )
             raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
+        if not self._claimable(handoff, session_id):
+            addressee = self.sessions.get(handoff.to or "")
+            raise NotOwner(
+                f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
+                "only it may claim it"
+            )
         self.allocator.transfer(handoff.holder, session.holder, handoff.block_ids)
         del self.handoffs[request_id]
         self.counters.claims += 1
         return handoff
+
+    def _claimable(self, handoff: Handoff, session_id: str) -> bool:
+        """Whether the session may claim it: addressed to it or to no one, or its addressee's lease ran out."""
+        if handoff.claimable_by(session_id):
+            return True
+        addressee = self.sessions.get(handoff.to or "")
+        if addressee is not None and addressee.expires_at < self.clock():
+            self._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
+        return handoff.claimable_by(session_id)
 
     # -- reclaiming -------------------------------------------------------------------------------------
 
@@ -280,7 +361,7 @@ class Pool:
         dead = [s for s in self.sessions.values() if s.expires_at < now]
         for session in dead:
             self._expire_session(session)
-        stale = [h for h in self.handoffs.values() if h.expires_at < now]
+        stale = [h for h in self.handoffs.values() if h.expires_at < now and h.to is None]
         for handoff in stale:
             del self.handoffs[handoff.request_id]
             self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
@@ -291,6 +372,21 @@ class Pool:
         self.sessions.pop(session.session_id, None)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
+        self._ended(session)
+
+    def _ended(self, session: Session) -> None:
+        """Handoffs addressed to a session that ended become anyone's, with their time-to-live started anew."""
+        sid, now = session.session_id, self.clock()
+        freed = [h.request_id for h in self.handoffs.values() if h.to == sid]
+        for request_id in freed:
+            handoff = self.handoffs[request_id]
+            handoff.to = None
+            handoff.expires_at = now + handoff.ttl_s
+        if self.on_session_end is not None:
+            self.on_session_end(session)
+        if freed and self.on_handoff is not None:
+            for request_id in freed:
+                self.on_handoff(request_id)
 
     # -- introspection ----------------------------------------------------------------------------------
 

@@ -30,6 +30,11 @@ class SessionCreate(_Request):
     layout: KVLayout | None = Field(
         None, description="The client's model layout; a mismatch with the arena's is refused (409)."
     )
+    inbox: bool = Field(
+        False,
+        description="ask for an inbox: a Unix datagram socket path where producers deliver handoffs addressed to "
+        "this session straight to it (only where the pool serves the fast channel)",
+    )
 
 
 class SessionRef(_Request):
@@ -45,6 +50,20 @@ class SessionInfo(BaseModel):
     lease_ttl_s: float
     epoch: str
     fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
+    inbox: str | None = Field(None, description="where this session should bind its inbox, if it asked for one")
+
+
+class SessionSummary(BaseModel):
+    """What other workers may know of a session: never its id, which acts for it."""
+
+    name: str
+    role: str
+    inbox: str | None
+    age_s: float
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionSummary]
 
 
 DEVICE_HELP = "the arena's device, as the pool names it (GET /arena `arenas`); default: the pool's first"
@@ -99,11 +118,18 @@ class HandoffRequest(_Request):
     num_tokens: int = Field(ge=0, le=1 << 40)
     meta: dict[str, Any] = Field(default_factory=dict)
     ttl_s: float | None = Field(None, gt=0, le=86400, description="unclaimed after this long, the blocks are released")
+    to: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="the name of the one live session that may claim it (default: any session)",
+    )
 
 
 class HandoffResponse(BaseModel):
     request_id: str
     num_blocks: int
+    inbox: str | None = Field(None, description="the addressee's inbox, if it has one (see `to`)")
 
 
 class ClaimRequest(_Request):
@@ -119,6 +145,14 @@ class ClaimResponse(BaseModel):
     block_ids: list[int]
     num_tokens: int
     meta: dict[str, Any]
+
+
+class AcceptResponse(BaseModel):
+    """The fast channel's answer to ``accept``: a claim of a handoff whose ids the claimer already has."""
+
+    request_id: str
+    num_blocks: int
+    num_tokens: int
 
 
 class Health(BaseModel):

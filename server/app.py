@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -36,6 +36,7 @@ from kvpool.protocol import (
     LookupResponse,
     SessionCreate,
     SessionInfo,
+    SessionList,
 )
 from server.plane import ControlPlane
 
@@ -224,6 +225,11 @@ def create_app(plane: ControlPlane) -> FastAPI:
     @api.post("/sessions")
     async def open_session(req: SessionCreate) -> SessionInfo:
         return plane.open_session(req)
+
+    @api.get("/sessions")
+    async def list_sessions(name: str | None = Query(None, max_length=128)) -> SessionList:
+        """Live sessions by name, role and inbox (never their ids): how a producer finds its consumer's inbox."""
+        return plane.sessions(name)
 
     @api.post("/sessions/{session_id}/heartbeat")
     async def heartbeat(session_id: str) -> SessionInfo:

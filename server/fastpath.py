@@ -6,8 +6,10 @@ the same calls with the same pydantic models and the same errors as the HTTP API
 in the same books, so a crash loses nothing. ``/claim`` waits are pushed: the claimer's reply goes out as
 soon as the handoff is parked.
 
-Frame: a 4-byte little-endian length, then ``op\\n`` and a JSON body. Reply: the same framing, with
-``status\\n`` and a JSON body. The first frame of a connection is ``hello`` (with the token, if the pool has one).
+Frame: a 4-byte little-endian length, then ``op\\n`` and a JSON body, with block ids attached packed (see
+:mod:`kvpool.channel`). Reply: the same framing, with ``status\\n``. The first frame of a connection is ``hello``
+(with the token, if the pool has one). ``accept`` is ``claim`` for a claimer that already holds the ids (its
+producer delivered them to its inbox): the answer leaves them out.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvpool.channel import HEADER, frame
+from kvpool.channel import HEADER, decode, encode, frame, pack_ids
 from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized
 from kvpool.protocol import (
     AllocRequest,
@@ -67,6 +69,7 @@ class FastChannel:
             b"lookup": (LookupRequest, plane.lookup),
             b"handoff": (HandoffRequest, plane.handoff),
             b"claim": (ClaimRequest, plane.claim),
+            b"accept": (ClaimRequest, plane.accept),
             b"heartbeat": (SessionRef, lambda req: plane.heartbeat(req.session_id)),
         }
 
@@ -122,17 +125,43 @@ class FastChannel:
             return _error(KvpoolError(f"unknown op {op[:32]!r}; ops: {sorted(o.decode() for o in self.ops)}"))
         model, handler = entry
         try:
-            result = handler(model.model_validate_json(body))
+            result = handler(decode(model, body)[0])
             if isinstance(result, Awaitable):
                 result = await result
+            return _encode(200, _reply(result))
         except ValidationError as exc:
+            if op == b"handoff":
+                self._refused(body, exc)
             return _encode(422, _validation(exc))
         except KvpoolError as exc:
             return _error(exc)
         except Exception as exc:
             log.exception("fast channel op %s failed", op)
             return _encode(500, json.dumps({"detail": f"internal error: {exc!r}", "error": "KvpoolError"}).encode())
-        return _encode(200, result.model_dump_json().encode())
+
+    def _refused(self, body: bytes, exc: ValidationError) -> None:
+        """An addressed handoff refused before it reached the books: its ids may already be with the addressee
+        (the producer sends them once the pool has the frame), so the refusal is kept for its claim, as the
+        books keep their own."""
+        try:
+            head = json.loads(body.partition(b"\0")[0])
+        except ValueError:
+            return
+        if not isinstance(head, dict):
+            return
+        request_id, to = head.get("request_id"), head.get("to")
+        if isinstance(request_id, str) and 0 < len(request_id) <= 256 and isinstance(to, str) and self.plane.ready:
+            fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors(include_url=False))
+            self.plane.pool.refuse(request_id, f"ValidationError: invalid {fields}")
+
+
+def _reply(result: BaseModel) -> bytes:
+    """The reply's body, with its block ids attached packed when it has any."""
+    ids = getattr(result, "block_ids", None)
+    packed = pack_ids(ids) if ids else None
+    if packed is None:
+        return result.model_dump_json().encode()
+    return encode(result.model_copy(update={"block_ids": []}), packed)
 
 
 def _validation(exc: ValidationError) -> bytes:

@@ -11,12 +11,14 @@ import logging
 import os
 import secrets
 from collections import defaultdict
+from pathlib import Path
 
 from kvpool.arena import HostArena, create_host_arena, resolve_backend, size_in_blocks
 from kvpool.config import PoolSettings
 from kvpool.errors import HandoffNotFound, InvalidRequest, PoolUnavailable
-from kvpool.pool import Pool
+from kvpool.pool import Handoff, Pool, Session
 from kvpool.protocol import (
+    AcceptResponse,
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
@@ -33,6 +35,8 @@ from kvpool.protocol import (
     LookupResponse,
     SessionCreate,
     SessionInfo,
+    SessionList,
+    SessionSummary,
 )
 
 log = logging.getLogger(__name__)
@@ -117,6 +121,7 @@ class ControlPlane:
             model=s.model,
             epoch=self.epoch,
             on_handoff=self._wake,
+            on_session_end=self._session_ended,
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -179,13 +184,31 @@ class ControlPlane:
     # -- handlers ---------------------------------------------------------------------------------------
 
     def open_session(self, req: SessionCreate) -> SessionInfo:
-        session = self.pool.open_session(req.name, req.role, req.layout)
+        fast = self.descriptor.fast_socket
+        # The pool names the inbox (in its own socket directory), so that it may delete it when the session ends.
+        inbox = str(Path(fast).with_name(f"inbox-{secrets.token_hex(8)}.sock")) if req.inbox and fast else None
+        session = self.pool.open_session(req.name, req.role, req.layout, inbox)
         log.debug("session %s opened by %s (%s)", session.session_id, req.name, req.role)
         return SessionInfo(
             session_id=session.session_id,
             lease_ttl_s=self.pool.lease_ttl_s,
             epoch=self.epoch,
-            fast_socket=self.descriptor.fast_socket,
+            fast_socket=fast,
+            inbox=inbox,
+        )
+
+    def _session_ended(self, session: Session) -> None:
+        if session.inbox is not None:
+            Path(session.inbox).unlink(missing_ok=True)
+
+    def sessions(self, name: str | None = None) -> SessionList:
+        now = self.pool.clock()
+        return SessionList(
+            sessions=[
+                SessionSummary(name=s.name, role=s.role, inbox=s.inbox, age_s=round(now - s.created_at, 3))
+                for s in self.pool.sessions.values()
+                if name is None or s.name == name
+            ]
         )
 
     def heartbeat(self, session_id: str) -> SessionInfo:
@@ -195,9 +218,12 @@ class ControlPlane:
     def close_session(self, session_id: str) -> dict[str, int]:
         return {"released": self.pool.close_session(session_id)}
 
+    # Replies are built with model_construct: their values come from the pool's own books, and validating
+    # thousands of ids again would cost more than the call itself.
+
     def alloc(self, req: AllocRequest) -> AllocResponse:
         ids = self.pool.alloc(req.session_id, req.num_blocks, self.arena_index(req.device))
-        return AllocResponse(block_ids=ids)
+        return AllocResponse.model_construct(block_ids=ids)
 
     def free(self, req: FreeRequest) -> FreeResponse:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
@@ -208,22 +234,33 @@ class ControlPlane:
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
         r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
-        return LookupResponse(block_ids=r.block_ids, num_tokens=r.num_tokens)
+        return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
     def handoff(self, req: HandoffRequest) -> HandoffResponse:
-        h = self.pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s)
-        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
+        pool = self.pool
+        h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
+        addressee = pool.sessions.get(h.to) if h.to is not None else None
+        inbox = addressee.inbox if addressee is not None else None
+        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=inbox)
 
     async def claim(self, req: ClaimRequest) -> ClaimResponse:
         """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked."""
+        h = await self._claim(req)
+        return ClaimResponse.model_construct(
+            request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
+        )
+
+    async def accept(self, req: ClaimRequest) -> AcceptResponse:
+        """A claim whose claimer already has the ids (its producer sent them directly): answered without them."""
+        h = await self._claim(req)
+        return AcceptResponse(request_id=h.request_id, num_blocks=len(h.block_ids), num_tokens=h.num_tokens)
+
+    async def _claim(self, req: ClaimRequest) -> Handoff:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout_s
         while True:
             try:
-                h = self.pool.claim(req.session_id, req.request_id)
-                return ClaimResponse(
-                    request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
-                )
+                return self.pool.claim(req.session_id, req.request_id)
             except HandoffNotFound:
                 remaining = deadline - loop.time()
                 if remaining <= 0:

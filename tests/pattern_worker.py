@@ -1,14 +1,16 @@
 """A worker process for the integration tests: writes a known pattern into blocks, or reads and checks it.
 
-Run as ``python -m tests.pattern_worker write|read|commit URL REQUEST_ID NUM_BLOCKS``. The writer hands its blocks
-off under REQUEST_ID and exits; the reader claims them in another process and checks every element. ``commit``
+Run as ``python -m tests.pattern_worker write|read|commit URL REQUEST_ID NUM_BLOCKS [NAME]``. The writer hands its
+blocks off under REQUEST_ID and exits; the reader claims them in another process and checks every element. ``commit``
 writes the pattern, commits the blocks as the prompt ``prompt_tokens(NUM_BLOCKS)`` and exits: its blocks stay
-cached for any other process's lookup.
+cached for any other process's lookup. With NAME, the writer addresses its handoff to the session of that name, and
+the reader is that session, with an inbox: the ids then go from writer to reader directly.
 """
 
 from __future__ import annotations
 
 import sys
+from array import array
 
 import torch
 
@@ -34,7 +36,11 @@ def prompt_tokens(num_blocks: int, block_size: int) -> list[int]:
 
 def main(argv: list[str]) -> int:
     mode, url, request_id, n = argv[0], argv[1], argv[2], int(argv[3])
-    with PoolClient(url, name=f"pattern-{mode}", role="prefill" if mode == "write" else "decode") as pool:
+    direct = argv[4] if len(argv) > 4 else None
+    reader = mode == "read"
+    name = direct if reader and direct else f"pattern-{mode}"
+    role = "decode" if reader else "prefill"
+    with PoolClient(url, name=name, role=role, inbox=reader and direct is not None, spin_s=30.0) as pool:
         arena = pool.arena()
         if mode in ("write", "commit"):
             ids = pool.alloc(n)
@@ -49,10 +55,15 @@ def main(argv: list[str]) -> int:
             if mode == "commit":
                 pool.commit(ids, prompt_tokens(n, arena.layout.block_size))
             else:
-                pool.handoff(request_id, ids, n * arena.layout.block_size, {"writer": "pattern"})
+                packed = array("i", ids)  # as a worker's int32 block table
+                pool.handoff(request_id, packed, n * arena.layout.block_size, {"writer": "pattern"}, to=direct)
             print("WROTE", " ".join(map(str, ids)), flush=True)
         else:
+            print("WAITING", flush=True)
             got = pool.claim(request_id, timeout_s=30)
+            if got.meta != {"writer": "pattern"} or got.direct != (direct is not None):
+                print("WRONG CLAIM", got, got.meta, flush=True)
+                return 1
             idx = torch.tensor(got.block_ids, device=arena.device)
             for (layer, kv), want in zip(
                 [(i, kv) for i in range(arena.layout.num_layers) for kv in (0, 1)],
@@ -63,8 +74,8 @@ def main(argv: list[str]) -> int:
                 if not torch.equal(view[idx].cpu(), want):
                     print("MISMATCH at layer", layer, "kv", kv, flush=True)
                     return 1
-            pool.free(got.block_ids)
-            print("READ OK", got.block_ids, flush=True)
+            pool.free(got.ids)
+            print("READ OK", got.block_ids, "direct" if got.direct else "through the pool", flush=True)
     return 0
 
 

@@ -80,3 +80,23 @@ def test_sizing_by_blocks_bytes_or_gpu_share():
         size_in_blocks(layout, num_blocks=None, arena_bytes=None, gpu_memory_fraction=0.5, free_device_bytes=None)
     with pytest.raises(InvalidRequest, match="at least one block"):
         size_in_blocks(layout, num_blocks=None, arena_bytes=100, gpu_memory_fraction=None, free_device_bytes=None)
+
+
+def test_block_table_takes_lists_and_packed_ids_and_never_aliases_them(cpu_arena):
+    from array import array
+
+    import numpy as np
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4, block_size=2)
+    _, arena = cpu_arena(layout, num_blocks=6)
+    packed = array("i", [5, 0, 3])
+    for ids in ([5, 0, 3], packed, np.array([5, 0, 3], dtype=np.int32)):
+        table = arena.block_table(ids)
+        assert table.dtype == torch.int32 and table.tolist() == [5, 0, 3]
+    table = arena.block_table(packed)
+    packed[0] = 1
+    assert table.tolist() == [5, 0, 3]  # a copy: the caller may reuse its buffer at once
+    assert arena.block_table([]).numel() == 0
+    for bad in ([6], [-1], array("i", [0, 9])):
+        with pytest.raises(IndexError, match=r"outside this arena's ids \[0, 6\)"):
+            arena.block_table(bad)

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from array import array
 
+import numpy as np
 import pytest
 import torch
 
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, LayoutMismatch, NotOwner
+from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner
 from kvpool.layout import KVLayout
 from tests.conftest import child_env
 
@@ -23,6 +26,18 @@ def run_worker(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "tests.pattern_worker", *args], capture_output=True, text=True, env=env, timeout=120
     )
+
+
+def start_reader(url: str, request_id: str, n: int, name: str) -> subprocess.Popen[str]:
+    """A reader process with an inbox under ``name``, already waiting in its claim when this returns."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.pattern_worker", "read", url, request_id, str(n), name],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "WAITING", line + proc.stderr.read() if proc.stderr else line
+    return proc
 
 
 def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
@@ -103,3 +118,106 @@ def test_a_model_with_another_layout_is_refused(pool_server):
         assert pool.arena().layout == SMALL
         with pytest.raises(LayoutMismatch, match="dtype"):
             pool.arena(SMALL.model_copy(update={"dtype": "bfloat16"}))
+
+
+# -- direct handoffs: ids from producer to consumer, ownership through the pool --------------------------------
+
+
+def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
+    reader = start_reader(pool_server.url, "req-direct", 5, "reader-0")
+    try:
+        w = run_worker("write", pool_server.url, "req-direct", "5", "reader-0")
+        assert w.returncode == 0, w.stderr
+        out, err = reader.communicate(timeout=60)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0 and "READ OK" in out and out.strip().endswith("direct"), out + err
+    s = pool_server.stats()
+    assert (s["free"], s["in_use"], s["handoffs"], s["counters"]["claims"]) == (64, 0, 0, 1)
+
+
+def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_pool(pool_server):
+    with (
+        PoolClient(pool_server.url, name="prefill") as p,
+        PoolClient(pool_server.url, name="decode-0", inbox=True, spin_s=0.0) as d,
+        PoolClient(pool_server.url, name="prefill-http", fast=False) as ph,
+    ):
+        assert d._inbox is not None and os.path.exists(d._inbox.path)
+        ids = ph.alloc(2)
+        ph.handoff("over-http", ids, 5, to="decode-0")  # HTTP has no direct path: the pool alone delivers it
+        got = d.claim("over-http", timeout_s=5)
+        assert (got.request_id, got.block_ids, got.direct) == ("over-http", ids, False)
+        d.free(got.ids)
+        # Delivered to the inbox but claimed through the pool (as when the ids land just after the claim stopped
+        # watching; staged here by claiming through the pool directly): the copy left in the inbox is dropped,
+        # never handed out a second time.
+        ids = p.alloc(3)
+        p.handoff("twice", array("i", ids), 9, to="decode-0")
+        got = d._claim_from_pool("twice", 5)
+        assert got.block_ids == ids and not got.direct
+        d.free(got.block_ids)
+        with pytest.raises(HandoffNotFound):
+            d.claim(timeout_s=0.05)
+    assert pool_server.stats()["in_use"] == 0
+
+
+def test_delivered_handoffs_are_claimed_first_and_in_order(pool_server):
+    with (
+        PoolClient(pool_server.url, name="prefill") as p,
+        PoolClient(pool_server.url, name="decode-0", inbox=True) as d,
+    ):
+        sent = {}
+        for rid in ("a", "b", "c"):
+            sent[rid] = p.alloc(2)
+            p.handoff(rid, sent[rid], 8, meta={"rid": rid}, to="decode-0")
+        got = [d.claim(timeout_s=5) for _ in range(3)]
+        assert [(g.request_id, g.block_ids, g.meta, g.direct) for g in got] == [
+            (rid, sent[rid], {"rid": rid}, True) for rid in "abc"
+        ]
+        d.confirm()
+        assert d.free([b for g in got for b in g.block_ids]) == 6
+    assert pool_server.stats()["in_use"] == 0
+
+
+def test_a_refused_direct_handoff_fails_the_consumers_next_call_and_moves_nothing(pool_server):
+    with (
+        PoolClient(pool_server.url, name="prefill") as p,
+        PoolClient(pool_server.url, name="decode-0", inbox=True) as d,
+    ):
+        theirs = d.alloc(1)
+        with pytest.raises(NotOwner):
+            p.handoff("bogus", theirs, 1, to="decode-0")  # the producer's bug: blocks it does not hold
+        got = d.claim("bogus", timeout_s=5)  # the ids were delivered before the pool refused the handoff
+        assert got.direct and got.block_ids == theirs
+        before = pool_server.stats()
+        with pytest.raises(HandoffRefused, match=r"'bogus'.*refused when its producer made it") as info:
+            d.alloc(1)
+        assert info.value.refused == ("bogus",)
+        assert pool_server.stats()["in_use"] == before["in_use"]
+        assert d.free(theirs) == 1  # its own block, untouched by the refused claim
+    assert pool_server.stats()["in_use"] == 0
+
+
+def test_block_ids_travel_packed_as_arrays_numpy_and_tensors(pool_server):
+    with PoolClient(pool_server.url, name="t") as a, PoolClient(pool_server.url, name="h", fast=False) as h:
+        ids = a.alloc(48)
+        assert ids == list(range(48))
+        assert a.free(array("i", ids[:16])) == 16
+        assert a.free(np.array(ids[16:32], dtype=np.int32)) == 16
+        assert a.free(torch.tensor(ids[32:], dtype=torch.int64)) == 16
+        more = h.alloc(8)
+        assert h.free(np.array(more, dtype=np.int64)) == 8  # HTTP: the same ids as JSON
+    assert pool_server.stats()["free"] == 64
+
+
+def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_server):
+    with PoolClient(pool_server.url, name="decode-0", role="decode", inbox=True) as d:
+        assert d._inbox is not None
+        path = d._inbox.path
+        with PoolClient(pool_server.url, name="other") as o:
+            listed = o.sessions("decode-0")
+            assert [(s.name, s.role, s.inbox) for s in listed] == [("decode-0", "decode", path)]
+            assert d.session_id not in pool_server.http().get("/sessions").text
+            assert {s.name for s in o.sessions()} == {"decode-0", "other"}
+    assert not os.path.exists(path)  # closed by the client, and deleted by the pool with the session

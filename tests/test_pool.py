@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.errors import HandoffExists, HandoffNotFound, InvalidRequest, LayoutMismatch, NotOwner, UnknownSession
+from kvpool.errors import (
+    HandoffExists,
+    HandoffNotFound,
+    HandoffRefused,
+    InvalidRequest,
+    LayoutMismatch,
+    NotOwner,
+    UnknownSession,
+)
 from kvpool.layout import KVLayout
 from kvpool.pool import Pool
 
@@ -109,3 +117,113 @@ def test_stats_report_hits_and_counters():
     st = pool.stats()
     assert st["hit_rate"] == pytest.approx(2 / 3)
     assert st["counters"]["committed_blocks"] == 2 and st["indexed"] == 2
+
+
+# -- handoffs addressed to one session ------------------------------------------------------------------------
+
+
+def test_an_addressed_handoff_is_claimed_by_its_addressee_alone():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("prefill-0", "prefill").session_id
+    d0 = pool.open_session("decode-0", "decode", inbox="/run/kvpool/inbox-0.sock").session_id
+    d1 = pool.open_session("decode-1", "decode").session_id
+    ids = pool.alloc(p, 2)
+    pool.handoff(p, "for-d0", ids, 5, to="decode-0")
+    pool.handoff(p, "for-anyone", pool.alloc(p, 1), 1)
+    assert pool.handoffs["for-d0"].to == d0
+    with pytest.raises(NotOwner, match="addressed to session 'decode-0'"):
+        pool.claim(d1, "for-d0")
+    assert pool.claim(d1).request_id == "for-anyone"  # the oldest it may claim, past the one addressed to d0
+    with pytest.raises(HandoffNotFound):
+        pool.claim(d1)
+    assert pool.claim(d0).request_id == "for-d0"
+    assert pool.allocator.held(f"s:{d0}") == dict.fromkeys(ids, 1) and balanced(pool)
+
+
+def test_a_handoff_to_a_name_that_is_not_one_live_session_is_refused_and_remembered():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    pool.open_session("twin", "decode")
+    pool.open_session("twin", "decode")
+    ids = pool.alloc(p, 2)
+    with pytest.raises(InvalidRequest, match="no live session is named 'ghost'"):
+        pool.handoff(p, "r1", ids, 5, to="ghost")
+    with pytest.raises(InvalidRequest, match="2 live sessions are named 'twin'"):
+        pool.handoff(p, "r2", ids, 5, to="twin")
+    assert not pool.handoffs and pool.allocator.held(f"s:{p}") == dict.fromkeys(ids, 1)
+    # An addressee may hold ids its producer sent it directly: its claim says at once that they are not its.
+    d = pool.open_session("d", "decode").session_id
+    with pytest.raises(HandoffRefused, match=r"refused when its producer made it \(InvalidRequest: no live session"):
+        pool.claim(d, "r1")
+    # The id is free for a handoff that stands, which then clears the refusal.
+    pool.handoff(p, "r1", ids, 5, to="d")
+    assert pool.claim(d, "r1").block_ids == ids and "r1" not in pool.refused
+
+
+def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    d = pool.open_session("d", "decode").session_id
+    pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
+    with pytest.raises(HandoffExists):
+        pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
+    pool.refuse("r", "a late refusal")
+    assert "r" not in pool.refused and pool.claim(d, "r").request_id == "r"
+
+
+def test_a_handoff_whose_addressee_ended_is_claimable_by_anyone():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    gone = pool.open_session("decode-0", "decode").session_id
+    other = pool.open_session("decode-1", "decode").session_id
+    ids = pool.alloc(p, 3)
+    pool.handoff(p, "r", ids, 9, to="decode-0")
+    pool.close_session(gone)
+    assert pool.handoffs["r"].to is None
+    assert pool.claim(other).block_ids == ids
+    pool.handoff(other, "r2", ids, 9, to="decode-1")
+    clock.now += 2.5  # decode-1's lease runs out: the handoff outlives it, now for anyone
+    rescuer = pool.open_session("decode-2", "decode").session_id
+    assert pool.claim(rescuer, "r2").block_ids == ids and balanced(pool)
+
+
+def test_a_session_end_is_reported_with_its_inbox():
+    ended = []
+    pool = Pool(8, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), on_session_end=ended.append)
+    a = pool.open_session("a", "decode", inbox="/tmp/inbox-a.sock").session_id
+    pool.open_session("b", "decode", inbox="/tmp/inbox-b.sock")
+    pool.close_session(a)
+    pool.clock.now += 3  # type: ignore[attr-defined]
+    pool.expire()
+    assert [s.inbox for s in ended] == ["/tmp/inbox-a.sock", "/tmp/inbox-b.sock"]
+
+
+def test_an_addressed_handoff_is_held_while_its_addressee_lives_then_expires_as_any():
+    """Its addressee may be reading ids its producer sent it: the blocks must not be freed under it."""
+    clock = Clock()
+    pool = make_pool(clock)  # handoffs live 5 s, leases 2 s
+    p = pool.open_session("p", "prefill").session_id
+    d = pool.open_session("d", "decode").session_id
+    ids = pool.alloc(p, 2)
+    pool.handoff(p, "held", ids, 5, to="d")
+    pool.handoff(p, "loose", pool.alloc(p, 1), 1)
+    for _ in range(6):  # 6 s: past the handoff's ttl, with d heartbeating
+        clock.now += 1.0
+        pool.heartbeat(d)
+        pool.heartbeat(p)
+        pool.expire()
+    assert set(pool.handoffs) == {"held"}  # the unaddressed one expired; the addressed one waits for d
+    for _ in range(3):  # d stops heartbeating: its lease ends, the handoff is anyone's, with 5 s to live
+        clock.now += 1.0
+        pool.heartbeat(p)
+        pool.expire()
+    assert pool.handoffs["held"].to is None and pool.handoffs["held"].expires_at == clock.now + 5.0
+    for _ in range(6):
+        clock.now += 1.0
+        pool.heartbeat(p)
+        pool.expire()
+    assert not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)

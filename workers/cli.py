@@ -82,8 +82,12 @@ def load_model(args: argparse.Namespace, layout: KVLayout, device: torch.device)
 
 
 def connect(args: argparse.Namespace, role: Role) -> PoolClient:
-    """A session with the pool; the model's layout is checked once the arena's block size is known."""
-    return PoolClient(args.pool, name=args.name or f"{role}-worker", role=role)
+    """A session with the pool; the model's layout is checked once the arena's block size is known.
+
+    A decode worker opens an inbox, so that a prefill that addresses its handoffs to it (``--handoff-to``) hands
+    them over directly.
+    """
+    return PoolClient(args.pool, name=args.name or f"{role}-worker", role=role, inbox=role == "decode")
 
 
 def setup(args: argparse.Namespace) -> None:

@@ -4,7 +4,9 @@ The loop, until ``--num-requests`` requests have finished or a stop signal (SIGI
 
 1. Claim parked handoffs (the oldest first) while the batch has room: a blocking claim when idle, a
    non-blocking one between steps. A claim moves the prompt's block refs to this session; the blocks are read
-   in place, nothing is copied.
+   in place, nothing is copied. Handoffs addressed to this worker come to its inbox straight from the prefill;
+   their claims are confirmed by the pool before the step, and one it refuses is dropped (its blocks were
+   never this worker's).
 2. One step for the whole batch (:func:`workers.sequence.decode_step`): one ``alloc`` for every sequence that
    crossed into a new block, the forward pass with paged attention through each block table (the Triton kernel
    on CUDA), one greedy token per sequence.
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.client import DeviceSession
-from kvpool.errors import HandoffNotFound, PoolExhausted
+from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
 from workers.cli import (
     add_model_arguments,
     add_pool_arguments,
@@ -86,8 +88,28 @@ class DecodeWorker:
             )
             self.admitted[seq.request_id] = Admitted(meta, time.time())
             self.running.append(seq)
+        try:
+            self.pool.confirm()
+        except KvpoolError as exc:
+            if not exc.refused:
+                raise
+            records += self._drop(set(exc.refused), str(exc))
         records += self._retire()
         return records
+
+    def _drop(self, request_ids: set[str], why: str) -> list[dict[str, Any]]:
+        """Forget sequences whose claims the pool refused, without freeing their blocks: they are not ours."""
+        dropped = [s for s in self.running if s.request_id in request_ids]
+        self.running = [s for s in self.running if s.request_id not in request_ids]
+        return [
+            {
+                "request_id": s.request_id,
+                "error": f"dropped, the pool refused its claim: {why}",
+                "tokens": [],
+                "prompt_len": self.admitted.pop(s.request_id).meta.prompt_len,
+            }
+            for s in dropped
+        ]
 
     def step(self) -> list[dict[str, Any]]:
         """One token for every running sequence; records of the sequences that finished."""

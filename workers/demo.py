@@ -72,6 +72,10 @@ def _run(cmd: list[str], workdir: Path, name: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env())
 
 
+#: the demo's decode worker, to which its prefill addresses every handoff
+DECODE_NAME = "decode-0"
+
+
 def run_workers(
     url: str,
     model_args: Sequence[str],
@@ -88,13 +92,17 @@ def run_workers(
     base = ["--pool", url, "--threads", str(threads), *model_args]
     t0 = time.perf_counter()
     decode = _run(
-        [sys.executable, "-m", "workers.decode", *base, "--num-requests", str(len(requests)), *decode_args],
+        [sys.executable, "-m", "workers.decode", *base, "--name", DECODE_NAME, "--num-requests", str(len(requests)),
+         *decode_args],
         workdir,
         "decode",
-    )
+    )  # fmt: skip
     prefill = _run(
-        [sys.executable, "-m", "workers.prefill", *base, "--requests", str(req_file), *prefill_args], workdir, "prefill"
-    )
+        [sys.executable, "-m", "workers.prefill", *base, "--handoff-to", DECODE_NAME, "--requests", str(req_file),
+         *prefill_args],
+        workdir,
+        "prefill",
+    )  # fmt: skip
     try:
         prefill.wait(timeout=timeout_s)
         _check_exit(prefill, workdir, "prefill")  # a failed request would leave the decode waiting for it

@@ -9,7 +9,8 @@ For each request (JSON lines on stdin or ``--requests FILE``):
    table and reads the cached prefix from the blocks the lookup returned.
 4. Wait for this process's CUDA stream (see :func:`workers.cli.synchronize`), then ``commit`` the prompt's full
    blocks (they become prefix hits for later prompts) and ``handoff`` the request: block ids, the number of
-   tokens whose KV they hold, and :class:`workers.request.HandoffMeta`.
+   tokens whose KV they hold, and :class:`workers.request.HandoffMeta`. With ``--handoff-to NAME`` the handoff
+   is addressed to that decode worker, and its ids go to the worker's inbox directly.
 
 It prints one JSON line per request: tokens hit in the cache and computed here, the first token, timings.
 """
@@ -23,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvpool.client import DeviceSession
+from kvpool.client import DeviceSession, PoolClient
 from kvpool.errors import KvpoolError, PoolExhausted
 from workers.cli import (
     add_model_arguments,
@@ -57,13 +58,20 @@ class PrefillWorker:
     """Runs requests one at a time against one pool session and one mapped arena."""
 
     def __init__(
-        self, pool: DeviceSession, model: LlamaModel, kv_caches: KVCaches, block_size: int, alloc_timeout_s: float
+        self,
+        pool: DeviceSession,
+        model: LlamaModel,
+        kv_caches: KVCaches,
+        block_size: int,
+        alloc_timeout_s: float,
+        handoff_to: str | None = None,
     ) -> None:
         self.pool = pool
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.alloc_timeout_s = alloc_timeout_s
+        self.handoff_to = handoff_to
 
     def run(self, req: GenerationRequest) -> dict[str, object]:
         arrived = time.time()
@@ -90,7 +98,7 @@ class PrefillWorker:
                 computed_tokens=len(prompt) - hit.num_tokens,
                 hit_tokens=hit.num_tokens,
             )
-            self.pool.handoff(req.request_id, blocks, len(prompt), meta=meta.to_dict())
+            self.pool.handoff(req.request_id, blocks, len(prompt), meta=meta.to_dict(), to=self.handoff_to)
         except BaseException:
             with contextlib.suppress(KvpoolError):
                 self.pool.free(blocks)  # the lookup's refs and the fresh blocks: nothing leaks on a failure
@@ -116,7 +124,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--alloc-timeout-s", type=float, default=30.0, help="how long to wait for blocks when the pool is full"
     )
+    parser.add_argument(
+        "--handoff-to",
+        default=None,
+        metavar="NAME",
+        help="address every handoff to the decode worker of this session name (its ids then go to it directly)",
+    )
     return parser.parse_args(argv)
+
+
+def wait_for_session(pool: PoolClient, name: str, timeout_s: float) -> None:
+    """Wait until the pool has exactly one live session called ``name``: a handoff addressed to it needs it up."""
+    deadline = time.monotonic() + timeout_s
+    while len(pool.sessions(name)) != 1:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no single live session named {name!r} after {timeout_s}s: start its decode worker")
+        time.sleep(0.05)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,7 +152,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         blocks = DeviceSession(pool, args.device, layout)
         arena = blocks.arena
         model = load_model(args, layout, arena.device)
-        worker = PrefillWorker(blocks, model, arena.kv_caches(), layout.block_size, args.alloc_timeout_s)
+        if args.handoff_to is not None:
+            wait_for_session(pool, args.handoff_to, args.alloc_timeout_s)
+        worker = PrefillWorker(
+            blocks, model, arena.kv_caches(), layout.block_size, args.alloc_timeout_s, args.handoff_to
+        )
         for line in stream:
             if not line.strip():
                 continue

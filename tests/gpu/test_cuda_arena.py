@@ -11,7 +11,7 @@ import torch
 
 from kvpool.client import PoolClient
 from tests.conftest import child_env, start_pool
-from tests.test_client import run_worker
+from tests.test_client import run_worker, start_reader
 
 pytestmark = pytest.mark.gpu
 
@@ -33,6 +33,31 @@ def test_pattern_crosses_processes_on_the_cuda_arena(cuda_pool):
     assert w.returncode == 0, w.stderr
     r = run_worker("read", cuda_pool.url, "req-gpu", "9")
     assert r.returncode == 0 and "READ OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_direct_handoff_crosses_processes_on_the_cuda_arena(cuda_pool):
+    reader = start_reader(cuda_pool.url, "req-gpu-direct", 9, "gpu-reader")
+    try:
+        w = run_worker("write", cuda_pool.url, "req-gpu-direct", "9", "gpu-reader")
+        assert w.returncode == 0, w.stderr
+        out, err = reader.communicate(timeout=120)
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+    assert reader.returncode == 0 and "READ OK" in out and out.strip().endswith("direct"), out + err
+    assert cuda_pool.stats()["in_use"] == 0
+
+
+def test_block_table_is_enqueued_on_the_device_from_packed_ids(cuda_pool):
+    from array import array
+
+    with PoolClient(cuda_pool.url, name="table") as pool:
+        arena = pool.arena()
+        ids = array("i", pool.alloc(5))
+        table = arena.block_table(ids)
+        torch.cuda.current_stream().synchronize()
+        assert table.device == arena.device and table.dtype == torch.int32 and table.tolist() == ids.tolist()
+        pool.free(ids)
 
 
 def test_two_processes_alias_one_allocation_both_ways(cuda_pool):

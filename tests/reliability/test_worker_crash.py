@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from kvpool.client import PoolClient
+from kvpool.errors import NotOwner
 from tests.conftest import ROOT, PoolProcess, start_pool
 from tests.server.books import assert_balanced
 
@@ -179,3 +180,43 @@ def test_several_workers_killed_at_once_leave_the_survivors_data_alone(
     assert not set(again) & set(mine)
     survivor.free(again)
     survivor.free(mine)
+
+
+ADDRESSEE = """
+import sys, time
+from kvpool.client import PoolClient
+c = PoolClient(sys.argv[1], name="decode-doomed", role="decode", inbox=True)
+print(c._inbox.path if c._inbox else "", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_addressee_strands_nothing(crash_pool: PoolProcess) -> None:
+    """A handoff addressed to a decode worker that dies is claimable by any other once its lease is gone, and the
+    pool deletes the dead worker's inbox."""
+    pool = crash_pool
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ADDRESSEE, pool.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    inbox = proc.stdout.readline().strip()
+    assert inbox and os.path.exists(inbox), proc.stderr.read() if proc.stderr else ""
+    with PoolClient(pool.url, name="prefill") as prefill, PoolClient(pool.url, name="rescuer") as rescuer:
+        ids = prefill.alloc(3)
+        prefill.handoff("stranded?", ids, 9, to="decode-doomed")  # delivered to the inbox: nobody will read it
+        with pytest.raises(NotOwner, match="addressed to session 'decode-doomed'"):
+            rescuer.claim("stranded?", timeout_s=0)
+        t0 = Worker(proc, {}).kill()
+        deadline = t0 + LEASE_TTL_S + 1.0
+        while True:
+            assert_balanced(pool.stats())
+            try:
+                got = rescuer.claim("stranded?", timeout_s=0)
+                break
+            except NotOwner:
+                assert time.monotonic() < deadline, "the dead addressee still holds the handoff"
+                time.sleep(0.05)
+        assert got.block_ids == ids and not os.path.exists(inbox)
+        rescuer.free(got.ids)
+    assert pool.stats()["in_use"] == 0

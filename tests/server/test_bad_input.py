@@ -10,6 +10,7 @@ the prefix index, the sessions and the handoffs did not move.
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -174,6 +175,12 @@ HTTP_CASES: list[tuple[str, str, str, Any, int, list[str]]] = [
      ["nobody"]),
     ("handoff-empty-request-id", "POST", "/handoff",
      {"session_id": "{A}", "request_id": "", "block_ids": [2], "num_tokens": 1}, 422, ["request_id"]),
+    ("handoff-to-nobody", "POST", "/handoff",
+     {"session_id": "{A}", "request_id": "r-to", "block_ids": [2], "num_tokens": 1, "to": "nobody"}, 400,
+     ["no live session", "nobody"]),
+    ("handoff-to-empty-name", "POST", "/handoff",
+     {"session_id": "{A}", "request_id": "r-to2", "block_ids": [2], "num_tokens": 1, "to": ""}, 422, ["to"]),
+    ("sessions-name-too-long", "GET", "/sessions?name=" + "x" * 200, None, 422, ["name"]),
     # the framework's own refusals keep the same error shape
     ("wrong-method", "GET", "/alloc", None, 405, ["Method Not Allowed"]),
     ("unknown-path", "POST", "/allocate", {"session_id": "{A}", "num_blocks": 1}, 404, ["Not Found"]),
@@ -252,6 +259,8 @@ FAST_CLIENT_CASES: list[tuple[str, Any, type[Exception], list[str]]] = [
     ("alloc-more-than-pool", lambda w: w.a.alloc(65), PoolExhausted, ["asked for 65"]),
     ("claim-unknown-request", lambda w: w.a.claim("nobody", timeout_s=0), HandoffNotFound, ["nobody"]),
     ("lookup-token-too-big", lambda w: w.a.lookup([2**32] * 4), InvalidRequest, ["token ids"]),
+    ("handoff-to-nobody", lambda w: w.a.handoff("r-z", [2], 1, to="nobody"), InvalidRequest, ["no live session"]),
+    ("free-packed-not-held", lambda w: w.a.free(array("i", [2, 5])), NotOwner, ["holds no reference", "5"]),
 ]  # fmt: skip
 
 
@@ -319,6 +328,13 @@ FAST_FRAME_CASES: list[tuple[str, bytes, Any, int, list[str]]] = [
     ("other-sessions-block", b"free", {"session_id": "{A}", "block_ids": [5]}, 409, ["holds no reference"]),
     ("lone-surrogate", b"handoff", b'{"session_id": "x", "request_id": "\\ud800", "block_ids": [], "num_tokens": 0}',
      422, ["json_invalid"]),
+    # block ids attached packed (int32 after a NUL)
+    ("ids-ragged", b"free", b'{"session_id": "x", "block_ids": []}\0\x01\x02\x03', 400, ["multiple of 4"]),
+    ("ids-given-twice", b"free", ({"session_id": "{A}", "block_ids": [2]}, [3]), 400, ["given twice"]),
+    ("ids-on-alloc", b"alloc", ({"session_id": "{A}", "num_blocks": 1}, [3]), 400, ["takes no block ids"]),
+    ("ids-attached-past-end", b"free", ({"session_id": "{A}", "block_ids": []}, [64]), 400, ["out of range"]),
+    ("ids-attached-not-held", b"free", ({"session_id": "{A}", "block_ids": []}, [5]), 409, ["holds no reference"]),
+    ("accept-unknown-request", b"accept", {"session_id": "{A}", "request_id": "nobody"}, 404, ["nobody"]),
 ]  # fmt: skip
 
 
@@ -327,7 +343,10 @@ FAST_FRAME_CASES: list[tuple[str, bytes, Any, int, list[str]]] = [
 def test_bad_fast_channel_frame(world: World, fast: FastConnection, op: bytes, body: Any, status: int,
                                 words: list[str]) -> None:  # fmt: skip
     before = world.books()
-    raw = body if isinstance(body, bytes) else json.dumps(_fill(body, world)).encode()
+    if isinstance(body, tuple):  # (JSON, block ids to attach packed)
+        raw = json.dumps(_fill(body[0], world)).encode() + b"\0" + array("i", body[1]).tobytes()
+    else:
+        raw = body if isinstance(body, bytes) else json.dumps(_fill(body, world)).encode()
     got, reply = fast.call(op, raw)
     assert got == status, reply
     detail = _detail_text(json.loads(reply))

@@ -1,0 +1,85 @@
+"""The fast channel's framing: block ids packed as int32 in both directions, and their refusals."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.channel import decode, encode, pack_ids, unpack_ids
+from kvpool.errors import InvalidRequest
+from kvpool.protocol import MAX_IDS, AllocRequest, ClaimResponse, FreeRequest
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [3, 1, 2],
+        (3, 1, 2),
+        array("i", [3, 1, 2]),
+        np.array([3, 1, 2], dtype=np.int32),
+        np.array([3, 1, 2], dtype=np.int64),
+        torch.tensor([3, 1, 2], dtype=torch.int32),
+        torch.tensor([3, 1, 2], dtype=torch.int64),
+    ],
+    ids=["list", "tuple", "array", "numpy-int32", "numpy-int64", "tensor-int32", "tensor-int64"],
+)
+def test_every_kind_of_id_sequence_packs_to_the_same_bytes(ids):
+    packed = pack_ids(ids)
+    assert packed is not None and bytes(packed) == array("i", [3, 1, 2]).tobytes()
+    assert unpack_ids(packed).tolist() == [3, 1, 2]
+
+
+def test_an_int32_array_is_sent_without_a_copy():
+    ids = array("i", [5, 6])
+    packed = pack_ids(ids)
+    assert packed is not None
+    ids[0] = 9  # the packed view is the array's own memory
+    assert unpack_ids(packed).tolist() == [9, 6]
+
+
+def test_ids_outside_int32_are_left_to_json():
+    assert pack_ids([1, 2**40]) is None
+    assert pack_ids(["1"]) is None
+
+
+def test_a_ragged_attachment_is_refused():
+    with pytest.raises(InvalidRequest, match="multiple of 4"):
+        unpack_ids(b"\x01\x02\x03")
+
+
+def test_request_with_attached_ids_parses_like_the_json_one():
+    req = FreeRequest(session_id="s", block_ids=[])
+    body = encode(req, pack_ids([7, 8, 9]))
+    assert body.startswith(req.model_dump_json().encode() + b"\0")
+    parsed, ids = decode(FreeRequest, body)
+    assert parsed == FreeRequest(session_id="s", block_ids=[7, 8, 9])
+    assert ids is not None and ids.tolist() == [7, 8, 9]
+    plain, none = decode(FreeRequest, FreeRequest(session_id="s", block_ids=[1]).model_dump_json().encode())
+    assert plain.block_ids == [1] and none is None
+
+
+def test_reply_ids_come_back_both_packed_and_as_a_list():
+    reply = ClaimResponse(request_id="r", block_ids=[], num_tokens=4, meta={"a": 1})
+    parsed, ids = decode(ClaimResponse, encode(reply, pack_ids(array("i", [4, 2]))))
+    assert parsed.block_ids == [4, 2] and ids is not None and ids.tolist() == [4, 2] and parsed.meta == {"a": 1}
+
+
+def test_ids_given_twice_are_refused():
+    body = encode(FreeRequest(session_id="s", block_ids=[1]), pack_ids([2]))
+    with pytest.raises(InvalidRequest, match="given twice"):
+        decode(FreeRequest, body)
+
+
+def test_ids_attached_to_a_request_that_takes_none_are_refused():
+    body = encode(AllocRequest(session_id="s", num_blocks=1), pack_ids([2]))
+    with pytest.raises(InvalidRequest, match="takes no block ids"):
+        decode(AllocRequest, body)
+
+
+def test_more_attached_ids_than_a_call_may_carry_are_refused():
+    body = encode(FreeRequest(session_id="s", block_ids=[]), pack_ids(array("i", bytes(4 * (MAX_IDS + 1)))))
+    with pytest.raises(InvalidRequest, match="more than"):
+        decode(FreeRequest, body)

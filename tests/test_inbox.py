@@ -1,0 +1,100 @@
+"""Direct delivery: the datagram a producer sends to a consumer's inbox, over real Unix sockets."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from array import array
+
+import pytest
+
+from kvpool.channel import pack_ids
+from kvpool.inbox import MAX_DATAGRAM, Inbox, Outbox, decode_delivery, encode_delivery
+
+EPOCH = "0123456789abcdef"
+
+
+def datagram(request_id: str = "req-1", ids: list[int] | None = None, meta: bytes = b'{"first_token":5}') -> bytes:
+    packed = pack_ids(array("i", [4, 9, 2] if ids is None else ids))
+    assert packed is not None
+    return encode_delivery(EPOCH, request_id, packed, 37, meta)
+
+
+def test_a_delivery_round_trips():
+    got = decode_delivery(memoryview(datagram("r-é")), EPOCH.encode())
+    assert got is not None
+    assert (got.request_id, got.num_tokens, got.meta, got.ids.tolist()) == ("r-é", 37, {"first_token": 5}, [4, 9, 2])
+    empty = decode_delivery(memoryview(datagram(meta=b"{}")), EPOCH.encode())
+    assert empty is not None and empty.meta == {}
+
+
+def test_a_delivery_of_another_pool_epoch_is_dropped():
+    assert decode_delivery(memoryview(datagram()), b"fedcba9876543210") is None
+
+
+@pytest.mark.parametrize(
+    "mangle",
+    [lambda d: d[:10], lambda d: d[:-1], lambda d: d + b"x", lambda d: b"XXXX" + d[4:], lambda d: d[:-17] + b"{" * 17],
+    ids=["truncated-head", "short", "long", "bad-magic", "bad-meta"],
+)
+def test_a_malformed_delivery_is_dropped(mangle):
+    assert decode_delivery(memoryview(mangle(datagram())), EPOCH.encode()) is None
+
+
+@pytest.fixture
+def inbox(tmp_path):
+    box = Inbox(str(tmp_path / "inbox-test.sock"), EPOCH, mode=0o600)
+    yield box
+    box.close()
+
+
+def test_outbox_to_inbox_over_a_real_socket(inbox):
+    out = Outbox()
+    try:
+        assert stat.S_IMODE(os.stat(inbox.path).st_mode) == 0o600
+        assert out.send(inbox.path, datagram("a", list(range(4096))))
+        got = inbox.receive(time.perf_counter() + 5)
+        assert got is not None and got.request_id == "a" and got.ids.tolist() == list(range(4096))
+    finally:
+        out.close()
+
+
+def test_receive_gives_up_at_its_deadline(inbox):
+    t0 = time.perf_counter()
+    assert inbox.receive(t0 + 0.05) is None
+    assert 0.05 <= time.perf_counter() - t0 < 1.0
+    assert inbox.receive(0) is None  # a deadline already past still looks once
+
+
+def test_foreign_datagrams_are_skipped_not_returned(inbox):
+    out = Outbox()
+    try:
+        out.send(inbox.path, b"not a delivery")
+        out.send(inbox.path, encode_delivery("another-epoch", "x", memoryview(b""), 0, b"{}"))
+        out.send(inbox.path, datagram("mine"))
+        got = inbox.receive(time.perf_counter() + 5)
+        assert got is not None and got.request_id == "mine"
+    finally:
+        out.close()
+
+
+def test_an_undeliverable_datagram_is_a_miss_never_an_error(tmp_path, inbox):
+    out = Outbox()
+    try:
+        assert not out.send(str(tmp_path / "nobody.sock"), datagram())  # no such inbox
+        (tmp_path / "file.sock").write_text("")
+        assert not out.send(str(tmp_path / "file.sock"), datagram())  # not a socket
+        assert not out.send(inbox.path, b"\0" * (MAX_DATAGRAM + 1))  # too large
+        sent = 0
+        while out.send(inbox.path, datagram()):  # the queue fills: the producer is never stalled
+            sent += 1
+            assert sent < 100_000
+    finally:
+        out.close()
+
+
+def test_closing_an_inbox_removes_its_socket(tmp_path):
+    box = Inbox(str(tmp_path / "inbox-x.sock"), EPOCH)
+    box.close()
+    assert not (tmp_path / "inbox-x.sock").exists()
