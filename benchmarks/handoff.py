@@ -3,11 +3,18 @@
 Two real processes (a producer standing for the prefill, a consumer for the decode) and a real pool. For each KV
 size the variants run interleaved, round by round:
 
-  pool-fast   the consumer has ``claim(request_id, timeout_s)`` pending on the fast channel (PoolClient's default);
-              the producer calls ``handoff``; done when the claim returned and the block table is built as a tensor
-              on the arena's device (and, on CUDA, the stream synchronized): the consumer then holds usable views
-              of the KV, since the arena's per-layer views were mapped once, at start
+  pool-direct the consumer (a client with an inbox) waits in ``claim(request_id)``, watching its inbox; the producer
+              calls ``handoff(..., to=consumer)``, which writes the handoff to the pool and then sends the ids to the
+              inbox; done when the claim returned: the consumer holds the block ids, and the arena's per-layer views
+              were mapped once, at start (``arena.k(layer)[block]`` is a view of the producer's KV). The pool's
+              answer to the claim (ownership moved in its books) comes after, off this path.
+  pool-fast   the consumer has ``claim(request_id, timeout_s)`` pending in the pool over the fast channel; the
+              producer calls ``handoff``; done when the pool's answer to the waiting claim returned
   pool-http   the same through HTTP (PoolClient(fast=False)), to show what the fast channel saves
+
+For every pool variant the parts are reported too: when the producer's call returned, when a device block table
+built from the ids was enqueued on the consumer's stream (what a paged-attention step then adds, paid again each
+step by any engine) and landed there, and when the pool confirmed a direct claim.
   mp-queue    the KV as 64 per-layer tensors (32 layers x K, V), fresh per request, put on a torch.multiprocessing
               Queue (CUDA IPC per tensor on GPU, shared memory on CPU); done when the consumer got them all and
               synchronized
@@ -18,7 +25,10 @@ size the variants run interleaved, round by round:
 The pool and mp-queue timings cross processes on one clock: ``time.perf_counter_ns`` is CLOCK_MONOTONIC, the same
 in every process on Linux. A KV of S bytes takes ceil(S / block bytes) arena blocks (default layout: 32 layers,
 8 KV heads, head dim 128, fp16, 16 tokens a block = 2 MiB blocks); every tensor variant moves exactly S bytes.
-After each trial the consumer checks a marker the producer wrote, outside the timed span.
+The producer holds its block ids as an int32 array, as a prefill holds the block table its kernels use, and the
+consumer builds its device table from the ids as they arrived: no id is converted on the way. (What converting
+from and to Python lists would add is measured apart and printed in the notes.) After each trial the consumer
+waits for the table and checks a marker the producer wrote, outside the timed span.
 """
 
 from __future__ import annotations
@@ -26,8 +36,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import statistics
 import time
 import uuid
+from array import array
 from typing import Any
 
 from benchmarks import harness
@@ -36,7 +48,8 @@ NUM_TENSORS_PER_LAYER = 2
 TARGET_FLAT = 1.5
 TARGET_VS_COPY = 10.0
 TARGET_VS_MP = 50.0
-PARTS = ("handoff_call", "claim_returned", "table")
+PARTS = ("handoff_call", "table", "landed", "confirmed")
+POOL = ("pool-direct", "pool-fast", "pool-http")
 GIB = 1 << 30
 MIB = 1 << 20
 
@@ -64,6 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         help="how long the consumer's claim is pending before the producer hands off [5]",
     )
+    parser.add_argument(
+        "--variants",
+        default=None,
+        help="comma-separated variants to run [all: pool-direct,pool-fast,pool-http,mp-queue,copy and, on GPU, pinned]",
+    )
+    parser.add_argument(
+        "--spin-ms",
+        type=float,
+        default=1000.0,
+        help="how long pool-direct's consumer watches its inbox before it waits in the pool instead [1000]",
+    )
 
 
 # -- the two processes -------------------------------------------------------------------------------------------
@@ -72,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class _Actor:
     """State of the producer or the consumer process: its pool clients, its mapping of the arena, its tensors."""
 
-    def __init__(self, role: str, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+    def __init__(self, role: str, url: str, device: str, queue: Any, ready: Any, lead_s: float, spin_s: float) -> None:
         import torch
         import torch.multiprocessing  # registers the tensor reductions that the queue variant pickles with
 
@@ -85,7 +109,11 @@ class _Actor:
             torch.cuda.set_device(self.dev)
             torch.empty(1, device=self.dev)  # a worker has its CUDA context long before any handoff
         kind = "prefill" if role == "producer" else "decode"
+        direct = role == "consumer"
         self.clients = {
+            "pool-direct": PoolClient(
+                url, name=f"{role}-direct", role=kind, heartbeat=False, inbox=direct, spin_s=spin_s
+            ),
             "pool-fast": PoolClient(url, name=f"{role}-fast", role=kind, heartbeat=False),
             "pool-http": PoolClient(url, name=f"{role}-http", role=kind, fast=False, heartbeat=False),
         }
@@ -138,16 +166,17 @@ class _Actor:
         self, variant: str, request_id: str, num_blocks: int, num_tokens: int, marker: float
     ) -> tuple[int, int]:
         client = self.clients[variant]
-        ids = client.alloc(num_blocks)
+        ids = array("i", client.alloc(num_blocks))  # the prefill's int32 block table
         for mark in self.marks(ids):
             mark.fill_(marker)
         self.sync()  # the KV is written before it is handed off
+        to = "consumer-direct" if variant == "pool-direct" else None
         if not self.ready.wait(60):
             raise RuntimeError("the consumer never put its claim in")
         self.ready.clear()
         time.sleep(self.lead_s)
         t0 = time.perf_counter_ns()
-        client.handoff(request_id, ids, num_tokens)
+        client.handoff(request_id, ids, num_tokens, to=to)
         return t0, time.perf_counter_ns()
 
     def put(self, nbytes: int, marker: float) -> int:
@@ -185,17 +214,28 @@ class _Actor:
 
     # consumer ----------------------------------------------------------------------------------------------
 
-    def claim(self, variant: str, request_id: str, marker: float) -> tuple[int, int, bool]:
+    def claim(self, variant: str, request_id: str, marker: float) -> tuple[dict[str, int], bool]:
+        """The consumer's side; returns its instants: claim returned, table enqueued, landed, confirmed."""
         client = self.clients[variant]
         self.ready.set()
         got = client.claim(request_id, timeout_s=60)
         claimed = time.perf_counter_ns()
-        table = self.arena.block_table(got.block_ids)
+        table = self.arena.block_table(got.ids)
+        enqueued = time.perf_counter_ns()
         self.sync()
-        t1 = time.perf_counter_ns()
-        ok = all(float(m.item()) == marker for m in self.marks(got.block_ids)) and len(table) == len(got.block_ids)
-        client.free(got.block_ids)
-        return claimed, t1, ok
+        landed = time.perf_counter_ns()
+        client.confirm()
+        confirmed = time.perf_counter_ns()
+        ok = (
+            got.direct == (variant == "pool-direct")
+            and all(float(m.item()) == marker for m in self.marks(got.block_ids))
+            and table.tolist() == got.block_ids
+        )
+        client.free(got.ids)
+        times = {"claimed": claimed, "enqueued": enqueued, "landed": landed}
+        if got.direct:
+            times["confirmed"] = confirmed
+        return times, ok
 
     def get(self, marker: float) -> tuple[int, bool]:
         tensors = self.queue.get(timeout=120)
@@ -206,9 +246,11 @@ class _Actor:
         return t1, ok
 
 
-def _actor_main(role: str, conn: Any, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+def _actor_main(
+    role: str, conn: Any, url: str, device: str, queue: Any, ready: Any, lead_s: float, spin_s: float
+) -> None:
     """A process's loop: run the method named by each command and send back what it returned (or the error)."""
-    actor = _Actor(role, url, device, queue, ready, lead_s)
+    actor = _Actor(role, url, device, queue, ready, lead_s, spin_s)
     conn.send("ready")
     try:
         while (msg := conn.recv()) is not None:
@@ -224,10 +266,11 @@ def _actor_main(role: str, conn: Any, url: str, device: str, queue: Any, ready: 
 class _Peer:
     """The parent's handle on one of the two processes."""
 
-    def __init__(self, ctx: Any, role: str, url: str, device: str, queue: Any, ready: Any, lead_s: float) -> None:
+    def __init__(self, ctx: Any, role: str, url: str, device: str, queue: Any, ready: Any, *timing: float) -> None:
         self.role = role
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_actor_main, args=(role, child, url, device, queue, ready, lead_s), daemon=True)
+        args = (role, child, url, device, queue, ready, *timing)
+        self.proc = ctx.Process(target=_actor_main, args=args, daemon=True)
         self.proc.start()
 
     def started(self) -> None:
@@ -280,7 +323,13 @@ def run(args: argparse.Namespace) -> int:
         sizes = [s * MIB for s in (1, 16, 256, 1024, 4096, 8192)]
     sizes = sorted(s for s in sizes if s <= max_bytes) or [min(sizes)]
     rounds = args.rounds or (3 if args.quick else 10)
-    variants = ["pool-fast", "pool-http", "mp-queue", "copy", *(["pinned"] if device.is_cuda else [])]
+    variants = [*POOL, "mp-queue", "copy", *(["pinned"] if device.is_cuda else [])]
+    if args.variants:
+        asked = [v.strip() for v in args.variants.split(",") if v.strip()]
+        unknown = sorted(set(asked) - set(variants))
+        if unknown or POOL[0] not in asked:
+            raise SystemExit(f"--variants: {POOL[0]} and any of {variants}; unknown here: {unknown}")
+        variants = [v for v in variants if v in asked]
     per_token = layout.block_nbytes // layout.block_size
     num_blocks = math.ceil(max(sizes) / layout.block_nbytes) + 1
     config = {
@@ -293,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
         "arena_blocks": num_blocks,
         "tensors": 2 * layout.num_layers,
         "claim_lead_ms": args.claim_lead_ms,
+        "spin_ms": args.spin_ms,
+        "producer_ids": "array('i')",
     }
     report = harness.Report("handoff", args, device, config)
     samples: dict[tuple[int, str], list[int]] = {}
@@ -303,9 +354,10 @@ def run(args: argparse.Namespace) -> int:
     with harness.start_pool(device, *flags) as pool:
         ctx = tmp.get_context("spawn")
         queue, ready = ctx.Queue(), ctx.Event()
-        lead = args.claim_lead_ms / 1e3
+        lead, spin = args.claim_lead_ms / 1e3, args.spin_ms / 1e3
         peers = [
-            _Peer(ctx, role, pool.url, device.torch_device, queue, ready, lead) for role in ("producer", "consumer")
+            _Peer(ctx, role, pool.url, device.torch_device, queue, ready, lead, spin)
+            for role in ("producer", "consumer")
         ]
         producer, consumer = peers
         try:
@@ -333,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
                 peer.stop()
 
     report.notes.extend(failures)
+    report.notes.append(_conversions(sizes, layout.block_nbytes))
     _summarize(report, samples, breakdown, sizes, variants, layout.block_nbytes)
     report.print_block("handoff", _body(report, sizes, variants))
     report.save(_plot(report, sizes, variants))
@@ -348,14 +401,36 @@ def _trial(
         request_id = uuid.uuid4().hex
         consumer.send("claim", variant, request_id, marker)
         t0, returned = producer.call("handoff", variant, request_id, blocks, tokens, marker)
-        claimed, t1, ok = consumer.reply()
-        return t1 - t0, ok, {"handoff_call": returned - t0, "claim_returned": claimed - t0, "table": t1 - claimed}
+        at, ok = consumer.reply()
+        parts = {"handoff_call": returned - t0, "table": at["enqueued"] - at["claimed"], "landed": at["landed"] - t0}
+        if "confirmed" in at:
+            parts["confirmed"] = at["confirmed"] - t0
+        return at["claimed"] - t0, ok, parts
     if variant == "mp-queue":
         consumer.send("get", marker)
         t0 = producer.call("put", size, marker)
         t1, ok = consumer.reply()
         return t1 - t0, ok, {}
     return producer.call("copy" if variant == "copy" else "pinned_copy"), True, {}
+
+
+def _conversions(sizes: list[int], block_nbytes: int) -> str:
+    """What Python lists would add: packing a producer's list of ids, and a consumer's list from packed ids."""
+    parts = []
+    for size in sizes:
+        n = math.ceil(size / block_nbytes)
+        ids = list(range(n))
+        packed = array("i", ids)
+        pack = statistics.median(_time_ns(lambda ids=ids: array("i", ids)) for _ in range(51))
+        unpack = statistics.median(_time_ns(packed.tolist) for _ in range(51))
+        parts.append(f"{n} ids: pack {pack / 1e3:.1f} us, to a list {unpack / 1e3:.1f} us")
+    return "with Python lists instead of int32 ids, each side would add (this CPU, median): " + "; ".join(parts)
+
+
+def _time_ns(fn: Any) -> int:
+    t0 = time.perf_counter_ns()
+    fn()
+    return time.perf_counter_ns() - t0
 
 
 def _summarize(
@@ -378,24 +453,27 @@ def _summarize(
         report.results.append(row)
     p50 = {(r["kv_bytes"], r["variant"]): r["p50_us"] for r in report.results}
     lo, hi = sizes[0], sizes[-1]
-    flat = p50[hi, "pool-fast"] / p50[lo, "pool-fast"]
+    pool = POOL[0]
+    flat = p50[hi, pool] / p50[lo, pool]
     report.targets.append(
         harness.Target(
-            f"pool-fast p50 flat in KV size ({harness.fmt_bytes(hi)} vs {harness.fmt_bytes(lo)})",
+            f"{pool} p50 flat in KV size ({harness.fmt_bytes(hi)} vs {harness.fmt_bytes(lo)})",
             f"<= {TARGET_FLAT}x",
-            f"{flat:.2f}x ({harness.fmt_us(p50[hi, 'pool-fast'])} vs {harness.fmt_us(p50[lo, 'pool-fast'])})",
+            f"{flat:.2f}x ({harness.fmt_us(p50[hi, pool])} vs {harness.fmt_us(p50[lo, pool])})",
             flat <= TARGET_FLAT,
             "" if hi >= 8 * GIB else "the goal is stated for 8 GiB vs 1 MiB on GPU",
         )
     )
     at = max((s for s in sizes if s <= GIB), default=lo)
     for other, goal in (("copy", TARGET_VS_COPY), ("mp-queue", TARGET_VS_MP)):
-        ratio = p50[at, other] / p50[at, "pool-fast"]
+        if (at, other) not in p50:
+            continue
+        ratio = p50[at, other] / p50[at, pool]
         report.targets.append(
             harness.Target(
-                f"pool-fast vs {other} at {harness.fmt_bytes(at)}",
+                f"{pool} vs {other} at {harness.fmt_bytes(at)}",
                 f">= {goal:.0f}x faster",
-                f"{ratio:.1f}x ({harness.fmt_us(p50[at, 'pool-fast'])} vs {harness.fmt_us(p50[at, other])})",
+                f"{ratio:.1f}x ({harness.fmt_us(p50[at, pool])} vs {harness.fmt_us(p50[at, other])})",
                 ratio >= goal,
                 "" if at == GIB else "the goal is stated at 1 GiB",
             )
@@ -411,26 +489,34 @@ def _body(report: harness.Report, sizes: list[int], variants: list[str]) -> str:
         ]
         for s in sizes
     ]
-    others = [v for v in variants if v != "pool-fast"]
+    base = POOL[0]
+    others = [v for v in variants if v != base]
     ratio = [
-        [harness.fmt_bytes(s), *(f"{rows[s, v]['p50_us'] / rows[s, 'pool-fast']['p50_us']:.1f}x" for v in others)]
+        [harness.fmt_bytes(s), *(f"{rows[s, v]['p50_us'] / rows[s, base]['p50_us']:.1f}x" for v in others)]
         for s in sizes
     ]
     parts = [
-        [harness.fmt_bytes(s), v, rows[s, v]["blocks"], *(harness.fmt_us(rows[s, v][f"{p}_p50_us"]) for p in PARTS)]
+        [
+            harness.fmt_bytes(s),
+            v,
+            rows[s, v]["blocks"],
+            *(harness.fmt_us(rows[s, v][f"{p}_p50_us"]) if f"{p}_p50_us" in rows[s, v] else "-" for p in PARTS),
+        ]
         for v in variants
-        if v.startswith("pool-")
+        if v in POOL
         for s in sizes
     ]
     return (
         "Handoff latency p50 / p99:\n"
         + harness.table(["KV", *variants], lat)
-        + "\n\nHow much longer than pool-fast (p50):\n"
+        + f"\n\nHow much longer than {base} (p50):\n"
         + harness.table(["KV", *others], ratio)
-        + "\n\nWhere the pool's time goes (p50, from the handoff call): the producer's call returns; the consumer's "
-        "claim returns; the block table is built:\n"
+        + "\n\nThe pool variants' parts (p50; from the handoff call unless said): the producer's call returned; a "
+        "device block table from the ids was enqueued (time after the claim returned); it landed on the device; "
+        "the pool confirmed a direct claim:\n"
         + harness.table(
-            ["KV", "variant", "blocks", "handoff call", "claim returned", "table built (after claim)"], parts
+            ["KV", "variant", "blocks", "handoff call", "table enqueued (after claim)", "table landed", "confirmed"],
+            parts,
         )
     )
 
@@ -445,10 +531,8 @@ def _plot(report: harness.Report, sizes: list[int], variants: list[str]) -> Any:
         p99 = [rows[s, v]["p99_us"] / 1e3 for s in sizes]
         line = axes[0].plot(mib, p50, marker="o", label=v)[0]
         axes[0].fill_between(mib, p50, p99, color=line.get_color(), alpha=0.15)
-        if v != "pool-fast":
-            axes[1].plot(
-                mib, [rows[s, v]["p50_us"] / rows[s, "pool-fast"]["p50_us"] for s in sizes], marker="o", label=v
-            )
+        if v != POOL[0]:
+            axes[1].plot(mib, [rows[s, v]["p50_us"] / rows[s, POOL[0]]["p50_us"] for s in sizes], marker="o", label=v)
     axes[0].set(
         title="handoff latency (p50, band to p99)",
         xlabel="KV per request",
@@ -457,7 +541,7 @@ def _plot(report: harness.Report, sizes: list[int], variants: list[str]) -> Any:
         yscale="log",
     )
     axes[1].set(
-        title="how much longer than pool-fast (p50)",
+        title=f"how much longer than {POOL[0]} (p50)",
         xlabel="KV per request",
         ylabel="x",
         xscale="log",

@@ -15,6 +15,8 @@ What it checks, and exits non-zero on:
   (nobody else wrote into a block it held), each committed block carries a stamp derived from its tokens that
   every prefix hit and every claim checks (a hit never hands back other tokens' KV);
 * killed workers (a subprocess SIGKILLed while holding blocks, prefix refs and a parked handoff) lose nothing;
+* direct handoffs: the fast-channel clients have inboxes, and half the handoffs are addressed to one of them, so
+  their ids go producer to consumer while ownership moves in the pool; every claim checks what it got;
 * at the end, after every client closed: nothing in use, no handoff parked, no session left.
 
 It prints ops/s by kind and errors by kind; ``--json PATH`` also writes them.
@@ -153,7 +155,7 @@ class Client:
         self.index = index
         self.shared = shared
         self.rng = random.Random(shared.seed * 1000 + index)
-        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast)
+        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast)
         self.stamps = Stamps(self.pool.arena() if shared.verify_data else None)
         self.refs: list[Ref] = []
         self.seq = 0
@@ -271,16 +273,24 @@ class Client:
         request_id = f"soak-{self.index}-{self.seq}"
         meta = {"refs": [[r.block, r.kind, r.stamp] for r in refs]}
         num_tokens = self.rng.randint(0, len(refs) * self.shared.block_size)
-        self.pool.handoff(request_id, [r.block for r in refs], num_tokens, meta, ttl_s=self.shared.handoff_ttl_s)
+        to = None
+        if self.shared.addressable and self.rng.random() < 0.5:
+            to = self.rng.choice(self.shared.addressable)
+        ttl_s = self.shared.handoff_ttl_s
+        blocks = [r.block for r in refs]
+        self.pool.handoff(request_id, blocks, num_tokens, meta, ttl_s=ttl_s, to=None if to is None else f"soak-{to}")
         self.drop(refs)
-        self.shared.park(request_id)
+        self.shared.park(request_id, to)
         return True
 
     def do_claim(self) -> bool:
-        request_id = self.shared.unpark(self.rng)
+        request_id = self.shared.unpark(self.rng, self.index)
         if request_id is None and self.rng.random() < 0.8:
             return False
         got = self.pool.claim(request_id, timeout_s=0.05 if request_id is None else 0.2)
+        if got.direct:  # the ids came from the producer: trust them once the pool has confirmed the claim
+            self.pool.confirm()
+            self.shared.tally.op("claim, delivered directly")
         if "refs" not in got.meta:  # a killed worker's handoff, taken by a claim of "the oldest"
             self.refs.extend(Ref(b, "foreign", None) for b in got.block_ids)
             return True
@@ -311,22 +321,25 @@ class Shared:
     handoff_ttl_s: float
     seed: int
     verify_data: bool
-    parked: list[str] = field(default_factory=list)
+    addressable: list[int] = field(default_factory=list)  # clients with an inbox
+    parked: list[tuple[str, int | None]] = field(default_factory=list)  # (request id, the client it is for)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def park(self, request_id: str) -> None:
+    def park(self, request_id: str, to: int | None) -> None:
         with self.lock:
-            self.parked.append(request_id)
+            self.parked.append((request_id, to))
 
-    def unpark(self, rng: random.Random) -> str | None:
+    def unpark(self, rng: random.Random, me: int) -> str | None:
+        """A parked request this client may claim: one for anyone, or one addressed to it."""
         with self.lock:
-            if not self.parked:
+            mine = [i for i, (_, to) in enumerate(self.parked) if to is None or to == me]
+            if not mine:
                 return None
-            return self.parked.pop(rng.randrange(len(self.parked)))
+            return self.parked.pop(rng.choice(mine))[0]
 
     def drain(self) -> list[str]:
         with self.lock:
-            ids, self.parked = self.parked, []
+            ids, self.parked = [r for r, _ in self.parked], []
             return ids
 
 
@@ -451,6 +464,7 @@ def run(args: argparse.Namespace) -> int:
                 kinds.append(("http-tcp", tcp_url, False))
             else:
                 kinds.append(("fast", url, True))
+        shared.addressable = [i for i, (_, _, fast) in enumerate(kinds) if fast]
         clients = [Client(i, u, fast, shared) for i, (_, u, fast) in enumerate(kinds)]
         stop, side_stop = threading.Event(), threading.Event()
         threads = [threading.Thread(target=c.run, args=(stop,), name=f"soak-{c.index}") for c in clients]
@@ -510,8 +524,8 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
     return {
         "duration_s": round(elapsed, 2),
         "clients": dict(collections.Counter(k for k, _, _ in kinds)),
-        "ops": {k: tally.ops[k] for k in OPS},
-        "ops_per_s": {k: round(tally.ops[k] / elapsed, 1) for k in OPS},
+        "ops": {k: tally.ops[k] for k in [*OPS, *sorted(set(tally.ops) - set(OPS))]},
+        "ops_per_s": {k: round(tally.ops[k] / elapsed, 1) for k in [*OPS, *sorted(set(tally.ops) - set(OPS))]},
         "errors": dict(tally.errors),
         "samples": tally.samples,
         "max_in_use": tally.max_in_use,
@@ -528,7 +542,8 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
 def print_summary(s: dict[str, Any]) -> None:
     clients = ", ".join(f"{n} {k}" for k, n in s["clients"].items())
     lines = [f"kvpool soak: {s['duration_s']} s, {sum(s['clients'].values())} clients ({clients})", ""]
-    lines.append(harness.table(["op", "count", "ops/s"], [[k, s["ops"][k], s["ops_per_s"][k]] for k in OPS]))
+    kinds = [*OPS, *sorted(k for k in s["ops"] if k not in OPS)]
+    lines.append(harness.table(["op", "count", "ops/s"], [[k, s["ops"][k], s["ops_per_s"][k]] for k in kinds]))
     lines.append("")
     total = sum(s["ops"].values())
     lines.append(f"total {total} ops, {total / max(s['duration_s'], 1e-9):.0f} ops/s")
