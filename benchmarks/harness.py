@@ -170,7 +170,14 @@ def describe_device(info: dict[str, Any]) -> str:
 
 
 def git_revision() -> dict[str, Any]:
-    """The commit the figures belong to, and whether the tree had changes on top of it."""
+    """The commit the figures belong to, and whether the tree had changes on top of it.
+
+    ``KVPOOL_GIT_REVISION`` wins when set: a copy of the tree run elsewhere (a container, another machine) may carry
+    no repository, or a stale one, and only the one who copied it knows what it holds.
+    """
+    given = os.environ.get("KVPOOL_GIT_REVISION")
+    if given:
+        return {"revision": given, "dirty": None}
     try:
         rev = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
@@ -183,9 +190,9 @@ def git_revision() -> dict[str, Any]:
             check=False,
         )
     except (OSError, subprocess.SubprocessError):
-        return {"revision": os.environ.get("KVPOOL_GIT_REVISION", "unknown"), "dirty": None}
+        return {"revision": "unknown", "dirty": None}
     if rev.returncode != 0:
-        return {"revision": os.environ.get("KVPOOL_GIT_REVISION", "unknown"), "dirty": None}
+        return {"revision": "unknown", "dirty": None}
     return {"revision": rev.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
