@@ -526,13 +526,15 @@ def _plot(report: harness.Report, sizes: list[int], variants: list[str]) -> Any:
     rows = {(r["kv_bytes"], r["variant"]): r for r in report.results}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     mib = [s / MIB for s in sizes]
-    for v in variants:
+    for i, v in enumerate(variants):
+        color = f"C{i}"  # one colour per variant in both panels
         p50 = [rows[s, v]["p50_us"] / 1e3 for s in sizes]
         p99 = [rows[s, v]["p99_us"] / 1e3 for s in sizes]
-        line = axes[0].plot(mib, p50, marker="o", label=v)[0]
-        axes[0].fill_between(mib, p50, p99, color=line.get_color(), alpha=0.15)
+        axes[0].plot(mib, p50, marker="o", label=v, color=color)
+        axes[0].fill_between(mib, p50, p99, color=color, alpha=0.15)
         if v != POOL[0]:
-            axes[1].plot(mib, [rows[s, v]["p50_us"] / rows[s, POOL[0]]["p50_us"] for s in sizes], marker="o", label=v)
+            ratio = [rows[s, v]["p50_us"] / rows[s, POOL[0]]["p50_us"] for s in sizes]
+            axes[1].plot(mib, ratio, marker="o", label=v, color=color)
     axes[0].set(
         title="handoff latency (p50, band to p99)",
         xlabel="KV per request",

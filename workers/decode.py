@@ -47,6 +47,7 @@ from workers.sequence import Sequence, decode_step
 class Admitted:
     meta: HandoffMeta
     claimed_at: float
+    direct: bool
 
 
 class DecodeWorker:
@@ -86,7 +87,7 @@ class DecodeWorker:
                 max_new_tokens=meta.max_new_tokens,
                 eos_token_ids=self.eos,
             )
-            self.admitted[seq.request_id] = Admitted(meta, time.time())
+            self.admitted[seq.request_id] = Admitted(meta, time.time(), claim.direct)
             self.running.append(seq)
         try:
             self.pool.confirm()
@@ -155,6 +156,7 @@ class DecodeWorker:
             "hit_tokens": m.hit_tokens,
             "computed_tokens": m.computed_tokens,
             "queue_ms": round(1e3 * (info.claimed_at - m.handed_off_at), 3),
+            "direct": info.direct,
             "decode_ms": round(1e3 * decode_s, 3),
             "ms_per_token": round(1e3 * decode_s / decoded, 3) if decoded else None,
             "e2e_ms": round(1e3 * (now - m.arrived_at), 3),

@@ -261,6 +261,7 @@ def _summary(
             "e2e_ms": d.get("e2e_ms"),
             "tokens": d.get("tokens"),
             "match": d.get("tokens") == want,
+            "direct": d.get("direct"),
             "error": p.get("error") or d.get("error"),
         })  # fmt: skip
     generated = sum(len(r["tokens"] or []) for r in rows)
@@ -275,6 +276,7 @@ def _summary(
         "workers_wall_s": round(flow.wall_s, 3),
         "monolithic_s": round(mono_s, 3),
         "pool_hit_rate": stats.get("hit_rate"),
+        "handoffs_direct": sum(bool(r["direct"]) for r in rows),
         "blocks_in_use_after": stats.get("in_use"),
         "all_match": all(r["match"] for r in rows),
     }
@@ -294,6 +296,10 @@ def _print_table(s: dict[str, Any]) -> None:
     print(
         f"prompt tokens {s['prompt_tokens']}: {s['hit_tokens']} from the prefix cache, {s['computed_tokens']} "
         f"computed; {s['generated_tokens']} generated"
+    )
+    print(
+        f"handoffs: {s['handoffs_direct']} of {len(s['requests'])} delivered straight to the decode worker's inbox "
+        "(the rest reached it through the pool, while it waited there idle)"
     )
     print(
         f"pool start {s['pool_start_s']:.2f} s, workers {s['workers_wall_s']:.2f} s (process start included), "
