@@ -123,16 +123,21 @@ def test_a_model_with_another_layout_is_refused(pool_server):
 # -- direct handoffs: ids from producer to consumer, ownership through the pool --------------------------------
 
 
-def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
-    reader = start_reader(pool_server.url, "req-direct", 5, "reader-0")
+def run_direct_handoff(url: str, request_id: str, n: int, name: str, timeout_s: float = 60.0) -> None:
+    """A writer process hands ``n`` blocks to the reader process called ``name``, which must read them directly."""
+    reader = start_reader(url, request_id, n, name)
     try:
-        w = run_worker("write", pool_server.url, "req-direct", "5", "reader-0")
+        w = run_worker("write", url, request_id, str(n), name)
         assert w.returncode == 0, w.stderr
-        out, err = reader.communicate(timeout=60)
+        out, err = reader.communicate(timeout=timeout_s)
     finally:
         if reader.poll() is None:
             reader.kill()
     assert reader.returncode == 0 and "READ OK" in out and out.strip().endswith("direct"), out + err
+
+
+def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
+    run_direct_handoff(pool_server.url, "req-direct", 5, "reader-0")
     s = pool_server.stats()
     assert (s["free"], s["in_use"], s["handoffs"], s["counters"]["claims"]) == (64, 0, 0, 1)
 

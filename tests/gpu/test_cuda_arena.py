@@ -11,7 +11,7 @@ import torch
 
 from kvpool.client import PoolClient
 from tests.conftest import child_env, start_pool
-from tests.test_client import run_worker, start_reader
+from tests.test_client import run_direct_handoff, run_worker
 
 pytestmark = pytest.mark.gpu
 
@@ -36,15 +36,7 @@ def test_pattern_crosses_processes_on_the_cuda_arena(cuda_pool):
 
 
 def test_a_direct_handoff_crosses_processes_on_the_cuda_arena(cuda_pool):
-    reader = start_reader(cuda_pool.url, "req-gpu-direct", 9, "gpu-reader")
-    try:
-        w = run_worker("write", cuda_pool.url, "req-gpu-direct", "9", "gpu-reader")
-        assert w.returncode == 0, w.stderr
-        out, err = reader.communicate(timeout=120)
-    finally:
-        if reader.poll() is None:
-            reader.kill()
-    assert reader.returncode == 0 and "READ OK" in out and out.strip().endswith("direct"), out + err
+    run_direct_handoff(cuda_pool.url, "req-gpu-direct", 9, "gpu-reader", timeout_s=120)
     assert cuda_pool.stats()["in_use"] == 0
 
 
