@@ -94,8 +94,9 @@ def decode(model: type[M], body: bytes) -> tuple[M, array | None]:
 class FastConnection:
     """One kept-open Unix-socket connection, used by one thread at a time.
 
-    Calls can be pipelined: :meth:`send` writes a request without waiting, and its reply is read, in order,
-    before the next :meth:`call`'s (or by :meth:`settle`). A refused pipelined request is reported there.
+    Calls can be pipelined: :meth:`send` writes a request without waiting, and its reply is read, in order, before
+    the next request goes out (or by :meth:`settle`). If the pool refused a pipelined request, the next call, send
+    or settle raises :class:`PipelinedRefusal` instead of going on, having read every pending reply.
     """
 
     def __init__(self, path: str, timeout_s: float | None = None) -> None:
@@ -106,9 +107,7 @@ class FastConnection:
 
     def call(self, op: bytes, body: bytes, between: Callable[[], None] | None = None) -> tuple[int, bytes]:
         """Send a request and read its answer; ``between`` runs once the request is written."""
-        refused = self.settle()
-        if refused:
-            raise PipelinedRefusal(refused)
+        self.settle()
         self.sock.sendall(frame(op, body))
         if between is not None:
             between()
@@ -116,17 +115,19 @@ class FastConnection:
 
     def send(self, op: bytes, body: bytes, label: str) -> None:
         """Write a request and return at once; ``label`` names it if the pool refuses it."""
+        self.settle()
         self.sock.sendall(frame(op, body))
         self.pending.append(label)
 
-    def settle(self) -> list[tuple[str, int, bytes]]:
-        """Read the replies of every pipelined request; return the refused ones as (label, status, body)."""
+    def settle(self) -> None:
+        """Read the replies of every pipelined request; raise if the pool refused any of them."""
         refused = []
         while self.pending:
             label, status, body = self.take()
             if status != 200:
                 refused.append((label, status, body))
-        return refused
+        if refused:
+            raise PipelinedRefusal(refused)
 
     def take(self) -> tuple[str, int, bytes]:
         """The reply of the oldest pipelined request, as (label, status, body)."""

@@ -462,7 +462,7 @@ class PoolClient:
         then not yours). Any later call on this thread does the same first."""
         conn: FastConnection | None = getattr(self._local, "conn", None)
         if conn is not None and conn.pending:
-            self._guard(lambda: self._settled(conn.settle()))
+            self._guard(conn.settle)
 
     def _delivery(self, request_id: str | None, spin_s: float) -> Delivery | None:
         """A delivered handoff for this claim, from those already received or the inbox, spinning ``spin_s``."""
@@ -495,7 +495,6 @@ class PoolClient:
 
         def send() -> FastConnection:
             conn = self._fast()
-            self._settled(conn.settle())
             conn.send(op, body, request_id)
             return conn
 
@@ -587,11 +586,7 @@ class PoolClient:
         request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
 
         def call() -> tuple[R, array | None]:
-            conn = self._fast()
-            try:
-                status, body = conn.call(op, request, between)
-            except PipelinedRefusal as exc:
-                self._settled(exc.refused)
+            status, body = self._fast().call(op, request, between)
             if status != 200:
                 raise_for(status, body)
             return decode(resp, body)
@@ -604,6 +599,8 @@ class PoolClient:
             raise self._lost
         try:
             return fn()
+        except PipelinedRefusal as exc:
+            raise self._refused(exc.refused) from None
         except UnknownSession:
             self._check_epoch()
             raise
@@ -613,18 +610,17 @@ class PoolClient:
             raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
 
     @staticmethod
-    def _settled(refused: list[tuple[str, int, bytes]]) -> None:
-        """Raise for the direct claims the pool refused (see :meth:`confirm`); ``refused`` on the error names them."""
-        if refused:
-            label, status, body = refused[0]
-            exc = error_for(status, body)
-            more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
-            err = type(exc)(
-                f"the pool refused the claim of request {label!r}{more}, whose ids its producer delivered to your "
-                f"inbox: {exc}"
-            )
-            err.refused = tuple(r[0] for r in refused)
-            raise err
+    def _refused(refused: list[tuple[str, int, bytes]]) -> KvpoolError:
+        """The error for the direct claims the pool refused (see :meth:`confirm`); ``refused`` on it names them."""
+        label, status, body = refused[0]
+        exc = error_for(status, body)
+        more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
+        err = type(exc)(
+            f"the pool refused the claim of request {label!r}{more}, whose ids its producer delivered to your inbox: "
+            f"{exc}"
+        )
+        err.refused = tuple(r[0] for r in refused)
+        return err
 
     def _http_call(self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0) -> R:
         return resp.model_validate(self._send(method, path, req, wait_s))
