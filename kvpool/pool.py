@@ -178,10 +178,14 @@ class Pool:
         self._ended(session)
         return released
 
+    def live_sessions(self, name: str | None = None) -> list[Session]:
+        """Sessions whose lease has not run out (the sweep may not have removed the others yet), by name."""
+        now = self.clock()
+        return [s for s in self.sessions.values() if s.expires_at >= now and (name is None or s.name == name)]
+
     def named(self, name: str) -> Session:
         """The one live session called ``name`` (the addressee of a handoff)."""
-        now = self.clock()
-        found = [s for s in self.sessions.values() if s.name == name and s.expires_at >= now]
+        found = self.live_sessions(name)
         if len(found) != 1:
             why = "no live session is" if not found else f"{len(found)} live sessions are"
             raise InvalidRequest(

@@ -206,8 +206,7 @@ class ControlPlane:
         return SessionList(
             sessions=[
                 SessionSummary(name=s.name, role=s.role, inbox=s.inbox, age_s=round(now - s.created_at, 3))
-                for s in self.pool.sessions.values()
-                if name is None or s.name == name
+                for s in self.pool.live_sessions(name)
             ]
         )
 

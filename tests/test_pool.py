@@ -227,3 +227,13 @@ def test_an_addressed_handoff_is_held_while_its_addressee_lives_then_expires_as_
         pool.heartbeat(p)
         pool.expire()
     assert not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)
+
+
+def test_sessions_past_their_lease_are_not_live_even_before_the_sweep():
+    clock = Clock()
+    pool = make_pool(clock)
+    pool.open_session("decode-0", "decode")
+    clock.now += 2.5  # its lease ran out; no sweep has run
+    fresh = pool.open_session("decode-0", "decode")
+    assert [s.session_id for s in pool.live_sessions("decode-0")] == [fresh.session_id]
+    assert pool.named("decode-0") is fresh
