@@ -1,7 +1,7 @@
-"""``python -m benchmarks SUITE [options]`` (and ``kvpool bench SUITE``): run one benchmark suite.
+"""``python -m kvpool.benchmarks SUITE [options]`` (and ``kvpool bench SUITE``): run one benchmark suite.
 
 Each suite measures kvpool side by side with what users would do instead, in the same run, prints a result block
-and writes JSON and a PNG into ``--out``. ``python -m benchmarks SUITE --help`` lists a suite's options.
+and writes JSON and a PNG into ``--out``. ``python -m kvpool.benchmarks SUITE --help`` lists a suite's options.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
 
 SUITES: dict[str, tuple[str, str]] = {
-    "control-plane": ("benchmarks.control_plane", "/alloc+/free latency and throughput against the framework's floor"),
-    "handoff": ("benchmarks.handoff", "prefill -> decode KV handoff against torch.multiprocessing and copies"),
-    "attach": ("benchmarks.attach", "a new process opening arenas of growing size"),
-    "e2e": ("benchmarks.e2e", "prefill and decode workers through the pool against one monolithic worker"),
-    "prefix": ("benchmarks.prefix", "prefix lookup and commit of a 32k-token prompt, in process and through the pool"),
-    "copy": ("benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
+    "control-plane": ("kvpool.benchmarks.control_plane", "/alloc+/free latency and throughput against its floor"),
+    "handoff": ("kvpool.benchmarks.handoff", "prefill -> decode KV handoff against torch.multiprocessing and copies"),
+    "attach": ("kvpool.benchmarks.attach", "a new process opening arenas of growing size"),
+    "e2e": ("kvpool.benchmarks.e2e", "prefill and decode workers through the pool against one monolithic worker"),
+    "prefix": ("kvpool.benchmarks.prefix", "lookup and commit of a 32k-token prompt, in process and via the pool"),
+    "copy": ("kvpool.benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
 }
 # Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
-DELEGATED: dict[str, tuple[str, str]] = {"soak": ("benchmarks.soak", "long-running load on a pool")}
+DELEGATED: dict[str, tuple[str, str]] = {"soak": ("kvpool.benchmarks.soak", "long-running load on a pool")}
 
 
 def available() -> dict[str, tuple[str, str]]:

@@ -1,6 +1,6 @@
 """attach: how long a new worker process takes to map the arena, as the arena grows.
 
-Each trial is a fresh process (``python -m benchmarks.attach URL``) that has imported torch, kvpool and httpx's
+Each trial is a fresh process (``python -m kvpool.benchmarks.attach URL``) that has imported torch, kvpool and httpx's
 transport and, on CUDA, made its context (a worker has all of them long before it attaches; their costs do not
 depend on the arena and are reported apart), then times: opening a session (``PoolClient(...)``: its HTTP client,
 whose default TLS context loads the CA bundle even for a Unix socket, and ``POST /sessions``), mapping the arena
@@ -22,7 +22,8 @@ import sys
 import time
 from typing import Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
+
 from kvpool.layout import KVLayout
 
 GIB = 1 << 30
@@ -76,7 +77,7 @@ def child(url: str, device: str) -> None:
 
 def _trial(url: str, device: harness.Device) -> dict[str, int]:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.attach", url, device.torch_device],
+        [sys.executable, "-m", "kvpool.benchmarks.attach", url, device.torch_device],
         capture_output=True,
         text=True,
         env=harness.child_env(),

@@ -1,13 +1,13 @@
 """The framework's floor: the pool's routes and models with nothing behind them, served like the pool.
 
-``python -m benchmarks.bare_server --socket S --port P`` serves ``/sessions``, ``/alloc`` and ``/free`` with the
+``python -m kvpool.benchmarks.bare_server --socket S --port P`` serves ``/sessions``, ``/alloc`` and ``/free`` with the
 same request and response models as the pool, on a bare FastAPI app (no middleware, no auth dependency), with
 the same uvicorn settings as ``kvpool serve`` (access log off, uvloop and httptools when present) on the same kinds
 of socket. ``/alloc`` answers a ready-made list of the asked length, ``/free`` the count it was sent: the request is
 parsed and the reply built and serialized exactly as the pool does, but no book is touched. The difference between
 the pool and this server over the same transport is what kvpool itself costs.
 
-The fast channel's floor is the pool's own :class:`server.fastpath.FastChannel` in front of a stub plane that
+The fast channel's floor is the pool's own :class:`kvpool.server.fastpath.FastChannel` in front of a stub plane that
 answers the same way, at ``<socket>.fast``: its framing and pydantic work without the pool's.
 """
 
@@ -22,6 +22,8 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from kvpool.server.fastpath import FastChannel
+from kvpool.server.main import bind_tcp, bind_unix
 
 from kvpool.protocol import (
     AllocRequest,
@@ -32,8 +34,6 @@ from kvpool.protocol import (
     SessionCreate,
     SessionInfo,
 )
-from server.fastpath import FastChannel
-from server.main import bind_tcp, bind_unix
 
 EPOCH = "bare"
 SESSION = f"{EPOCH}-session"

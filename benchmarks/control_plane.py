@@ -23,7 +23,8 @@ import time
 from array import array
 from typing import Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
+
 from kvpool.layout import KVLayout
 
 VARIANTS = ("pool-fast", "pool-http-unix", "pool-http-tcp", "bare-fast", "bare-http-unix", "bare-http-tcp", "inproc")
@@ -41,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _client(conn: Any, urls: dict[str, tuple[str, bool]], inproc_blocks: int) -> None:
     """One client process: a PoolClient per transport and a private allocator; runs timed chunks on command."""
-    from kvpool.allocator import BlockAllocator
+    from kvpool.server.allocator import BlockAllocator
+
     from kvpool.client import PoolClient
 
     clients = {
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     pool_flags = [*harness.layout_flags(POOL_LAYOUT), "--num-blocks", str(num_blocks)]
     with harness.servers(
         lambda: harness.start_pool(device, *pool_flags),
-        lambda: harness.start_server("bare", ["benchmarks.bare_server"]),
+        lambda: harness.start_server("bare", ["kvpool.benchmarks.bare_server"]),
     ) as (pool, bare):
         urls = {
             "pool-fast": (pool.url, True),

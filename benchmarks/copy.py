@@ -20,7 +20,8 @@ import random
 import time
 from typing import Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
+
 from kvpool.layout import KVLayout
 
 MIB = 1 << 20

@@ -3,12 +3,12 @@
 Both sides run the same model, kernels and greedy decode step (``workers/``), each in its own long-lived
 processes, warmed up with one batch before anything is timed:
 
-  pool   a real pool, ``workers.prefill`` and ``workers.decode`` (python -m, as deployed): the prefill looks the
+  pool   a real pool and the prefill and decode workers (``kvpool worker``, as deployed): the prefill looks the
          prompt up in the prefix cache, computes the rest into arena blocks, commits and hands off; the decode
          claims and decodes in batches. The prompts are written to the prefill's stdin at t0; a request's first
          token exists when the prefill prints its line (after the handoff), its last when the decode prints its
          own (lines are time-stamped as they arrive, on CLOCK_MONOTONIC)
-  mono   one process running the loop of ``workers.monolithic.greedy_generate`` (prefill each prompt from
+  mono   one process running the loop of ``kvpool.workers.monolithic.greedy_generate`` (prefill each prompt from
          scratch into a private paged cache, then decode the batch), time-stamped the same way
 
 Workloads: ``unique`` (random prompts) and ``shared`` (every prompt starts with the same prefix, ``--shared-frac``
@@ -17,7 +17,7 @@ output tokens/s over the batch's wall time (all requests arrive at t0), TTFT (t0
 first token) / (tokens - 1)), end-to-end latency, prefix-cache hits; and whether both sides produced the same
 tokens.
 
-Model: on CPU the workers' tiny random model (``workers.cli.TINY``); on GPU a random model shaped like a 1B Llama
+Model: on CPU the workers' tiny random model (``kvpool.workers.cli.TINY``); on GPU a random model shaped like a 1B Llama
 (``--model-preset``), or any local checkpoint with ``--model``.
 """
 
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
 
 MODES = ("pool", "mono")
 WORKLOADS = ("unique", "shared")
@@ -84,15 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _mono_main(argv: list[str]) -> None:
-    """``python -m benchmarks.e2e LAYOUT_JSON DEVICE THREADS MODEL_ARGS...``: batches in on stdin, timings out.
+    """``python -m kvpool.benchmarks.e2e LAYOUT_JSON DEVICE THREADS MODEL_ARGS...``: batches in on stdin, timings out.
 
     Each stdin line is ``{"prompts", "max_new_tokens", "max_batch"}``; each reply line has the batch's start and,
     per prompt, the first-token and last-token instants (perf_counter_ns) and the tokens.
     """
     import torch
+    from kvpool.workers.cli import add_model_arguments, load_model
 
     from kvpool.layout import KVLayout
-    from workers.cli import add_model_arguments, load_model
 
     layout = KVLayout.model_validate_json(argv[0])
     device, threads = torch.device(argv[1]), int(argv[2])
@@ -112,11 +112,11 @@ def _mono_main(argv: list[str]) -> None:
 def _timed_generate(
     model: Any, prompts: list[list[int]], max_new_tokens: int, layout: Any, max_batch: int
 ) -> tuple[list[int], list[int], list[list[int]]]:
-    """``workers.monolithic.greedy_generate``'s loop, step for step, with the instant each request's first and last
-    token exist (the greedy ``.tolist()`` waits for the device, so the instants are real)."""
-    from workers.kvcache import private_kv_caches
-    from workers.monolithic import LocalBlocks
-    from workers.sequence import Sequence, blocks_needed, decode_step, greedy
+    """``greedy_generate``'s loop (:mod:`kvpool.workers.monolithic`), step for step, with the instant each request's
+    first and last token exist (the greedy ``.tolist()`` waits for the device, so the instants are real)."""
+    from kvpool.workers.kvcache import private_kv_caches
+    from kvpool.workers.monolithic import LocalBlocks
+    from kvpool.workers.sequence import Sequence, blocks_needed, decode_step, greedy
 
     bs, clock = layout.block_size, time.perf_counter_ns
     total = sum(blocks_needed(len(p) + max_new_tokens, bs) for p in prompts)
@@ -229,8 +229,9 @@ class _Pool(_Side):
         base = ["--pool", url, "--threads", str(threads), *model_args]
         py = [sys.executable, "-m"]
         decode = ["--name", "e2e-decode", "--max-batch", str(max_batch), "--idle-wait-s", "0.05"]
-        self.procs["decode"] = _spawn([*py, "workers.decode", *base, *decode], workdir / "decode.log", stdin=False)
-        prefill = [*py, "workers.prefill", *base, "--handoff-to", "e2e-decode"]
+        decode_cmd = [*py, "kvpool.workers.decode", *base, *decode]
+        self.procs["decode"] = _spawn(decode_cmd, workdir / "decode.log", stdin=False)
+        prefill = [*py, "kvpool.workers.prefill", *base, "--handoff-to", "e2e-decode"]
         self.procs["prefill"] = _spawn(prefill, workdir / "prefill.log")
         for name, proc in self.procs.items():
             assert proc.stdout is not None
@@ -276,7 +277,7 @@ class _Mono(_Side):
     ) -> None:
         super().__init__(workdir)
         self.max_batch = max_batch
-        cmd = [sys.executable, "-m", "benchmarks.e2e", layout.model_dump_json(), device, str(threads), *model_args]
+        cmd = [sys.executable, "-m", __name__, layout.model_dump_json(), device, str(threads), *model_args]
         proc = self.procs["mono"] = _spawn(cmd, workdir / "mono.log")
         assert proc.stdout is not None
         _Lines("mono", proc.stdout, self.lines)
@@ -297,8 +298,8 @@ class _Mono(_Side):
 
 def _model(args: argparse.Namespace, device: harness.Device, dtype: str, workdir: Path) -> tuple[Any, list[str], str]:
     """The model config, the workers' model flags, and a name for the pool's prefix namespace."""
-    from workers.cli import TINY
-    from workers.model import LlamaConfig
+    from kvpool.workers.cli import TINY
+    from kvpool.workers.model import LlamaConfig
 
     if args.model is not None:
         return LlamaConfig.from_dir(args.model), ["--model", str(args.model), "--dtype", dtype], args.model.name
@@ -325,8 +326,8 @@ def _prompts(workload: str, n: int, length: int, shared_frac: float, vocab: int,
 def run(args: argparse.Namespace) -> int:
     device = harness.resolve_device(args)
     try:
-        from workers.kvcache import layout_for
-        from workers.sequence import blocks_needed
+        from kvpool.workers.kvcache import layout_for
+        from kvpool.workers.sequence import blocks_needed
     except ImportError as exc:
         raise SystemExit(
             f"e2e: the workers are not usable here ({exc}): this suite needs workers/ (prefill, decode, "

@@ -42,7 +42,7 @@ import uuid
 from array import array
 from typing import Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
 
 NUM_TENSORS_PER_LAYER = 2
 TARGET_FLAT = 1.5

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool import launch
+from kvpool.server import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULT_WIDTH = 64
@@ -52,7 +52,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_size(text: str) -> int:
     """Bytes from ``1MiB``, ``8GiB``, ``4096`` (the pool's own parser, so flags read alike everywhere)."""
-    from kvpool.config import parse_size as parse
+    from kvpool.server.config import parse_size as parse
 
     try:
         return parse(text)
@@ -312,7 +312,7 @@ class Report:
         return {
             "suite": self.suite,
             "timestamp": self.started.isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "benchmarks", *ARGV]),
+            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "kvpool.benchmarks", *ARGV]),
             "config": self.config,
             "device": device_info(self.device),
             "versions": versions(),

@@ -23,7 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from benchmarks import harness
+from kvpool.benchmarks import harness
+
 from kvpool.layout import KVLayout
 
 OPS = ("commit", "lookup_hit", "lookup_miss")
@@ -50,7 +51,7 @@ class _InProc:
     """The pool's books in this process: ``Pool.commit`` and ``Pool.lookup``, nothing around them."""
 
     def __init__(self, num_blocks: int, layout: KVLayout) -> None:
-        from kvpool.pool import Pool
+        from kvpool.server.pool import Pool
 
         self.pool = Pool(num_blocks, layout, lease_ttl_s=3600)
         self.sid = self.pool.open_session("bench", "other").session_id
@@ -77,9 +78,10 @@ class _Handler:
     handler, the reply serialized; what a request costs the server apart from its transport."""
 
     def __init__(self, num_blocks: int, layout: KVLayout) -> None:
-        from kvpool.config import PoolSettings
+        from kvpool.server.config import PoolSettings
+        from kvpool.server.plane import ControlPlane
+
         from kvpool.protocol import SessionCreate
-        from server.plane import ControlPlane
 
         # A cpu arena whatever the run's device: the handlers never touch KV bytes.
         fields = layout.model_dump()

@@ -1,7 +1,7 @@
 """Soak: many concurrent clients doing random alloc, free, commit, lookup, handoff and claim against one pool,
 with workers killed on the side, checking at every step that nothing is lost and nobody is handed memory in use.
 
-``python -m benchmarks.soak [--duration 60] [--clients 16] [--url URL]`` (or ``kvpool bench soak ...``).
+``python -m kvpool.benchmarks.soak [--duration 60] [--clients 16] [--url URL]`` (or ``kvpool bench soak ...``).
 Without ``--url`` it starts its own pool (CPU backend, loopback TCP and a Unix socket in a private temporary
 directory) and stops it afterwards; with ``--url`` it only ever talks to a ``unix://`` socket or a loopback
 ``http://`` address, and expects that pool to be otherwise idle (its books must come back to where they were).
@@ -44,8 +44,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from kvpool.benchmarks import harness
 
-from benchmarks import harness
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
 
@@ -391,7 +391,7 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float) -> int:
 def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: Tally, stop: threading.Event) -> None:
     """Every ``every`` seconds, start a worker, wait until it holds its refs, and SIGKILL it."""
     while not stop.wait(every):
-        cmd = [sys.executable, "-m", "benchmarks.soak", "--crash-worker", url, str(block_size), str(ttl_s)]
+        cmd = [sys.executable, "-m", "kvpool.benchmarks.soak", "--crash-worker", url, str(block_size), str(ttl_s)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=harness.child_env(),
                                 cwd=harness.ROOT, text=True)  # fmt: skip
         try:

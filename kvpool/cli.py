@@ -1,33 +1,50 @@
-"""The ``kvpool`` command: serve the pool, check it, run the demo, the workers and the benchmarks."""
+"""The ``kvpool`` command: check a pool, and run what the installed components register.
+
+``health`` and ``info`` need only the client. ``serve``, ``demo``, ``worker`` and ``bench`` belong to the pool
+manager, the workers and the benchmarks: each registers a :class:`Command` under the ``kvpool.commands`` entry
+point group, so this module names none of them and imports a component only when its command runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
 
-from kvpool.config import PoolSettings, add_settings_arguments, settings_from_args
+GROUP = "kvpool.commands"
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
+@dataclass(frozen=True)
+class Command:
+    """A subcommand a component offers: its one-line help, and ``module:function`` taking the rest of the line."""
 
-    from server.main import serve
+    help: str
+    target: str
 
-    try:
-        settings = settings_from_args(args)
-    except ValidationError as exc:
-        print(f"kvpool serve: invalid settings:\n{exc}", file=sys.stderr)
-        return 2
-    serve(settings)
-    return 0
+    def run(self, argv: list[str]) -> int:
+        module, _, func = self.target.partition(":")
+        main: Callable[[list[str]], int | None] = getattr(importlib.import_module(module), func)
+        return int(main(argv) or 0)
+
+
+def registered() -> dict[str, Command]:
+    found: dict[str, Command] = {}
+    for ep in entry_points(group=GROUP):
+        command = ep.load()
+        if isinstance(command, Command):
+            found[ep.name] = command
+    return found
 
 
 def _health(args: argparse.Namespace) -> int:
     import httpx
 
-    from kvpool.client import default_url, http_client
+    from kvpool.address import default_url
+    from kvpool.client import http_client
 
     url = args.url or default_url()
     try:
@@ -41,7 +58,8 @@ def _health(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    from kvpool.client import default_url, http_client, raise_for
+    from kvpool.address import default_url
+    from kvpool.client import http_client, raise_for
 
     with http_client(args.url or default_url(), args.token, 10.0) as http:
         out = {}
@@ -56,27 +74,17 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _delegate(module: str, argv: Sequence[str]) -> int:
-    import importlib
-
-    result = importlib.import_module(module).main(list(argv))
-    return int(result or 0)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # Subcommands that own their flags get the rest of the line untouched.
-    delegates = {"demo": "workers.demo", "bench": "benchmarks.__main__"}
-    if argv and argv[0] in delegates:
-        return _delegate(delegates[argv[0]], argv[1:])
-    if len(argv) >= 2 and argv[0] == "worker" and argv[1] in {"prefill", "decode"}:
-        return _delegate(f"workers.{argv[1]}", argv[2:])
+    commands = registered()
+    # Registered commands own their flags: they get the rest of the line untouched.
+    if argv and argv[0] in commands:
+        return commands[argv[0]].run(argv[1:])
 
-    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the pool manager (flags override KVPOOL_* variables)")
-    add_settings_arguments(serve, PoolSettings)
-    serve.set_defaults(func=_serve)
+    for name, command in commands.items():
+        sub.add_parser(name, help=command.help)
     health = sub.add_parser("health", help="exit 0 if the pool answers /health with 200")
     health.add_argument("--url", default=None, help="pool URL [env KVPOOL_URL]")
     health.add_argument("--timeout", type=float, default=3.0)
@@ -86,9 +94,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     info.add_argument("--token", default=None)
     info.add_argument("--show-handle", action="store_true", help="print the arena handle (a secret)")
     info.set_defaults(func=_info)
-    sub.add_parser("demo", help="the whole prefill -> decode flow on this machine (see kvpool demo --help)")
-    sub.add_parser("worker", help="run a worker: kvpool worker prefill|decode --help")
-    sub.add_parser("bench", help="run a benchmark suite: kvpool bench --help")
     args = parser.parse_args(argv)
     return int(args.func(args))
 

@@ -6,6 +6,9 @@ place and the client turns the status and the error name back into the same exce
 
 from __future__ import annotations
 
+import json
+from typing import Any, NoReturn
+
 
 class KvpoolError(Exception):
     """Base of every error kvpool raises on purpose."""
@@ -102,3 +105,32 @@ ERRORS: dict[str, type[KvpoolError]] = {
         PoolUnavailable,
     )
 }
+
+_BY_STATUS = {cls.status: cls for cls in reversed(list(ERRORS.values()))}
+
+
+def error_body(detail: Any, error: str) -> dict[str, Any]:
+    """The JSON body of every refusal, over HTTP and the fast channel alike: what was wrong, and which error."""
+    return {"detail": detail, "error": error}
+
+
+def body_for(exc: KvpoolError) -> dict[str, Any]:
+    return error_body(str(exc), type(exc).__name__)
+
+
+def error_for(status: int, body: bytes) -> KvpoolError:
+    """The exception the pool raised, from its error reply."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        data = {"detail": body.decode(errors="replace")}
+    detail = data.get("detail") if isinstance(data, dict) else data
+    if status == 422:
+        return InvalidRequest(f"the pool refused the request: {detail}")
+    name = data.get("error") if isinstance(data, dict) else None
+    cls = ERRORS.get(name or "") or _BY_STATUS.get(status, KvpoolError)
+    return cls(detail if isinstance(detail, str) else json.dumps(detail))
+
+
+def raise_for(status: int, body: bytes) -> NoReturn:
+    raise error_for(status, body)

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from kvpool.errors import LayoutMismatch
+
 DTYPE_ALIASES: dict[str, str] = {
     "fp16": "float16",
     "half": "float16",
@@ -95,6 +97,12 @@ class KVLayout(BaseModel):
             for name in type(self).model_fields
             if getattr(self, name) != getattr(other, name)
         }
+
+    def require(self, yours: KVLayout | None) -> None:
+        """Refuse a model whose layout differs from this arena's: its views would be silently wrong."""
+        if yours is not None and yours != self:
+            diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in self.diff(yours).items())
+            raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
 
     def namespace(self, model: str = "") -> str:
         """A string that names model and layout, so prefix hashes of different models never meet."""

@@ -6,6 +6,7 @@ Requests are strict (a string is not a number, unknown fields are refused), so t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -216,3 +217,27 @@ class ArenaDescriptor(BaseModel):
 class ErrorBody(BaseModel):
     detail: Any
     error: str
+
+
+# The direct path's critical path writes these two requests by hand: building and dumping the pydantic model
+# costs more than the rest of the path. tests/test_protocol.py keeps them equal to the models' own JSON; the pool
+# validates them as it validates any request.
+_HANDOFF_JSON = b'{"session_id":%s,"request_id":%s,"block_ids":[],"num_tokens":%d,"meta":%s,"ttl_s":%s,"to":%s}'
+_CLAIM_JSON = b'{"session_id":%s,"request_id":%s,"timeout_s":%r}'
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def handoff_json(
+    session_id: str, request_id: str, num_tokens: int, meta: bytes, ttl_s: float | None, to: str | None
+) -> bytes:
+    """A :class:`HandoffRequest` whose ids go attached; ``meta`` is already JSON (it also goes to the inbox)."""
+    ttl = b"null" if ttl_s is None else b"%r" % float(ttl_s)
+    return _HANDOFF_JSON % (_json(session_id), _json(request_id), num_tokens, meta, ttl, _json(to))
+
+
+def claim_json(session_id: str, request_id: str, timeout_s: float) -> bytes:
+    """A :class:`ClaimRequest` of one request (also the body of an ``accept``)."""
+    return _CLAIM_JSON % (_json(session_id), _json(request_id), float(timeout_s))

@@ -13,11 +13,12 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from kvpool.server.metrics import registry_for
+from kvpool.server.plane import ControlPlane
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.errors import KvpoolError
-from kvpool.metrics import registry_for
+from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
 from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
@@ -38,7 +39,6 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
-from server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -62,13 +62,13 @@ class SafeJSONResponse(JSONResponse):
 
 
 def error_response(exc: KvpoolError) -> JSONResponse:
-    return SafeJSONResponse({"detail": str(exc), "error": type(exc).__name__}, status_code=exc.status)
+    return SafeJSONResponse(body_for(exc), status_code=exc.status)
 
 
 def validation_response(exc: RequestValidationError) -> JSONResponse:
     """422 naming each bad field (type, loc, msg, ctx), without echoing the input back, as the fast channel does."""
     errors = [{k: e[k] for k in ("type", "loc", "msg", "ctx") if k in e} for e in exc.errors()]
-    return SafeJSONResponse({"detail": errors, "error": "ValidationError"}, status_code=422)
+    return SafeJSONResponse(error_body(errors, "ValidationError"), status_code=422)
 
 
 def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
@@ -82,7 +82,7 @@ def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
     if cause is not None and exc.status_code == 400:
         detail = f"{detail}: {type(cause).__name__}: {str(cause)[:200]}"
     name = "InvalidRequest" if exc.status_code == 400 else "HTTPError"
-    return SafeJSONResponse({"detail": detail, "error": name}, status_code=exc.status_code, headers=exc.headers)
+    return SafeJSONResponse(error_body(detail, name), status_code=exc.status_code, headers=exc.headers)
 
 
 class BodyLimit:
@@ -127,7 +127,7 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = {"detail": f"request body over {self.limit} bytes", "error": "PayloadTooLarge"}
+        body = body_for(PayloadTooLarge(f"request body over {self.limit} bytes"))
         await SafeJSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
 
 
@@ -156,7 +156,7 @@ class RequireToken:
         if scheme.lower() == b"bearer" and hmac.compare_digest(value, self.token):
             await self.app(scope, receive, send)
             return
-        body = {"detail": UNAUTHORIZED, "error": "Unauthorized"}
+        body = body_for(Unauthorized(UNAUTHORIZED))
         await SafeJSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
 
 
@@ -216,7 +216,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return JSONResponse(Health(status="starting", epoch=plane.epoch).model_dump(), status_code=503)
 
     api = APIRouter()  # the token is checked for every path but /health by RequireToken, before any body is read
-    registry = registry_for(lambda: plane.pool)
+    registry = registry_for(plane.stats)
 
     @api.get("/arena")
     async def arena() -> ArenaDescriptor:

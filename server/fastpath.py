@@ -24,10 +24,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from kvpool.server.plane import ControlPlane
 from pydantic import BaseModel, ValidationError
 
 from kvpool.channel import HEADER, decode, encode, frame, pack_ids
-from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized
+from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
 from kvpool.protocol import (
     AllocRequest,
     ClaimRequest,
@@ -38,7 +39,6 @@ from kvpool.protocol import (
     LookupRequest,
     SessionRef,
 )
-from server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def _encode(status: int, body: bytes) -> bytes:
 
 
 def _error(exc: KvpoolError) -> bytes:
-    return _encode(exc.status, json.dumps({"detail": str(exc), "error": type(exc).__name__}).encode())
+    return _encode(exc.status, json.dumps(body_for(exc)).encode())
 
 
 class FastChannel:
@@ -137,7 +137,7 @@ class FastChannel:
             return _error(exc)
         except Exception as exc:
             log.exception("fast channel op %s failed", op)
-            return _encode(500, json.dumps({"detail": f"internal error: {exc!r}", "error": "KvpoolError"}).encode())
+            return _encode(500, json.dumps(error_body(f"internal error: {exc!r}", "KvpoolError")).encode())
 
     def _refused(self, body: bytes, exc: ValidationError) -> None:
         """An addressed handoff refused before it reached the books: its ids may already be with the addressee
@@ -152,7 +152,7 @@ class FastChannel:
         request_id, to = head.get("request_id"), head.get("to")
         if isinstance(request_id, str) and 0 < len(request_id) <= 256 and isinstance(to, str) and self.plane.ready:
             fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors(include_url=False))
-            self.plane.pool.refuse(request_id, f"ValidationError: invalid {fields}")
+            self.plane.refuse(request_id, f"ValidationError: invalid {fields}")
 
 
 def _reply(result: BaseModel) -> bytes:
@@ -166,4 +166,4 @@ def _reply(result: BaseModel) -> bytes:
 
 def _validation(exc: ValidationError) -> bytes:
     errors = exc.errors(include_url=False, include_context=False, include_input=False)
-    return json.dumps({"detail": errors, "error": "ValidationError"}).encode()
+    return json.dumps(error_body(errors, "ValidationError")).encode()

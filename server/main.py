@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
 import socket
 import stat
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
-
-from kvpool.config import PoolSettings
-from server.app import create_app
-from server.fastpath import FastChannel
-from server.plane import ControlPlane
+from kvpool.server.app import create_app
+from kvpool.server.config import PoolSettings, add_settings_arguments, settings_from_args
+from kvpool.server.fastpath import FastChannel
+from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger("kvpool")
 
@@ -139,3 +141,24 @@ def serve(settings: PoolSettings) -> None:
                 settings.socket.unlink()
     if plane.startup_error:
         raise SystemExit(f"kvpool: could not start: {plane.startup_error}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    parser = argparse.ArgumentParser(
+        prog="kvpool serve", description="Run the pool manager (flags override KVPOOL_* variables)."
+    )
+    add_settings_arguments(parser, PoolSettings)
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"kvpool serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    serve(settings)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -12,11 +12,13 @@ import os
 import secrets
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-from kvpool.arena import HostArena, create_host_arena, resolve_backend, size_in_blocks
-from kvpool.config import PoolSettings
+from kvpool.server.arenas import HostArena, create_host_arena, resolve_backend, size_in_blocks
+from kvpool.server.config import PoolSettings
+from kvpool.server.pool import Handoff, Pool, Session
+
 from kvpool.errors import HandoffNotFound, InvalidRequest, PoolUnavailable
-from kvpool.pool import Handoff, Pool, Session
 from kvpool.protocol import (
     AcceptResponse,
     AllocRequest,
@@ -238,9 +240,11 @@ class ControlPlane:
     def handoff(self, req: HandoffRequest) -> HandoffResponse:
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
-        addressee = pool.sessions.get(h.to) if h.to is not None else None
-        inbox = addressee.inbox if addressee is not None else None
-        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=inbox)
+        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=pool.inbox_of(h.to))
+
+    def refuse(self, request_id: str, why: str) -> None:
+        """Remember that an addressed handoff was refused before it reached the books, for its claimer to learn."""
+        self.pool.refuse(request_id, why)
 
     async def claim(self, req: ClaimRequest) -> ClaimResponse:
         """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked."""
@@ -287,5 +291,5 @@ class ControlPlane:
                 if not fut.done():
                     fut.set_result(None)
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, Any]:
         return self.pool.stats()

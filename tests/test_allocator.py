@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kvpool.server.allocator import BlockAllocator
 
-from kvpool.allocator import BlockAllocator
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
 
 

@@ -71,7 +71,7 @@ def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_ser
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
 def test_both_transports_give_the_same_answers(pool_server, fast):
     with PoolClient(pool_server.url, name="t", fast=fast) as pool:
-        assert (pool._fast_path is not None) == fast
+        assert (pool.transport.fast_path is not None) == fast
         ids = pool.alloc(3)
         assert pool.commit(ids, list(range(10))).committed == 2
         assert pool.lookup(list(range(8))).block_ids == ids[:2]
@@ -148,7 +148,7 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         PoolClient(pool_server.url, name="decode-0", inbox=True, spin_s=0.0) as d,
         PoolClient(pool_server.url, name="prefill-http", fast=False) as ph,
     ):
-        assert d._inbox is not None and os.path.exists(d._inbox.path)
+        assert d.direct.inbox is not None and os.path.exists(d.direct.inbox.path)
         ids = ph.alloc(2)
         ph.handoff("over-http", ids, 5, to="decode-0")  # HTTP has no direct path: the pool alone delivers it
         got = d.claim("over-http", timeout_s=5)
@@ -218,8 +218,8 @@ def test_block_ids_travel_packed_as_arrays_numpy_and_tensors(pool_server):
 
 def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_server):
     with PoolClient(pool_server.url, name="decode-0", role="decode", inbox=True) as d:
-        assert d._inbox is not None
-        path = d._inbox.path
+        assert d.direct.inbox is not None
+        path = d.direct.inbox.path
         with PoolClient(pool_server.url, name="other") as o:
             listed = o.sessions("decode-0")
             assert [(s.name, s.role, s.inbox) for s in listed] == [("decode-0", "decode", path)]

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 
 import pytest
+from kvpool.server.config import PoolSettings, add_settings_arguments, parse_size, settings_from_args
 from pydantic import ValidationError
-
-from kvpool.config import PoolSettings, add_settings_arguments, parse_size, settings_from_args
 
 
 def parse(argv: list[str]) -> PoolSettings:

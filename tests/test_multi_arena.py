@@ -67,7 +67,7 @@ def test_prefill_on_one_arena_and_decode_on_another_give_the_monolithic_tokens()
     from tests.conftest import ROOT, child_env
 
     run = subprocess.run(
-        [sys.executable, "-m", "workers.demo", "--backend", "cpu", "--devices", "0,1", "--max-new-tokens", "6",
+        [sys.executable, "-m", "kvpool.workers.demo", "--backend", "cpu", "--devices", "0,1", "--max-new-tokens", "6",
          "--json"],
         capture_output=True, text=True, timeout=240, env=child_env(), cwd=ROOT,
     )  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from kvpool.server.pool import Pool
 
 from kvpool.errors import (
     HandoffExists,
@@ -14,7 +15,6 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.layout import KVLayout
-from kvpool.pool import Pool
 
 
 class Clock:

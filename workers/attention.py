@@ -151,7 +151,7 @@ def paged_decode_attention(
     """
     use_triton = backend == "triton" or (backend == "auto" and triton_available(q.device))
     if use_triton:
-        from workers.triton_paged import paged_decode_attention_triton
+        from kvpool.workers.triton_paged import paged_decode_attention_triton
 
         return paged_decode_attention_triton(
             q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len

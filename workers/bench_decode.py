@@ -1,6 +1,6 @@
 """Decode throughput of the paged model: a batch of long sequences, one token each per step.
 
-``python -m workers.bench_decode`` (defaults: 32 sequences of 4096 tokens, a random model shaped like Llama 3.2
+``python -m kvpool.workers.bench_decode`` (defaults: 32 sequences of 4096 tokens, a random model shaped like Llama 3.2
 1B in bf16, block size 16) times whole decode steps, the same :func:`workers.sequence.decode_step` the decode
 worker runs, over a private cache with the arena's geometry, and times the attention alone: the paged kernel
 against the torch fallback that gathers the context. The contexts' K/V are random values written straight into
@@ -17,13 +17,12 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-
-from workers.attention import paged_decode_attention
-from workers.kvcache import layout_for, private_kv_caches
-from workers.model import LlamaConfig, LlamaModel
-from workers.monolithic import LocalBlocks
-from workers.sequence import Sequence as Seq
-from workers.sequence import blocks_needed, decode_step
+from kvpool.workers.attention import paged_decode_attention
+from kvpool.workers.kvcache import layout_for, private_kv_caches
+from kvpool.workers.model import LlamaConfig, LlamaModel
+from kvpool.workers.monolithic import LocalBlocks
+from kvpool.workers.sequence import Sequence as Seq
+from kvpool.workers.sequence import blocks_needed, decode_step
 
 PRESETS = {
     "llama-1b": LlamaConfig(
@@ -55,7 +54,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workers.bench_decode", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvpool.workers.bench_decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)

@@ -27,9 +27,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.client import DeviceSession
-from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
-from workers.cli import (
+from kvpool.workers.cli import (
     add_model_arguments,
     add_pool_arguments,
     connect,
@@ -38,9 +36,12 @@ from workers.cli import (
     setup,
     synchronize,
 )
-from workers.model import KVCaches, LlamaModel
-from workers.request import HandoffMeta
-from workers.sequence import Sequence, decode_step
+from kvpool.workers.model import KVCaches, LlamaModel
+from kvpool.workers.request import HandoffMeta
+from kvpool.workers.sequence import Sequence, decode_step
+
+from kvpool.client import DeviceSession
+from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
 
 
 @dataclass

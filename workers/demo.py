@@ -23,16 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from kvpool.server.arenas import resolve_backend
+from kvpool.server.launch import ServerProcess, child_env, spawn
+from kvpool.workers.cli import TINY
+from kvpool.workers.kvcache import layout_for
+from kvpool.workers.model import LlamaConfig, LlamaModel
+from kvpool.workers.monolithic import greedy_generate
+from kvpool.workers.request import GenerationRequest
 
-from kvpool.arena import resolve_backend
 from kvpool.client import http_client
-from kvpool.launch import ServerProcess, child_env, spawn
 from kvpool.layout import KVLayout
-from workers.cli import TINY
-from workers.kvcache import layout_for
-from workers.model import LlamaConfig, LlamaModel
-from workers.monolithic import greedy_generate
-from workers.request import GenerationRequest
 
 
 def start_pool(
@@ -92,14 +92,14 @@ def run_workers(
     base = ["--pool", url, "--threads", str(threads), *model_args]
     t0 = time.perf_counter()
     decode = _run(
-        [sys.executable, "-m", "workers.decode", *base, "--name", DECODE_NAME, "--num-requests", str(len(requests)),
-         *decode_args],
+        [sys.executable, "-m", "kvpool.workers.decode", *base, "--name", DECODE_NAME,
+         "--num-requests", str(len(requests)), *decode_args],
         workdir,
         "decode",
     )  # fmt: skip
     prefill = _run(
-        [sys.executable, "-m", "workers.prefill", *base, "--handoff-to", DECODE_NAME, "--requests", str(req_file),
-         *prefill_args],
+        [sys.executable, "-m", "kvpool.workers.prefill", *base, "--handoff-to", DECODE_NAME,
+         "--requests", str(req_file), *prefill_args],
         workdir,
         "prefill",
     )  # fmt: skip

@@ -9,9 +9,9 @@ indexing the shared one does.
 from __future__ import annotations
 
 import torch
+from kvpool.workers.model import LlamaConfig
 
 from kvpool.layout import KVLayout
-from workers.model import LlamaConfig
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

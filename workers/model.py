@@ -25,8 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from workers.attention import paged_decode_attention, prefill_attention, write_kv
+from kvpool.workers.attention import paged_decode_attention, prefill_attention, write_kv
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -244,7 +243,7 @@ class LlamaModel:
         cls, path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> LlamaModel:
         """Load a local Hugging Face-format checkpoint; ``dtype`` defaults to the checkpoint's."""
-        from workers.checkpoint import load_safetensors
+        from kvpool.workers.checkpoint import load_safetensors
 
         config = LlamaConfig.from_dir(path)
         dtype = dtype or getattr(torch, config.torch_dtype, torch.float32)

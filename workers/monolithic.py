@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+from kvpool.workers.kvcache import private_kv_caches
+from kvpool.workers.model import LlamaModel
+from kvpool.workers.sequence import Sequence, blocks_needed, decode_step, greedy
+
 from kvpool.layout import KVLayout
-from workers.kvcache import private_kv_caches
-from workers.model import LlamaModel
-from workers.sequence import Sequence, blocks_needed, decode_step, greedy
 
 
 class LocalBlocks:

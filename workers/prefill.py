@@ -24,9 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from kvpool.client import DeviceSession, PoolClient
-from kvpool.errors import KvpoolError, PoolExhausted
-from workers.cli import (
+from kvpool.workers.cli import (
     add_model_arguments,
     add_pool_arguments,
     connect,
@@ -35,9 +33,12 @@ from workers.cli import (
     setup,
     synchronize,
 )
-from workers.model import KVCaches, LlamaModel
-from workers.request import GenerationRequest, HandoffMeta
-from workers.sequence import blocks_needed, greedy
+from kvpool.workers.model import KVCaches, LlamaModel
+from kvpool.workers.request import GenerationRequest, HandoffMeta
+from kvpool.workers.sequence import blocks_needed, greedy
+
+from kvpool.client import DeviceSession, PoolClient
+from kvpool.errors import KvpoolError, PoolExhausted
 
 
 def alloc_waiting(pool: DeviceSession, num_blocks: int, timeout_s: float) -> list[int]:

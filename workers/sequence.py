@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from workers.model import KVCaches, LlamaModel
+from kvpool.workers.model import KVCaches, LlamaModel
 
 
 class BlockSource(Protocol):

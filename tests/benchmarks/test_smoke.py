@@ -32,7 +32,7 @@ def test_suite_runs_and_writes_json_and_png(suite: str, tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks",
+        "kvpool.benchmarks",
         suite,
         "--quick",
         "--device",

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from kvpool.config import PoolSettings
+from kvpool.server.config import PoolSettings
 
 from .compose import (
     CPU_FILES,
@@ -266,8 +265,8 @@ def test_pool_commands_exist(argv: list[str], capsys: pytest.CaptureFixture[str]
 
 
 def test_default_layout_fits_the_workers_default_model() -> None:
-    kvcache = pytest.importorskip("workers.kvcache")
-    cli = pytest.importorskip("workers.cli")
+    kvcache = pytest.importorskip("kvpool.workers.kvcache")
+    cli = pytest.importorskip("kvpool.workers.cli")
     services = model(GPU_FILES)["services"]
     for worker in WORKERS:
         assert "--random-model" in services[worker]["command"]

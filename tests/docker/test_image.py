@@ -120,8 +120,7 @@ def test_build_context_has_what_the_install_needs() -> None:
     patterns = [p.strip() for p in IGNORE.read_text().splitlines() if p.strip() and not p.startswith("#")]
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     needed = ["pyproject.toml", "docker/install.sh", project["project"]["readme"]]
-    for include in project["tool"]["setuptools"]["packages"]["find"]["include"]:
-        needed += [f"{p.parent.name}/__init__.py" for p in ROOT.glob(include.rstrip("*") + "*/__init__.py")]
+    needed += [f"{folder}/__init__.py" for folder in project["tool"]["setuptools"]["package-dir"].values()]
     for path in needed:
         assert not _ignored(path, patterns), f"{path} is left out of the build context"
     for path in (

@@ -54,7 +54,8 @@ def test_prefill_on_gpu0_and_decode_on_gpu1_match_a_single_gpu_run(dtype):
     from tests.conftest import ROOT, child_env
 
     run = subprocess.run(
-        [sys.executable, "-m", "workers.demo", "--backend", "cuda", "--devices", "0,1", "--dtype", dtype, "--json"],
+        [sys.executable, "-m", "kvpool.workers.demo", "--backend", "cuda", "--devices", "0,1", "--dtype", dtype,
+         "--json"],
         capture_output=True, text=True, timeout=300, env=child_env(), cwd=ROOT,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr

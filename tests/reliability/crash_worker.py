@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         "hit": hit.block_ids,
         "parked": parked,
         "request_id": request_id,
-        "fast": client._fast_path is not None,
+        "fast": client.transport.fast_path is not None,
     }
     print(json.dumps(report), flush=True)
     while True:

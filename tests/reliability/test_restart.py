@@ -80,7 +80,7 @@ def pools() -> Iterator[Pools]:
 def test_client_sees_the_new_epoch_and_reconnects(pools: Pools, sig: int, fast: bool) -> None:
     pool = pools.start()
     with PoolClient(pool.url, name="worker", fast=fast) as client:
-        assert (client._fast_path is not None) == fast
+        assert (client.transport.fast_path is not None) == fast
         old_epoch = client.epoch
         arena = client.arena()
         old_handle = arena.descriptor.handle
@@ -217,7 +217,7 @@ def test_a_heartbeat_in_flight_across_reconnect_does_not_poison_the_new_session(
     """
     pool = pools.start()
     with PoolClient(pool.url, name="racer") as client:
-        send = client._http_call
+        send = client.transport.fetch
         in_flight, reconnected = threading.Event(), threading.Event()
 
         def held_beats(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
@@ -226,11 +226,11 @@ def test_a_heartbeat_in_flight_across_reconnect_does_not_poison_the_new_session(
                 reconnected.wait(10)
             return send(method, path, *args, **kwargs)
 
-        client._http_call = held_beats  # type: ignore[method-assign]
+        client.transport.fetch = held_beats  # type: ignore[method-assign]
         pools.restart(pool)
         assert in_flight.wait(10), "no heartbeat was sent"
         client.reconnect()
         reconnected.set()
         time.sleep(LEASE_TTL_S)  # the held beat comes back 404 meanwhile, and later beats run normally
         assert client.alloc(1)
-        assert client._lost is None
+        assert client.session.lost is None

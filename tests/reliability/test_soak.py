@@ -1,7 +1,7 @@
 """The soak script in CI: a short run of ``benchmarks/soak.py`` (16 clients, 8 s) that must pass its own checks,
 plus the checks themselves, shown to fire on books that do not balance and on pools that are not local.
 
-The full 60 s run is ``python -m benchmarks.soak`` (or ``kvpool bench soak``); this is the same code, shorter.
+The full 60 s run is ``python -m kvpool.benchmarks.soak`` (or ``kvpool bench soak``); this is the same code, shorter.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvpool.benchmarks import soak
 
-from benchmarks import soak
 from tests.conftest import ROOT, SMALL_POOL, start_pool
 
 
@@ -24,7 +24,7 @@ def run_soak(*args: str, timeout_s: float = 180) -> tuple[subprocess.CompletedPr
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", *args, "--json", str(out)],
+        [sys.executable, "-m", "kvpool.benchmarks.soak", *args, "--json", str(out)],
         capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env, check=False,
     )  # fmt: skip
     summary = json.loads(out.read_text()) if out.exists() else {}

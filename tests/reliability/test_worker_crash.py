@@ -186,7 +186,7 @@ ADDRESSEE = """
 import sys, time
 from kvpool.client import PoolClient
 c = PoolClient(sys.argv[1], name="decode-doomed", role="decode", inbox=True)
-print(c._inbox.path if c._inbox else "", flush=True)
+print(c.direct.inbox.path if c.direct.inbox else "", flush=True)
 time.sleep(3600)
 """
 

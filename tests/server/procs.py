@@ -5,7 +5,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from kvpool.launch import child_env, spawn
+from kvpool.server.launch import child_env, spawn
+
 from tests.conftest import PoolProcess
 
 SMALL_LAYOUT = (

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvpool.server.config import PoolSettings
 
 from kvpool.channel import HEADER, FastConnection
 from kvpool.client import PoolClient
-from kvpool.config import PoolSettings
 from kvpool.errors import Unauthorized
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, free_port, start_pool
 from tests.server.books import books
@@ -224,7 +224,7 @@ def test_pool_client_needs_the_token(token_pool: PoolProcess, monkeypatch: pytes
         PoolClient(token_pool.url, name="bad-token", token="guess")
     before = books(token_pool.stats(TOKEN))
     with PoolClient(token_pool.url, name="ok", token=TOKEN) as c:
-        assert c._fast_path is not None, "the token must also open the fast channel (its hello)"
+        assert c.transport.fast_path is not None, "the token must also open the fast channel (its hello)"
         ids = c.alloc(2)
         assert c.free(ids) == 2
         assert c.descriptor().handle

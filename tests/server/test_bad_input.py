@@ -242,7 +242,7 @@ def test_refused_batch_is_all_or_nothing(world: World) -> None:
 
 
 def test_pool_client_takes_the_fast_channel(world: World) -> None:
-    assert world.a._fast_path is not None, "the fast channel is not in use, so the cases below would test HTTP"
+    assert world.a.transport.fast_path is not None, "the fast channel is not in use, so the cases below would test HTTP"
 
 
 FAST_CLIENT_CASES: list[tuple[str, Any, type[Exception], list[str]]] = [
@@ -289,7 +289,7 @@ def test_unknown_session_through_pool_client(world: World) -> None:
     """A client whose session is gone (closed here) gets UnknownSession, not a silent success."""
     c = PoolClient(world.pool.url, name="short-lived", heartbeat=False)
     try:
-        assert c._fast_path is not None
+        assert c.transport.fast_path is not None
         world.http.delete(f"/sessions/{c.session_id}")
         before = world.books()
         with pytest.raises(UnknownSession, match="unknown session"):

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from kvpool.layout import KVLayout
-from tests.workers.helpers import decode_reference, paged_batch
-from workers.attention import (
+from kvpool.workers.attention import (
     DECODE_TOLERANCE,
     gather_context,
     paged_decode_attention,
@@ -15,7 +12,10 @@ from workers.attention import (
     reference_attention,
     write_kv,
 )
-from workers.kvcache import private_kv_caches
+from kvpool.workers.kvcache import private_kv_caches
+
+from kvpool.layout import KVLayout
+from tests.workers.helpers import decode_reference, paged_batch
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])

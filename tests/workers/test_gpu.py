@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvpool.workers.attention import DECODE_TOLERANCE
 
 from tests.workers.helpers import decode_reference, paged_batch
-from workers.attention import DECODE_TOLERANCE
 
 pytestmark = pytest.mark.gpu
 
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.gpu
 def test_triton_matches_reference(
     dtype: str, order: str, block_size: int, lens: list[int], heads: tuple[int, int, int], num_splits: int | None
 ) -> None:
-    from workers.triton_paged import paged_decode_attention_triton
+    from kvpool.workers.triton_paged import paged_decode_attention_triton
 
     hq, hkv, d = heads
     q, kc, vc, tables, ctx = paged_batch(
@@ -43,7 +43,7 @@ def test_triton_matches_reference(
 
 def test_triton_reads_in_place() -> None:
     """No copy of the context: the step's extra memory is the split partials, not the K/V it reads."""
-    from workers.triton_paged import paged_decode_attention_triton
+    from kvpool.workers.triton_paged import paged_decode_attention_triton
 
     lens = [8192] * 4
     q, kc, vc, tables, ctx = paged_batch(

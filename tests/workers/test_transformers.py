@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from kvpool.workers.kvcache import layout_for, private_kv_caches
+from kvpool.workers.model import LlamaModel
+from kvpool.workers.monolithic import greedy_generate
 
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
-from workers.kvcache import layout_for, private_kv_caches
-from workers.model import LlamaModel
-from workers.monolithic import greedy_generate
 
 transformers = pytest.importorskip("transformers")
 

@@ -2,7 +2,7 @@
 
 A block's key is ``xxh3_128(key of the previous block || the block's token ids)``, and the first block's parent
 is a digest of a namespace that names the model and layout, so two models never share KV. Only full blocks are
-hashed. Workers hash with the same :class:`PrefixHasher` as the pool, without a round trip.
+hashed. Anyone holding the namespace can compute the same keys from token ids (:meth:`PrefixHasher.block_hashes`).
 
 A hash is only an index, never a proof: each indexed node keeps its block's token ids and its parent *node*,
 and a lookup accepts a node only if both match exactly what it walked through. By induction a hit's whole
@@ -43,22 +43,9 @@ class PrefixHasher:
         self.digest = digest
         self.root = digest(namespace.encode())
 
-    def chunks(self, token_ids: Sequence[int]) -> list[bytes]:
-        """The token bytes of each full block."""
-        data = token_bytes(token_ids)
-        step = self.block_size * 4
-        return [data[off : off + step] for off in range(0, len(data) - step + 1, step)]
-
-    def keys(self, chunks: Sequence[bytes]) -> list[bytes]:
-        digest, key, out = self.digest, self.root, []
-        for chunk in chunks:
-            key = digest(key + chunk)
-            out.append(key)
-        return out
-
     def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """Keys of the full blocks of ``token_ids``, one per block."""
-        return self.keys(self.chunks(token_ids))
+        return [key for key, _ in self.blocks(token_ids)]
 
     def blocks(self, token_ids: Sequence[int]) -> Iterator[tuple[bytes, bytes]]:
         """(key, token bytes) of each full block, computed lazily so that a lookup stops paying at its first miss."""

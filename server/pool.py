@@ -15,19 +15,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.allocator import BlockAllocator
+from kvpool.server.allocator import BlockAllocator
+from kvpool.server.prefix import Digest, PrefixHasher, PrefixIndex
+
 from kvpool.errors import (
     HandoffExists,
     HandoffNotFound,
     HandoffRefused,
     InvalidRequest,
     KvpoolError,
-    LayoutMismatch,
     NotOwner,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
-from kvpool.prefix import Digest, PrefixHasher, PrefixIndex
 
 Clock = Callable[[], float]
 REFUSALS_KEPT = 4096
@@ -130,7 +130,6 @@ class Pool:
             PrefixHasher(namespace if i == 0 else f"{namespace}|arena{i}", self.layout.block_size, **hasher_args)
             for i in range(len(self.arena_sizes))
         ]
-        self.hasher = self.hashers[0]
         self.sessions: dict[str, Session] = {}
         self.handoffs: dict[str, Handoff] = {}
         self.refused: OrderedDict[str, str] = OrderedDict()  # addressed handoffs refused lately: request -> why
@@ -139,9 +138,7 @@ class Pool:
     # -- sessions ---------------------------------------------------------------------------------------
 
     def open_session(self, name: str, role: str, layout: KVLayout | None = None, inbox: str | None = None) -> Session:
-        if layout is not None and layout != self.layout:
-            diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in self.layout.diff(layout).items())
-            raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
+        self.layout.require(layout)
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox)
@@ -177,6 +174,10 @@ class Pool:
         released = self.allocator.release_holder(session.holder)
         self._ended(session)
         return released
+
+    def inbox_of(self, session_id: str | None) -> str | None:
+        session = self.sessions.get(session_id) if session_id is not None else None
+        return session.inbox if session is not None else None
 
     def live_sessions(self, name: str | None = None) -> list[Session]:
         """Sessions whose lease has not run out (the sweep may not have removed the others yet), by name."""

@@ -7,23 +7,15 @@ built once at the edge (the CLI) and its fields are passed down; nothing deeper 
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvpool.address import DEFAULT_PORT, default_socket
 from kvpool.layout import DType, KVLayout, Order
-
-DEFAULT_PORT = 8470
-
-
-def default_socket() -> Path:
-    return Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}" / "kvpool.sock"
-
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 

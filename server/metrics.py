@@ -1,13 +1,12 @@
-"""Prometheus view of the pool, read from its books at scrape time so the hot path pays nothing for it."""
+"""Prometheus view of the pool, read from its stats at scrape time so the hot path pays nothing for it."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
-
-from kvpool.pool import Pool
 
 COUNTERS: dict[str, tuple[str, str]] = {
     "alloc_requests": ("kvpool_alloc_requests", "alloc calls"),
@@ -31,29 +30,29 @@ COUNTERS: dict[str, tuple[str, str]] = {
 
 
 class PoolCollector(Collector):
-    def __init__(self, get_pool: Callable[[], Pool]) -> None:
-        self.get_pool = get_pool
+    """Reads the same snapshot as ``GET /stats`` (the plane's), so the two never disagree."""
+
+    def __init__(self, get_stats: Callable[[], dict[str, Any]]) -> None:
+        self.get_stats = get_stats
 
     def collect(self) -> Iterator[Metric]:
-        pool = self.get_pool()
-        a = pool.allocator
+        s = self.get_stats()
         blocks = GaugeMetricFamily("kvpool_blocks", "blocks by state", labels=["state"])
-        blocks.add_metric(["free"], a.num_free)
-        blocks.add_metric(["in_use"], a.num_in_use)
-        blocks.add_metric(["cached"], a.num_cached)
+        for state in ("free", "in_use", "cached"):
+            blocks.add_metric([state], s[state])
         yield blocks
-        yield GaugeMetricFamily("kvpool_blocks_total", "blocks in the arena", value=pool.total_blocks)
-        yield GaugeMetricFamily("kvpool_usage_ratio", "share of blocks in use", value=a.num_in_use / pool.total_blocks)
-        yield GaugeMetricFamily("kvpool_sessions", "live sessions", value=len(pool.sessions))
-        yield GaugeMetricFamily("kvpool_handoffs_parked", "handoffs waiting to be claimed", value=len(pool.handoffs))
-        yield GaugeMetricFamily("kvpool_prefix_indexed_blocks", "blocks findable by hash", value=len(pool.index))
-        yield CounterMetricFamily("kvpool_evictions", "cached blocks evicted for room", value=a.num_evictions)
+        yield GaugeMetricFamily("kvpool_blocks_total", "blocks in the arena", value=s["num_blocks"])
+        yield GaugeMetricFamily("kvpool_usage_ratio", "share of blocks in use", value=s["in_use"] / s["num_blocks"])
+        yield GaugeMetricFamily("kvpool_sessions", "live sessions", value=s["sessions"])
+        yield GaugeMetricFamily("kvpool_handoffs_parked", "handoffs waiting to be claimed", value=s["handoffs"])
+        yield GaugeMetricFamily("kvpool_prefix_indexed_blocks", "blocks findable by hash", value=s["indexed"])
+        yield CounterMetricFamily("kvpool_evictions", "cached blocks evicted for room", value=s["evictions"])
         for field, (name, doc) in COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=getattr(pool.counters, field))
+            yield CounterMetricFamily(name, doc, value=s["counters"][field])
 
 
-def registry_for(get_pool: Callable[[], Pool]) -> CollectorRegistry:
+def registry_for(get_stats: Callable[[], dict[str, Any]]) -> CollectorRegistry:
     """A registry of its own per pool, so several pools in one process (tests) never collide."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(PoolCollector(get_pool))
+    registry.register(PoolCollector(get_stats))
     return registry

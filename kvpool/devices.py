@@ -1,0 +1,78 @@
+"""Block ids as one device's arena numbers them, for workers whose kernels index that arena alone.
+
+The pool numbers blocks globally across its arenas (one per GPU); a kernel indexes one arena's views. The
+conversion happens here, at the pool boundary, and nowhere in worker code.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvpool.handoffs import Claim
+from kvpool.layout import KVLayout
+from kvpool.protocol import CommitResponse, HandoffResponse, LookupResponse
+
+if TYPE_CHECKING:
+    from kvpool.client import PoolClient
+
+
+class DeviceSession:
+    """A session seen from one device's arena: block ids here are indices into that arena's views.
+
+    The pool numbers blocks globally across its arenas; kernels index one arena. This view converts at the
+    pool boundary, so worker code never mixes the two, and :meth:`claim` moves blocks parked on another device
+    into this one (a prefill on GPU 0 handing over to a decode on GPU 1). On a single-arena pool both numberings
+    are the same and every call passes straight through.
+    """
+
+    def __init__(self, pool: PoolClient, device: int | None = None, layout: KVLayout | None = None) -> None:
+        self.pool = pool
+        self.device = device
+        self.arena = pool.arena(layout, device=device)
+        self.first = self.arena.first_block
+
+    def _global(self, ids: Sequence[int]) -> Sequence[int]:
+        return [b + self.first for b in ids] if self.first else ids
+
+    def _local(self, ids: Sequence[int]) -> list[int]:
+        return self.arena.local_ids(ids)
+
+    def alloc(self, num_blocks: int) -> list[int]:
+        return self._local(self.pool.alloc(num_blocks, device=self.device))
+
+    def free(self, block_ids: Sequence[int]) -> int:
+        return self.pool.free(self._global(block_ids))
+
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
+        return self.pool.commit(self._global(block_ids), token_ids)
+
+    def lookup(self, token_ids: Sequence[int]) -> LookupResponse:
+        hit = self.pool.lookup(token_ids, device=self.device)
+        return LookupResponse(block_ids=self._local(hit.block_ids), num_tokens=hit.num_tokens)
+
+    def handoff(
+        self,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        meta: dict[str, Any] | None = None,
+        ttl_s: float | None = None,
+        to: str | None = None,
+    ) -> HandoffResponse:
+        return self.pool.handoff(request_id, self._global(block_ids), num_tokens, meta, ttl_s, to)
+
+    def confirm(self) -> None:
+        self.pool.confirm()
+
+    def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
+        got = self.pool.claim(request_id, timeout_s)
+        ids = got.ids
+        here = self.arena.descriptor.device_of(self.first)
+        if ids and here is not None and self.arena.descriptor.device_of(ids[0]) != here:
+            ids = array("i", self.pool.move(got.block_ids, device=here))
+        elif not self.first:
+            return got
+        local = self._local(ids)
+        return Claim(got.request_id, got.num_tokens, got.meta, array("i", local), local, got.direct)

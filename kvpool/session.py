@@ -1,0 +1,126 @@
+"""A client's session with the pool: opened, kept alive by a background heartbeat, lost, and opened again.
+
+A session is lost when its lease ran out or the pool restarted. Every call goes through :meth:`Session.guard`,
+so a lost session fails the next call with the reason, and a restart (a new epoch) retires the old arena's views
+before anything can read them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
+
+import httpx
+from pydantic import ValidationError
+
+from kvpool.arena import forget_mappings
+from kvpool.errors import KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
+from kvpool.layout import KVLayout
+from kvpool.protocol import Health, Role, SessionCreate, SessionInfo
+from kvpool.transport import Transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class Session:
+    """The session's id, epoch and lease; ``on_restart`` drops what the client kept of the old pool."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        name: str,
+        role: Role,
+        layout: KVLayout | None,
+        on_restart: Callable[[], None],
+    ) -> None:
+        self.transport = transport
+        self.name = name
+        self.role: Role = role
+        self.layout = layout
+        self.on_restart = on_restart
+        self.session_id = ""
+        self.epoch = ""
+        self.lease_ttl_s = 0.0
+        self.lost: KvpoolError | None = None
+        self.lock = threading.Lock()  # orders a reopen against the heartbeat marking a session lost
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
+
+    def open(self, inbox: bool) -> SessionInfo:
+        req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=inbox)
+        info = self.transport.fetch("POST", "/sessions", req, SessionInfo)
+        self.session_id = info.session_id
+        self.epoch = info.epoch
+        self.lease_ttl_s = info.lease_ttl_s
+        self.lost = None
+        return info
+
+    def start_heartbeat(self) -> None:
+        self._beat = threading.Thread(target=self._heartbeat_loop, name=f"kvpool-heartbeat-{self.name}", daemon=True)
+        self._beat.start()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.lease_ttl_s / 3):
+            if self.lost is not None:  # already known lost: wait for a reopen instead of warning every beat
+                continue
+            session_id = self.session_id
+            try:
+                self.transport.fetch("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
+            except UnknownSession as exc:
+                # Under the lock a reopen takes: a beat for the old session that comes back after the new one
+                # opened must not mark the new one lost.
+                with self.lock:
+                    if self.session_id != session_id:
+                        continue
+                    try:
+                        self.check_epoch()
+                        self.lost = exc
+                    except PoolRestarted as restarted:
+                        self.lost = restarted
+                log.warning("kvpool session lost: %s", self.lost)
+            except (KvpoolError, httpx.HTTPError) as exc:
+                log.warning("kvpool heartbeat failed: %s", exc)
+
+    def guard(self, fn: Callable[[], T]) -> T:
+        """Run one call of this session; after a refusal that may mean the pool restarted, find out whether it did."""
+        if self.lost is not None:
+            raise self.lost
+        try:
+            return fn()
+        except (UnknownSession, PoolUnavailable):
+            self.check_epoch()
+            raise
+
+    def health(self) -> Health:
+        return Health.model_validate_json(self.transport.http.get("/health").content)
+
+    def check_epoch(self) -> None:
+        """If the pool restarted, say so and retire the old arena's views."""
+        try:
+            now = self.health().epoch
+        except (httpx.HTTPError, ValidationError, KvpoolError):
+            return
+        if now != self.epoch:
+            self.restarted(now)
+
+    def restarted(self, now: str) -> NoReturn:
+        """Retire this epoch's arena views and fail every later call with PoolRestarted until a reopen."""
+        forget_mappings(self.epoch)
+        self.on_restart()
+        self.lost = PoolRestarted(
+            f"the pool restarted (epoch {self.epoch} -> {now}): the old arena and its blocks are gone; "
+            "call reconnect() and map the arena again"
+        )
+        raise self.lost
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join(timeout=2)
+        with contextlib.suppress(httpx.HTTPError):
+            self.transport.http.delete(f"/sessions/{self.session_id}")

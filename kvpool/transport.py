@@ -1,0 +1,143 @@
+"""How a client reaches the pool: HTTP for everything, and the fast channel for the hot calls.
+
+HTTP goes over one keep-alive connection (TCP or the pool's Unix socket). The fast channel, when the pool serves
+one, is a kept-open Unix socket per thread that costs tens of microseconds a call instead of an HTTP round trip,
+with block ids packed as int32 both ways (see :mod:`kvpool.channel`). :meth:`Transport.call` picks the way, so
+callers never depend on which one carried their request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from array import array
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from kvpool.channel import SEP, FastConnection, PipelinedRefusal, decode, encode
+from kvpool.errors import PoolUnavailable, raise_for
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=15)
+    # No TLS on a Unix socket or plain http: skip building an SSL context (tens of ms per client).
+    verify = url.startswith("https://")
+    if url.startswith("unix://"):
+        transport = httpx.HTTPTransport(uds=url[len("unix://") :], limits=limits, verify=False)
+        return httpx.Client(transport=transport, base_url="http://kvpool", headers=headers, timeout=timeout_s)
+    return httpx.Client(base_url=url, headers=headers, timeout=timeout_s, limits=limits, verify=verify)
+
+
+class Transport:
+    """One client's ways to the pool; ``fast_path`` is set once the pool has named its fast channel."""
+
+    def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
+        self.url = url
+        self.token = token
+        self.timeout_s = timeout_s
+        self.http = http_client(url, token, timeout_s)
+        self.fast_path: str | None = None
+        self._local = threading.local()
+        self._conns: list[FastConnection] = []
+        self._conns_lock = threading.Lock()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        req: BaseModel | None = None,
+        wait_s: float = 0.0,
+        params: dict[str, str] | None = None,
+    ) -> Any:
+        """One HTTP call; the answer's JSON, or the pool's refusal raised as kvpool's exception."""
+        content = req.model_dump_json().encode() if req is not None else None
+        headers = {"content-type": "application/json"} if content is not None else None
+        try:
+            r = self.http.request(
+                method, path, content=content, headers=headers, params=params, timeout=self.timeout_s + wait_s
+            )
+        except httpx.HTTPError as exc:
+            raise PoolUnavailable(f"cannot reach the pool at {self.url}: {exc}") from exc
+        if r.status_code != 200:
+            raise_for(r.status_code, r.content)
+        return r.json()
+
+    def fetch(self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0) -> R:
+        return resp.model_validate(self.request(method, path, req, wait_s))
+
+    def call(
+        self,
+        op: bytes,
+        path: str,
+        req: BaseModel | bytes,
+        resp: type[R],
+        wait_s: float = 0.0,
+        ids: memoryview | None = None,
+        between: Callable[[], None] | None = None,
+    ) -> tuple[R, array | None]:
+        """One call, over the fast channel when there is one, else HTTP; ``between`` runs once the request is
+        written and before its answer is read. Returns the answer and its block ids packed, if they came so.
+        ``req`` may be the request's JSON already written (the fast channel only)."""
+        if self.fast_path is None:
+            assert isinstance(req, BaseModel)
+            return self.fetch("POST", path, req, resp, wait_s), None
+        request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
+        status, body = self.exchange(lambda conn: conn.call(op, request, between))
+        if status != 200:
+            raise_for(status, body)
+        return decode(resp, body)
+
+    def exchange(self, fn: Callable[[FastConnection], Any]) -> Any:
+        """Run ``fn`` on this thread's fast connection. A connection left mid-exchange (broken, or interrupted by
+        a signal or a timeout) is dropped: the reply still on it would otherwise answer the next call."""
+        try:
+            return fn(self.connection())
+        except PipelinedRefusal:
+            raise  # every pending reply was read: the connection is in step
+        except (ConnectionError, OSError) as exc:
+            self.reset()
+            raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
+        except BaseException:
+            self.reset()
+            raise
+
+    def pending(self) -> FastConnection | None:
+        """This thread's fast connection if it has pipelined requests whose answers are not read yet."""
+        conn: FastConnection | None = getattr(self._local, "conn", None)
+        return conn if conn is not None and conn.pending else None
+
+    def connection(self) -> FastConnection:
+        conn: FastConnection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            assert self.fast_path is not None
+            try:
+                conn = FastConnection(self.fast_path)
+            except OSError as exc:
+                raise PoolUnavailable(f"cannot reach the pool's fast channel at {self.fast_path}: {exc}") from exc
+            body = json.dumps({"token": self.token} if self.token else {}).encode()
+            status, reply = conn.call(b"hello", body)
+            if status != 200:
+                conn.close()
+                raise_for(status, reply)
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    def reset(self) -> None:
+        """Close every thread's fast connection; each opens a new one on its next call."""
+        with self._conns_lock:
+            for conn in self._conns:
+                conn.close()
+            self._conns.clear()
+        self._local = threading.local()
+
+    def close(self) -> None:
+        self.reset()
+        self.http.close()

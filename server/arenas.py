@@ -1,0 +1,148 @@
+"""The pool's side of the arena: it owns the one allocation and describes it, and never builds views.
+
+Workers map what the descriptor names through :mod:`kvpool.arena`; the pool only creates, exports and removes it.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+from pathlib import Path
+from typing import Literal
+
+from kvpool.errors import InvalidRequest
+from kvpool.layout import KVLayout
+from kvpool.protocol import DeviceInfo
+
+log = logging.getLogger(__name__)
+
+CUDA_ALIGN = 2 << 20
+SHM_PREFIX = "kvpool-"
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def resolve_backend(backend: str) -> Literal["cuda", "cpu"]:
+    if backend == "auto":
+        return "cuda" if cuda_available() else "cpu"
+    if backend == "cuda" and not cuda_available():
+        raise InvalidRequest("backend 'cuda' was asked for but torch sees no CUDA device: use --backend cpu")
+    return "cuda" if backend == "cuda" else "cpu"
+
+
+def size_in_blocks(
+    layout: KVLayout,
+    *,
+    num_blocks: int | None,
+    arena_bytes: int | None,
+    gpu_memory_fraction: float | None,
+    free_device_bytes: int | None,
+    default_blocks: int = 1024,
+) -> int:
+    """How many blocks the arena gets, from exactly one of: blocks, bytes, a share of free GPU memory."""
+    if num_blocks is not None:
+        n = num_blocks
+    elif arena_bytes is not None:
+        n = arena_bytes // layout.block_nbytes
+    elif gpu_memory_fraction is not None:
+        if free_device_bytes is None:
+            raise InvalidRequest("gpu_memory_fraction needs the cuda backend: size the cpu arena in blocks or bytes")
+        n = int(free_device_bytes * gpu_memory_fraction) // layout.block_nbytes
+    else:
+        n = default_blocks
+    if n < 1:
+        raise InvalidRequest(f"the arena must hold at least one block of {layout.block_nbytes} bytes")
+    return n
+
+
+class HostArena:
+    """The pool's side of the arena: owns the allocation and describes it; never builds views."""
+
+    backend: Literal["cuda", "cpu"]
+    handle: str
+    nbytes: int
+    device: DeviceInfo | None = None
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class CpuHostArena(HostArena):
+    backend = "cpu"
+
+    def __init__(self, nbytes: int, shm_dir: Path, epoch: str) -> None:
+        shm_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_arenas(shm_dir)
+        self.path = shm_dir / f"{SHM_PREFIX}{os.getpid()}-{epoch}"
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                raise InvalidRequest(
+                    f"cannot reserve {nbytes} bytes in {shm_dir} ({exc.strerror}): make the arena smaller or "
+                    "/dev/shm larger (docker: shm_size)"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            self.path.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        self.handle = str(self.path)
+        self.nbytes = nbytes
+
+    def close(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def remove_stale_arenas(shm_dir: Path) -> None:
+    """Delete arena files left by pools that died without cleaning up (their pid is gone)."""
+    for path in shm_dir.glob(f"{SHM_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(SHM_PREFIX) :].split("-", 1)[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except (ValueError, OSError) as exc:
+            if isinstance(exc, ProcessLookupError):
+                log.info("removing stale arena %s of dead pool %s", path, pid)
+                path.unlink(missing_ok=True)
+
+
+class CudaHostArena(HostArena):
+    backend = "cuda"
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        import torch
+
+        from kvpool import cuda
+
+        cuda.set_device(device)
+        self.nbytes = (nbytes + CUDA_ALIGN - 1) // CUDA_ALIGN * CUDA_ALIGN
+        self.ptr = cuda.malloc(self.nbytes)
+        self.handle = base64.b64encode(cuda.ipc_get_handle(self.ptr)).decode()
+        props = torch.cuda.get_device_properties(device)
+        self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
+
+    def close(self) -> None:
+        from kvpool import cuda
+
+        if self.ptr:
+            cuda.free(self.ptr)
+            self.ptr = 0
+
+
+def create_host_arena(
+    backend: Literal["cuda", "cpu"], nbytes: int, *, device: int, shm_dir: Path, epoch: str
+) -> HostArena:
+    if backend == "cuda":
+        return CudaHostArena(nbytes, device)
+    return CpuHostArena(nbytes, shm_dir, epoch)

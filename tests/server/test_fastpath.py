@@ -1,0 +1,95 @@
+"""The fast channel in process: its framing, hello, errors and packed ids, against a plane on a CPU arena."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from kvpool.server.config import PoolSettings
+from kvpool.server.fastpath import FastChannel
+from kvpool.server.plane import ControlPlane
+
+from kvpool.channel import HEADER, decode, frame, unpack_ids
+from kvpool.protocol import AllocResponse, SessionCreate
+
+
+@pytest.fixture
+def plane(tmp_path: Path) -> Iterator[ControlPlane]:
+    settings = PoolSettings(
+        backend="cpu", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
+        socket=tmp_path / "kvpool.sock", port=0, shm_dir=tmp_path / "shm", token="s3cret",
+    )  # fmt: skip
+    p = ControlPlane(settings)
+    p.start()
+    yield p
+    p.close()
+
+
+async def exchange(path: Path, *frames: bytes) -> list[tuple[int, bytes]]:
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    replies = []
+    try:
+        for f in frames:
+            writer.write(f)
+            await writer.drain()
+            (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+            status, _, body = (await reader.readexactly(size)).partition(b"\n")
+            replies.append((int(status), body))
+    finally:
+        writer.close()
+    return replies
+
+
+def run(plane: ControlPlane, tmp_path: Path, *frames: bytes, max_frame: int = 1 << 20) -> list[tuple[int, bytes]]:
+    async def go() -> list[tuple[int, bytes]]:
+        channel = FastChannel(plane, tmp_path / "kvpool.sock.fast", 0o600, max_frame)
+        await channel.start()
+        try:
+            return await exchange(channel.path, *frames)
+        finally:
+            await channel.stop()
+
+    return asyncio.run(go())
+
+
+def hello(token: str | None = "s3cret") -> bytes:
+    return frame(b"hello", json.dumps({"token": token} if token else {}).encode())
+
+
+def test_calls_before_hello_or_with_a_wrong_token_are_refused(plane: ControlPlane, tmp_path: Path) -> None:
+    sid = plane.open_session(SessionCreate(name="w", role="other")).session_id
+    alloc = frame(b"alloc", json.dumps({"session_id": sid, "num_blocks": 1}).encode())
+    (status, body), = run(plane, tmp_path, alloc)
+    assert status == 401 and json.loads(body)["error"] == "Unauthorized"
+    (status, _), (again, _) = run(plane, tmp_path, hello("wrong"), alloc)
+    assert (status, again) == (401, 401)
+    assert plane.stats()["in_use"] == 0
+
+
+def test_ids_come_back_packed_and_errors_in_the_pool_s_shape(plane: ControlPlane, tmp_path: Path) -> None:
+    sid = plane.open_session(SessionCreate(name="w", role="other")).session_id
+    replies = run(
+        plane,
+        tmp_path,
+        hello(),
+        frame(b"alloc", json.dumps({"session_id": sid, "num_blocks": 3}).encode()),
+        frame(b"alloc", json.dumps({"session_id": sid, "num_blocks": 99}).encode()),
+        frame(b"alloc", b'{"session_id": 5}'),
+        frame(b"nope", b"{}"),
+    )
+    (ok, _), (status, body), (exhausted, why), (invalid, errors), (unknown, _) = replies
+    assert (ok, status) == (200, 200)
+    resp, ids = decode(AllocResponse, body)
+    assert ids is not None and resp.block_ids == unpack_ids(ids.tobytes()).tolist() and len(resp.block_ids) == 3
+    assert (exhausted, json.loads(why)["error"]) == (507, "PoolExhausted")
+    assert invalid == 422 and json.loads(errors)["error"] == "ValidationError"
+    assert unknown >= 400
+    assert plane.stats()["in_use"] == 3
+
+
+def test_a_frame_over_the_limit_closes_the_connection_with_413(plane: ControlPlane, tmp_path: Path) -> None:
+    (status, body), = run(plane, tmp_path, HEADER.pack(4096) + b"x" * 16, max_frame=1024)
+    assert status == 413 and json.loads(body)["error"] == "PayloadTooLarge"

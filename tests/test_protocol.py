@@ -1,0 +1,50 @@
+"""The requests the client writes by hand on the direct path say what the models would."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvpool.protocol import ClaimRequest, HandoffRequest, claim_json, handoff_json
+
+ids = st.text(min_size=1, max_size=40)
+metas = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=8), st.none()), max_size=4)
+
+
+@given(
+    session=st.text(max_size=20),
+    request=ids,
+    tokens=st.integers(0, 1 << 40),
+    meta=metas,
+    ttl=st.one_of(st.none(), st.floats(0.001, 86400)),
+    to=st.one_of(st.none(), ids),
+)
+def test_a_hand_written_handoff_is_the_model_s_own(session, request, tokens, meta, ttl, to):
+    body = handoff_json(session, request, tokens, json.dumps(meta, separators=(",", ":")).encode(), ttl, to)
+    fields = {"session_id": session, "request_id": request, "num_tokens": tokens, "meta": meta, "ttl_s": ttl, "to": to}
+    assert json.loads(body) == {**fields, "block_ids": []}
+    assert HandoffRequest.model_validate_json(body) == HandoffRequest(block_ids=[], **fields)
+
+
+@given(session=st.text(max_size=20), request=ids, timeout=st.floats(0, 3600))
+def test_a_hand_written_claim_is_the_model_s_own(session, request, timeout):
+    body = claim_json(session, request, timeout)
+    assert ClaimRequest.model_validate_json(body) == ClaimRequest(
+        session_id=session, request_id=request, timeout_s=timeout
+    )
+
+
+def test_the_hand_written_fields_are_every_field_of_the_models():
+    """A field added to a model fails here until the hand-written request carries it too."""
+    handoff = json.loads(handoff_json("s", "r", 1, b"{}", None, None))
+    claim = json.loads(claim_json("s", "r", 1.0))
+    assert set(handoff) == set(HandoffRequest.model_fields)
+    assert set(claim) == set(ClaimRequest.model_fields)
+
+
+@pytest.mark.parametrize("ttl", [None, 0.5, 60.0])
+def test_ttl_goes_as_json(ttl):
+    assert json.loads(handoff_json("s", "r", 0, b"{}", ttl, "x"))["ttl_s"] == ttl
