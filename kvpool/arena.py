@@ -20,8 +20,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.channel import pack_ids
 from kvpool.errors import ArenaClosed, InvalidRequest
+from kvpool.ids import arena_ids, pack_ids
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 
@@ -90,11 +90,7 @@ class Arena:
 
     def local_ids(self, block_ids: Sequence[int]) -> list[int]:
         """Pool block ids as indices into this arena's views (they differ only on a multi-device pool)."""
-        first, n = self.first_block, self.num_blocks
-        local = list(block_ids) if not first else [b - first for b in block_ids]
-        if local and (min(local) < 0 or max(local) >= n):
-            raise IndexError(f"blocks outside this arena's ids [{first}, {first + n}): {list(block_ids)[:8]}")
-        return local
+        return arena_ids(block_ids, self.first_block, self.num_blocks)
 
     def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The int32 block table of a sequence, on the arena's device, for a paged-attention kernel.

@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import socket
 import struct
-import sys
 from array import array
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from pydantic import BaseModel
 
 from kvpool.errors import InvalidRequest
+from kvpool.ids import unpack_ids
 
 HEADER = struct.Struct("<I")
 SEP = b"\0"
@@ -30,40 +30,6 @@ M = TypeVar("M", bound=BaseModel)
 def frame(head: bytes, body: bytes) -> bytes:
     payload = b"%s\n%s" % (head, body)
     return HEADER.pack(len(payload)) + payload
-
-
-def pack_ids(ids: Sequence[int] | Any) -> memoryview | None:
-    """Block ids as int32 bytes: without a copy when they already are (``array('i')``, a 1-D int32 numpy array
-    or CPU tensor), else packed from the sequence; None when a value does not fit in int32 (the caller then
-    sends JSON, and the pool says what is wrong with it)."""
-    if type(ids) is array and ids.typecode == "i" and sys.byteorder == "little":  # the hot path: no checks to pay
-        return memoryview(ids).cast("B")
-    if sys.byteorder == "little":
-        if type(ids).__module__.startswith("torch") and ids.device.type == "cpu":
-            ids = ids.numpy()  # shares the tensor's memory
-        try:
-            view = memoryview(ids)
-        except TypeError:
-            view = None
-        if view is not None and view.format in ("i", "<i", "=i") and view.ndim == 1 and view.c_contiguous:
-            return view.cast("B")
-    try:
-        packed = array("i", ids)
-    except (OverflowError, TypeError):
-        return None
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return memoryview(packed).cast("B")
-
-
-def unpack_ids(data: bytes | memoryview) -> array:
-    if len(data) % 4:
-        raise InvalidRequest(f"attached block ids must be whole int32 values: {len(data)} bytes is not a multiple of 4")
-    ids = array("i")
-    ids.frombytes(data)
-    if sys.byteorder != "little":
-        ids.byteswap()
-    return ids
 
 
 def encode(model: BaseModel, ids: memoryview | None = None) -> bytes:

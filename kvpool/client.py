@@ -21,10 +21,10 @@ from pydantic import BaseModel, ValidationError
 
 from kvpool.address import default_url
 from kvpool.arena import Arena, forget_mappings, open_arena
-from kvpool.channel import pack_ids
 from kvpool.devices import DeviceSession
 from kvpool.errors import InvalidRequest, PoolRestarted, raise_for
 from kvpool.handoffs import Claim, DirectHandoffs
+from kvpool.ids import pack_ids
 from kvpool.layout import KVLayout
 from kvpool.protocol import (
     AllocRequest,

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.handoffs import Claim
+from kvpool.ids import pool_ids
 from kvpool.layout import KVLayout
 from kvpool.protocol import CommitResponse, HandoffResponse, LookupResponse
 
@@ -34,7 +35,7 @@ class DeviceSession:
         self.first = self.arena.first_block
 
     def _global(self, ids: Sequence[int]) -> Sequence[int]:
-        return [b + self.first for b in ids] if self.first else ids
+        return pool_ids(ids, self.first)
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return self.arena.local_ids(ids)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.channel import unpack_ids
+from kvpool.ids import unpack_ids
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ per block it touches. A block is in exactly one of three states, and the books a
 A holder can hold several refs on one block (two lookups of one prefix take two refs), so each holder keeps a
 count per block. Every mutating call validates its whole input first and raises before touching any state.
 
-Block ids are global. With several arenas (one per GPU) each arena is a *partition*, a contiguous id range
-with its own free stack and LRU: ``allocate`` takes a partition, everything else only needs the ids.
+Block ids are global. With several arenas (one per GPU) each arena is a contiguous id range with its
+own free stack and LRU: ``allocate`` takes an arena, everything else only needs the ids.
 """
 
 from __future__ import annotations
@@ -27,13 +27,13 @@ class BlockAllocator:
     def __init__(self, num_blocks: int | Sequence[int], on_evict: Callable[[int], None] | None = None) -> None:
         sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if not sizes or min(sizes) < 1:
-            raise ValueError(f"every partition needs at least 1 block, got {sizes}")
+            raise ValueError(f"every arena needs at least 1 block, got {sizes}")
         self.sizes = sizes
         self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
         self.num_blocks = sum(sizes)
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
-        self.partition: list[int] = [p for p, size in enumerate(sizes) for _ in range(size)]
+        self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
             list(range(a + n - 1, a - 1, -1)) for a, n in zip(self.starts, sizes, strict=True)
@@ -58,13 +58,13 @@ class BlockAllocator:
     def num_in_use(self) -> int:
         return self.num_blocks - self.num_free - self.num_cached
 
-    def available(self, partition: int = 0) -> int:
-        return len(self._free[partition]) + len(self._lru[partition])
+    def available(self, arena: int = 0) -> int:
+        return len(self._free[arena]) + len(self._lru[arena])
 
-    def counts(self, partition: int) -> tuple[int, int, int]:
-        """(free, in_use, cached) of one partition."""
-        free, cached = len(self._free[partition]), len(self._lru[partition])
-        return free, self.sizes[partition] - free - cached, cached
+    def counts(self, arena: int) -> tuple[int, int, int]:
+        """(free, in_use, cached) of one arena."""
+        free, cached = len(self._free[arena]), len(self._lru[arena])
+        return free, self.sizes[arena] - free - cached, cached
 
     def held(self, holder: str) -> dict[int, int]:
         """{block: refs} that ``holder`` holds (a copy)."""
@@ -72,20 +72,20 @@ class BlockAllocator:
 
     # -- operations -----------------------------------------------------------------------------------
 
-    def allocate(self, holder: str, n: int, partition: int = 0) -> list[int]:
+    def allocate(self, holder: str, n: int, arena: int = 0) -> list[int]:
         """Take ``n`` blocks with ref 1 for ``holder``: free blocks first, then the least recently used cached."""
         if n < 1:
             raise InvalidRequest(f"num_blocks must be at least 1, got {n}")
-        if not 0 <= partition < len(self.sizes):
-            raise InvalidRequest(f"no arena {partition}: the pool has {len(self.sizes)}")
-        available = self.available(partition)
+        if not 0 <= arena < len(self.sizes):
+            raise InvalidRequest(f"no arena {arena}: the pool has {len(self.sizes)}")
+        available = self.available(arena)
         if n > available:
-            where = f" on arena {partition}" if len(self.sizes) > 1 else ""
+            where = f" on arena {arena}" if len(self.sizes) > 1 else ""
             raise PoolExhausted(
-                f"asked for {n} blocks{where} but only {available} of {self.sizes[partition]} are free or "
+                f"asked for {n} blocks{where} but only {available} of {self.sizes[arena]} are free or "
                 "evictable (the rest are in use): free blocks, wait, or start the pool larger"
             )
-        free, lru = self._free[partition], self._lru[partition]
+        free, lru = self._free[arena], self._lru[arena]
         take = min(n, len(free))
         ids = free[len(free) - take :]
         del free[len(free) - take :]
@@ -116,7 +116,7 @@ class BlockAllocator:
         held = self._holders.setdefault(holder, {})
         for block in ids:
             if self.ref_cnt[block] == 0:
-                del self._lru[self.partition[block]][block]
+                del self._lru[self.arena_of[block]][block]
             self.ref_cnt[block] += 1
             held[block] = held.get(block, 0) + 1
 
@@ -138,9 +138,9 @@ class BlockAllocator:
             if self.ref_cnt[block] == 0:
                 released += 1
                 if self.committed[block]:
-                    self._lru[self.partition[block]][block] = None
+                    self._lru[self.arena_of[block]][block] = None
                 else:
-                    self._free[self.partition[block]].append(block)
+                    self._free[self.arena_of[block]].append(block)
         if not held:
             del self._holders[holder]
         return released
@@ -220,7 +220,7 @@ class BlockAllocator:
         lru = {b for part in self._lru for b in part}
         assert len(free) == self.num_free, "a block is on a free stack twice"
         for p, (stack, part) in enumerate(zip(self._free, self._lru, strict=True)):
-            assert all(self.partition[b] == p for b in [*stack, *part]), "a block sits in another arena's lists"
+            assert all(self.arena_of[b] == p for b in [*stack, *part]), "a block sits in another arena's lists"
         assert not free & lru, "a block is both free and cached"
         holder_refs = Counter[int]()
         for held in self._holders.values():

@@ -27,8 +27,9 @@ from typing import Any
 from kvpool.server.plane import ControlPlane
 from pydantic import BaseModel, ValidationError
 
-from kvpool.channel import HEADER, decode, encode, frame, pack_ids
+from kvpool.channel import HEADER, decode, encode, frame
 from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
+from kvpool.ids import pack_ids
 from kvpool.protocol import (
     AllocRequest,
     ClaimRequest,

@@ -233,7 +233,7 @@ class Pool:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)
         arena = 0
         if len(self.arena_sizes) > 1:
-            arenas = {self.allocator.partition[b] for b in blocks}
+            arenas = {self.allocator.arena_of[b] for b in blocks}
             if len(arenas) > 1:
                 raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
             arena = arenas.pop()

@@ -71,17 +71,17 @@ def test_bad_counts_change_nothing(n):
     assert books(a) == (4, 0, 0)
 
 
-def test_partitions_allocate_from_their_own_range_and_cache():
+def test_arenas_allocate_from_their_own_range_and_cache():
     a = BlockAllocator([3, 2])
-    assert a.allocate("s", 2, partition=1) == [3, 4]
+    assert a.allocate("s", 2, arena=1) == [3, 4]
     with pytest.raises(PoolExhausted, match="on arena 1"):
-        a.allocate("s", 1, partition=1)
-    assert a.allocate("s", 3, partition=0) == [0, 1, 2]
+        a.allocate("s", 1, arena=1)
+    assert a.allocate("s", 3, arena=0) == [0, 1, 2]
     a.mark_committed([4])
     a.free("s", [3, 4])
     assert a.counts(1) == (1, 0, 1) and a.counts(0) == (0, 3, 0)
     with pytest.raises(InvalidRequest, match="no arena 2"):
-        a.allocate("s", 1, partition=2)
+        a.allocate("s", 1, arena=2)
     a.check()
 
 
@@ -123,7 +123,7 @@ def test_invariants_hold_under_any_sequence(seq, sizes):
             if op == "alloc":
                 part = seed % len(sizes)
                 got = a.allocate(holder, k, part)
-                assert all(a.partition[b] == part for b in got)
+                assert all(a.arena_of[b] == part for b in got)
             elif op == "free":
                 a.free(holder, pick)
             elif op == "commit":

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.channel import decode, encode, pack_ids, unpack_ids
+from kvpool.channel import decode, encode
 from kvpool.errors import InvalidRequest
+from kvpool.ids import pack_ids, unpack_ids
 from kvpool.protocol import MAX_IDS, AllocRequest, ClaimResponse, FreeRequest
 
 

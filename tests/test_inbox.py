@@ -9,7 +9,7 @@ from array import array
 
 import pytest
 
-from kvpool.channel import pack_ids
+from kvpool.ids import pack_ids
 from kvpool.inbox import MAX_DATAGRAM, Inbox, Outbox, decode_delivery, encode_delivery
 
 EPOCH = "0123456789abcdef"

@@ -12,7 +12,8 @@ from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 
-from kvpool.channel import HEADER, decode, frame, unpack_ids
+from kvpool.channel import HEADER, decode, frame
+from kvpool.ids import unpack_ids
 from kvpool.protocol import AllocResponse, SessionCreate
 
 
