@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import signal
 import socket
 import stat
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -25,9 +28,26 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"kvpool serve: {host}:{port} is in use (another pool?): stop it, pick another --port, or --port 0 "
+                "to serve the Unix socket only"
+            ) from None
+        raise SystemExit(f"kvpool serve: cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
+
+
+class Stopped(Exception):
+    """A SIGINT or SIGTERM asked the pool to stop: uvicorn re-raises it once its graceful shutdown is done."""
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def check_socket_dir(directory: Path) -> None:
@@ -130,9 +150,16 @@ def serve(settings: PoolSettings) -> None:
             )
         ),
     )
+    # uvicorn handles the signals during its run and re-raises them after its shutdown, into these handlers: a
+    # requested stop ends in the cleanup below and exit status 0, not in a traceback or death by the signal.
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=sockets)
+    except Stopped as stop:
+        log.info("stopped by %s", stop)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         plane.close()
         if settings.socket is not None:
             with contextlib.suppress(FileNotFoundError):
