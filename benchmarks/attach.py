@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
 
     _summarize(report, samples, sizes)
     report.print_block("attach", _body(report, sizes))
-    report.save(_plot(report, sizes))
+    report.save(lambda: _plot(report, sizes))
     return 0
 
 

@@ -1,5 +1,5 @@
 """The benchmarks' subcommand of ``kvpool`` (registered as an entry point; imports nothing heavy)."""
 
-from kvpool.cli import Command
+from kvpool.commands import Command
 
 bench = Command("run a benchmark suite: kvpool bench --help", "kvpool.benchmarks.__main__:main")

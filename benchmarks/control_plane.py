@@ -32,6 +32,7 @@ VARIANTS = ("pool-fast", "pool-http-unix", "pool-http-tcp", "bare-fast", "bare-h
 POOL_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float16")
 TARGET_FLOOR_RATIO = 1.5
 TARGET_BLOCKS_PER_S = 1e6
+GOAL_LABEL = f"goal {TARGET_BLOCKS_PER_S / 1e6:.0f}M blocks/s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
     _summarize(report, cells, batches, clients)
     report.print_block("control-plane", _body(report, batches, clients))
-    report.save(_plot(report, batches, clients))
+    report.save(lambda: _plot(report, batches, clients))
     return 0
 
 
@@ -231,9 +232,10 @@ def _body(report: harness.Report, batches: list[int], clients: list[int]) -> str
             [b, *(f"{rows[v, b, n]['p50_us']:.0f} / {rows[v, b, n]['p99_us']:.0f}" for v in VARIANTS)] for b in batches
         ]
         parts.append(f"Pair latency p50 / p99 (us), {n} client(s):\n" + harness.table(["batch", *VARIANTS], lat))
-    tput = [[b, n, *(f"{rows[v, b, n]['blocks_per_s'] / 1e6:.3f}" for v in VARIANTS)] for b in batches for n in clients]
+    rate = harness.fmt_rate
+    tput = [[b, n, *(rate(rows[v, b, n]["blocks_per_s"]) for v in VARIANTS)] for b in batches for n in clients]
     parts.append(
-        "Blocks allocated and freed per second, all clients (millions):\n"
+        "Blocks allocated and freed per second, all clients:\n"
         + harness.table(["batch", "clients", *VARIANTS], tput)
     )
     return "\n\n".join(parts)
@@ -253,15 +255,16 @@ def _plot(report: harness.Report, batches: list[int], clients: list[int]) -> Any
         title=f"alloc+free pair p50, {c0} client", xlabel="blocks per call", ylabel="us", xscale="log", yscale="log"
     )
     axes[1].set(title=f"blocks/s, {c0} client", xlabel="blocks per call", ylabel="blocks/s", xscale="log", yscale="log")
-    axes[1].axhline(TARGET_BLOCKS_PER_S, color="grey", lw=0.8)
+    axes[1].axhline(TARGET_BLOCKS_PER_S, color="grey", lw=0.8, ls="--", label=GOAL_LABEL)
     axes[2].set(
         title=f"blocks/s, batch {big}", xlabel="concurrent clients", ylabel="blocks/s", xscale="log", yscale="log"
     )
-    axes[2].axhline(TARGET_BLOCKS_PER_S, color="grey", lw=0.8)
+    axes[2].axhline(TARGET_BLOCKS_PER_S, color="grey", lw=0.8, ls="--", label=GOAL_LABEL)
     for ax, ticks in zip(axes, (batches, batches, clients), strict=True):
         ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.minorticks_off()
         ax.grid(True, which="major", alpha=0.3)
-    axes[0].legend(fontsize=8)
+    for ax in axes:
+        ax.legend(fontsize=8)
     fig.suptitle(f"kvpool control plane ({harness.describe_device(harness.device_info(report.device))})")
     return fig

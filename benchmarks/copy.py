@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         del size
     _targets(report, counts)
     report.print_block("copy", _body(report))
-    report.save(_plot(report))
+    report.save(lambda: _plot(report))
     return 0
 
 

@@ -367,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
         )
         _measure(report, workdir, model_args, config.vocab_size, layout)
     report.print_block("e2e", _body(report))
-    report.save(_plot(report))
+    report.save(lambda: _plot(report))
     return 0
 
 

@@ -35,14 +35,19 @@ RESULT_WIDTH = 64
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Options every suite takes, with the same names and meanings."""
-    parser.add_argument("--out", type=Path, default=Path("results"), help="where the JSON and PNG go [results/]")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
+    add_output_arguments(parser)
     parser.add_argument("--quick", action="store_true", help="tiny sizes and few rounds: a smoke run, not a figure")
     parser.add_argument(
         "--device", choices=("auto", "cuda", "cpu"), default="auto", help="arena backend [auto: cuda when present]"
     )
     parser.add_argument("--gpu", type=int, default=0, metavar="INDEX", help="CUDA ordinal of the arena [0]")
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (each variant once per round)")
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the results go and how the run shows itself: the options the soak shares with the suites."""
+    parser.add_argument("--out", type=Path, default=Path("results"), help="where the JSON and PNG go [results/]")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (logs, CI)")
     parser.add_argument("--seed", type=int, default=0, help="seed of token ids and orders")
     parser.add_argument("--tag", default="", help="added to the result file names")
     parser.add_argument(
@@ -74,6 +79,15 @@ def fmt_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def fmt_rate(per_s: float) -> str:
+    """A rate with three significant figures and a k or M suffix: 1.76M, 412k, 950."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if per_s >= scale:
+            value = per_s / scale
+            return f"{value:.3g}{suffix}" if value < 100 else f"{value:.0f}{suffix}"
+    return f"{per_s:.3g}" if per_s < 100 else f"{per_s:.0f}"
 
 
 def fmt_us(us: float) -> str:
@@ -257,10 +271,47 @@ def rotated(items: Sequence[Any], k: int) -> list[Any]:
 # -- progress and the printed block ----------------------------------------------------------------------------
 
 
-def progress(total: int, desc: str, disable: bool) -> Any:
-    from tqdm import tqdm
+class PlainProgress:
+    """Progress as a line on stderr every tenth of the way, where tqdm (the bench extra) is not installed."""
 
+    def __init__(self, total: int, desc: str, disable: bool) -> None:
+        self.total, self.desc, self.disable = max(total, 1), desc, disable
+        self.n, self.shown, self.postfix = 0, -1, ""
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        tenth = self.n * 10 // self.total
+        if not self.disable and tenth != self.shown:
+            self.shown = tenth
+            postfix = f" {self.postfix}" if self.postfix else ""
+            print(f"{self.desc}: {self.n}/{self.total}{postfix}", file=sys.stderr, flush=True)
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def progress(total: int, desc: str, disable: bool) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return PlainProgress(total, desc, disable)
     return tqdm(total=total, desc=desc, disable=disable, dynamic_ncols=True, file=sys.stderr, leave=False)
+
+
+def typed_command() -> str:
+    """The command line as the user typed it: ``kvpool bench ...`` or ``python -m <module> ...``."""
+    if Path(sys.argv[0]).name == "kvpool":
+        return shlex.join(["kvpool", *sys.argv[1:]])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None:
+        return shlex.join([Path(sys.executable).name, "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
+    return shlex.join(["kvpool", "bench", *ARGV])
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -276,7 +327,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 @dataclass
 class Target:
-    """A goal from the issue, checked against this run's own figures (ratios measured side by side)."""
+    """A goal of the project, checked against this run's own figures (ratios measured side by side)."""
 
     name: str
     goal: str
@@ -312,7 +363,7 @@ class Report:
         return {
             "suite": self.suite,
             "timestamp": self.started.isoformat(timespec="seconds"),
-            "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, "-m", "kvpool.benchmarks", *ARGV]),
+            "command": typed_command(),
             "config": self.config,
             "device": device_info(self.device),
             "versions": versions(),
@@ -339,13 +390,21 @@ class Report:
             print(f"Note: {note}")
         print("=" * RESULT_WIDTH)
 
-    def save(self, figure: Any) -> tuple[Path, Path]:
-        """Write ``<suite>[-tag]-<UTC time>.json`` and ``.png`` into ``--out``; return both paths."""
+    def save(self, plot: Any) -> tuple[Path, Path | None]:
+        """Write ``<suite>[-tag]-<UTC time>.json`` and, from ``plot()``'s figure, ``.png`` into ``--out``.
+
+        Without matplotlib (the bench extra) there is no PNG; the JSON holds every figure all the same.
+        """
         out: Path = self.args.out
         out.mkdir(parents=True, exist_ok=True)
         stem = "-".join(filter(None, [self.suite, self.args.tag, self.started.strftime("%Y%m%dT%H%M%SZ")]))
         json_path, png_path = out / f"{stem}.json", out / f"{stem}.png"
         json_path.write_text(json.dumps(self.to_json(), indent=1, default=str) + "\n")
+        try:
+            figure = plot() if callable(plot) else plot
+        except ImportError:
+            print(f"Saved {json_path} (no PNG: matplotlib is not installed; pip install 'kvpool[bench]')")
+            return json_path, None
         figure.savefig(png_path, dpi=110, bbox_inches="tight")
         import matplotlib.pyplot as plt
 

@@ -19,7 +19,8 @@ What it checks, and exits non-zero on:
   their ids go producer to consumer while ownership moves in the pool; every claim checks what it got;
 * at the end, after every client closed: nothing in use, no handoff parked, no session left.
 
-It prints ops/s by kind and errors by kind; ``--json PATH`` also writes them.
+It shows its progress, prints ops/s by kind and errors by kind, and writes JSON and a PNG into ``--out`` like
+every suite (``--json PATH`` also writes the summary alone there).
 """
 
 from __future__ import annotations
@@ -70,8 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--crash-every", type=float, default=1.5,
                         help="seconds between killed workers (0: none) [1.5]")  # fmt: skip
     parser.add_argument("--no-verify-data", action="store_true", help="do not map the arena to stamp and check bytes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", type=Path, default=None, help="also write the summary here")
+    parser.add_argument("--json", type=Path, default=None, help="also write the summary alone here")
 
 
 # -- what the run records -----------------------------------------------------------------------------------
@@ -87,6 +87,8 @@ class Tally:
     violation_count: int = 0
     samples: int = 0
     max_in_use: int = 0
+    in_use: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the start, blocks in use)
+    t0: float = field(default_factory=time.monotonic)
     crashed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -357,7 +359,10 @@ def sample_books(url: str, token: str | None, tally: Tally, stop: threading.Even
                 if r.status_code != 200:
                     tally.violation(f"/stats answered {r.status_code}: {r.text[:200]}")
                     continue
-                check_balance(r.json(), tally, "sample")
+                stats = r.json()
+                check_balance(stats, tally, "sample")
+                with tally.lock:
+                    tally.in_use.append((round(time.monotonic() - tally.t0, 2), int(stats["in_use"])))
                 if n % 10 == 0:
                     m = http.get("/metrics")
                     if m.status_code != 200 or "kvpool_" not in m.text:
@@ -472,10 +477,15 @@ def run(args: argparse.Namespace) -> int:
         if args.crash_every > 0:
             side.append(threading.Thread(target=kill_workers, args=(url, shared.block_size, args.handoff_ttl_s,
                                                                     args.crash_every, tally, side_stop)))  # fmt: skip
-        t0 = time.monotonic()
+        t0 = tally.t0 = time.monotonic()
         for t in threads + side:
             t.start()
-        time.sleep(args.duration)
+        with harness.progress(max(1, round(args.duration)), "soak (s)", args.no_progress) as bar:
+            while (left := t0 + args.duration - time.monotonic()) > 0:
+                time.sleep(min(1.0, left))
+                bar.update(1)
+                with tally.lock:
+                    bar.set_postfix_str(f"{sum(tally.ops.values())} ops, {tally.violation_count} violations")
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -500,7 +510,32 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
+    config = {k: getattr(args, k) for k in ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s",
+                                            "sample_interval", "crash_every", "seed")}  # fmt: skip
+    report = harness.Report("soak", args, harness.Device("cpu"), config)
+    ops, rates = summary["ops"], summary["ops_per_s"]
+    report.results = [{"op": k, "count": ops[k], "ops_per_s": rates[k]} for k in ops]
+    report.raw = {"summary": summary, "in_use": tally.in_use}
+    report.save(lambda: _plot(summary, tally.in_use))
     return 1 if tally.violation_count else 0
+
+
+def _plot(summary: dict[str, Any], in_use: list[tuple[float, int]]) -> Any:
+    plt = harness.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    kinds = list(summary["ops_per_s"])
+    axes[0].bar(kinds, [summary["ops_per_s"][k] for k in kinds])
+    axes[0].set(title=f"operations per second, {sum(summary['clients'].values())} clients", ylabel="ops/s")
+    axes[0].tick_params(axis="x", labelrotation=25)
+    axes[0].grid(True, axis="y", alpha=0.3)
+    axes[1].plot([t for t, _ in in_use], [n for _, n in in_use], lw=1, label="in use")
+    axes[1].axhline(summary["num_blocks"], color="grey", lw=0.8, ls="--", label="arena blocks")
+    axes[1].set(title="blocks in use, sampled from /stats", xlabel="s", ylabel="blocks")
+    axes[1].legend(fontsize=8)
+    axes[1].grid(True, alpha=0.3)
+    verdict = "PASS" if not summary["violations"] else f"FAIL ({summary['violations']} violations)"
+    fig.suptitle(f"kvpool soak: {summary['duration_s']} s, workers killed: {summary['crashed_workers']}, {verdict}")
+    return fig
 
 
 def settle(http: httpx.Client, start: dict[str, Any], within_s: float, tally: Tally) -> dict[str, Any]:
@@ -565,8 +600,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return crash_worker_main(argv[1], int(argv[2]), float(argv[3]))
     parser = argparse.ArgumentParser(prog="kvpool bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    harness.add_output_arguments(parser)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    harness.ARGV[:] = ["soak", *argv]
     if args.clients < 1 or args.duration <= 0:
         parser.error("--clients and --duration must be positive")
     return run(args)

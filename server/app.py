@@ -13,9 +13,10 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from kvpool.server.metrics import registry_for
+from fastapi_offline import FastAPIOffline
+from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
@@ -184,7 +185,9 @@ def create_app(plane: ControlPlane) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             plane.close()
 
-    app = FastAPI(
+    # the docs pages' scripts and styles are served by the pool itself: a serving node often has no way out
+    app = FastAPIOffline(
+        static_url="/docs-assets",
         title="kvpool",
         summary="Node-local KV-cache pool: block ids over a local control API.",
         version="0.1.0",
@@ -211,19 +214,24 @@ def create_app(plane: ControlPlane) -> FastAPI:
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Any:
+        """Ready (200) once the arena is allocated, 503 before: what readiness probes ask. Needs no token."""
         if plane.ready:
             return Health(status="ok", epoch=plane.epoch)
         return JSONResponse(Health(status="starting", epoch=plane.epoch).model_dump(), status_code=503)
 
     api = APIRouter()  # the token is checked for every path but /health by RequireToken, before any body is read
     registry = registry_for(plane.stats)
+    time_operations(plane, registry)
 
     @api.get("/arena")
     async def arena() -> ArenaDescriptor:
+        """The arena descriptor a client maps the arena from: epoch, backend, device, handle, sizes, layout."""
         return plane.descriptor
 
     @api.post("/sessions")
     async def open_session(req: SessionCreate) -> SessionInfo:
+        """Open a session: the owner of the blocks it allocates, kept alive by heartbeats; a layout that
+        differs from the arena's is refused (409)."""
         return plane.open_session(req)
 
     @api.get("/sessions")
@@ -233,43 +241,58 @@ def create_app(plane: ControlPlane) -> FastAPI:
 
     @api.post("/sessions/{session_id}/heartbeat")
     async def heartbeat(session_id: str) -> SessionInfo:
+        """Extend the session's lease; an unknown or expired session is 404."""
         return plane.heartbeat(session_id)
 
     @api.delete("/sessions/{session_id}")
     async def close_session(session_id: str) -> dict[str, int]:
+        """End the session and release every ref it holds, as its expiry would."""
         return plane.close_session(session_id)
 
     @api.post("/alloc")
     async def alloc(req: AllocRequest) -> AllocResponse:
+        """Take blocks for the session (free ones first, then the least recently used cached ones); 507 when
+        there is not enough room."""
         return plane.alloc(req)
 
     @api.post("/free")
     async def free(req: FreeRequest) -> FreeResponse:
+        """Drop the session's refs on blocks; a block it holds no ref on is 409 and nothing is freed."""
         return plane.free(req)
 
     @api.post("/commit")
     async def commit(req: CommitRequest) -> CommitResponse:
+        """Index the session's full blocks under the hash chain of their tokens, so any worker can reuse them."""
         return plane.commit(req)
 
     @api.post("/lookup")
     async def lookup(req: LookupRequest) -> LookupResponse:
+        """The longest cached prefix of the tokens, with a ref taken on each block for the session."""
         return plane.lookup(req)
 
     @api.post("/handoff")
     async def handoff(req: HandoffRequest) -> HandoffResponse:
+        """Park blocks under a request id, moving the session's refs to the handoff, for one claim."""
         return plane.handoff(req)
 
     @api.post("/claim")
     async def claim(req: ClaimRequest) -> ClaimResponse:
+        """Take a parked handoff (waiting up to timeout_s), its refs moved to the session; 404 on time-out."""
         return await plane.claim(req)
 
     @api.get("/stats")
     async def stats() -> dict[str, Any]:
+        """The books (free, in use, cached), sessions, handoffs, hit rate and counters, per arena too."""
         return plane.stats()
 
     @api.get("/metrics", response_class=Response)
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        """Prometheus metrics, names ``kvpool_*``: the books, counters and per-operation latency histograms.
+
+        Prometheus text by default, OpenMetrics when the scraper's Accept header asks for it.
+        """
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type)
 
     app.include_router(api)
     return app

@@ -1,5 +1,5 @@
 """The pool manager's subcommand of ``kvpool`` (registered as an entry point; imports nothing heavy)."""
 
-from kvpool.cli import Command
+from kvpool.commands import Command
 
 serve = Command("run the pool manager (flags override KVPOOL_* variables)", "kvpool.server.main:main")

@@ -7,30 +7,23 @@ built once at the edge (the CLI) and its fields are passed down; nothing deeper 
 from __future__ import annotations
 
 import argparse
-import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import ByteSize, Field, SecretStr, TypeAdapter, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvpool.address import DEFAULT_PORT, default_socket
-from kvpool.layout import DType, KVLayout, Order
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+from kvpool.layout import DTYPE_ALIASES, DType, KVLayout, Order
 
 
 def parse_size(value: str | int) -> int:
     """Bytes from ``123``, ``64MiB``, ``8GiB``, ``1.5G`` (binary units with ``i``, decimal without)."""
-    if isinstance(value, int):
-        return value
-    match = _SIZE.match(value)
-    if not match:
-        raise ValueError(f"cannot read {value!r} as a size (examples: 1073741824, 512MiB, 8GiB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
-    base = 1024 if "i" in unit else 1000
-    scale = base ** "bkmgt".index(unit[0]) if unit else 1
-    return int(number * scale)
+    try:
+        return int(TypeAdapter(ByteSize).validate_python(value))
+    except ValidationError:
+        raise ValueError(f"cannot read {value!r} as a size (examples: 1073741824, 512MiB, 8GiB)") from None
 
 
 class PoolSettings(BaseSettings):
@@ -40,36 +33,35 @@ class PoolSettings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="TCP address to bind; loopback by default")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port; 0 disables TCP")
-    socket: Path | None = Field(default_factory=default_socket, description="Unix socket of the HTTP API")
-    socket_mode: int = Field(0o660, description="permissions of the Unix sockets (owner and group)")
+    socket: Path | None = Field(
+        default_factory=default_socket, description="Unix socket of the HTTP API; none turns it off"
+    )
+    socket_mode: int = Field(0o660, description="permissions of the Unix sockets, octal (owner and group)")
     fast_channel: bool = Field(True, description="also serve the binary fast channel at <socket>.fast")
 
     backend: Literal["auto", "cuda", "cpu"] = Field("auto", description="cuda when present, else cpu")
     device: int = Field(0, ge=0, description="CUDA device ordinal of the arena")
     devices: str | None = Field(None, description="one arena per listed device, e.g. 0,1 (overrides device)")
     num_blocks: int | None = Field(None, ge=1, description="arena size in blocks")
-    arena_bytes: int | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
+    arena_bytes: ByteSize | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
     shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
 
-    num_layers: int = Field(4, ge=1, le=1024)
-    num_kv_heads: int = Field(4, ge=1, le=1024)
-    head_dim: int = Field(64, ge=1, le=4096)
-    block_size: int = Field(16, ge=1, le=4096)
-    dtype: DType = "float16"
-    order: Order = "layer_major"
+    # the default layout is the one the workers' default --random-model needs
+    num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
+    num_kv_heads: int = Field(2, ge=1, le=1024, description="KV heads per layer")
+    head_dim: int = Field(32, ge=1, le=4096, description="size of one attention head")
+    block_size: int = Field(16, ge=1, le=4096, description="tokens per block")
+    dtype: DType = Field("float16", description="KV dtype (fp16, bf16, fp32 and fp8 are accepted too)")
+    order: Order = Field("layer_major", description="layer_major: contiguous per-layer views; block_major: "
+                         "contiguous blocks")
     model: str = Field("", description="model name mixed into prefix hashes, so models never share KV")
 
     lease_ttl_s: float = Field(10.0, gt=0, description="a session without heartbeat for this long expires")
     handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")
     token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
-    max_body_bytes: int = Field(16 << 20, ge=1024, description="largest accepted request body")
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
-
-    @field_validator("arena_bytes", mode="before")
-    @classmethod
-    def _size(cls, value: Any) -> Any:
-        return parse_size(value) if isinstance(value, str) else value
+    max_body_bytes: ByteSize = Field(ByteSize(16 << 20), ge=1024, description="largest accepted request body")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -104,7 +96,8 @@ class PoolSettings(BaseSettings):
     def _one_size(self) -> PoolSettings:
         given = [n for n in ("num_blocks", "arena_bytes", "gpu_memory_fraction") if getattr(self, n) is not None]
         if len(given) > 1:
-            raise ValueError(f"give the arena size one way only, not {' and '.join(given)}")
+            flags = " and ".join("--" + n.replace("_", "-") for n in given)
+            raise ValueError(f"give the arena size one way only, not {flags}")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         return self
@@ -134,17 +127,58 @@ class PoolSettings(BaseSettings):
         return f"http://{self.host}:{self.port}"
 
 
+def _choices(name: str, annotation: Any) -> list[str] | None:
+    if name == "dtype":
+        return sorted(DTYPE_ALIASES)
+    if typing.get_origin(annotation) is Literal:
+        return [str(a) for a in typing.get_args(annotation)]
+    return None
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return ByteSize(value).human_readable()
+    return "none" if value is None else '""' if value == "" else str(value)
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
-    """Add a ``--flag`` for every settings field; unset flags stay None so the environment still applies."""
+    """Add a ``--flag`` for every settings field, its help, choices, default and variable read from the field.
+
+    The flags default to SUPPRESS, so a flag not given is absent and the variable or the field's default applies.
+    """
+    prefix = settings_cls.model_config.get("env_prefix", "")
     for name, info in settings_cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
-        help_text = (info.description or "") + f" [env KVPOOL_{name.upper()}]"
+        default = info.get_default(call_default_factory=True)
+        if name == "socket_mode":
+            default = f"{default:o}"
+        help_text = f"{info.description} (default: {_shown(default)}; env {prefix}{name.upper()})"
         if info.annotation is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
-            parser.add_argument(flag, default=None, help=help_text, metavar=name.upper())
+            choices = _choices(name, info.annotation)
+            kwargs = {"choices": choices} if choices else {"metavar": name.upper()}
+            if name == "dtype":
+                kwargs["metavar"] = "{" + ",".join(typing.get_args(DType)) + "}"
+        parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def settings_from_args(args: argparse.Namespace, settings_cls: type[PoolSettings] = PoolSettings) -> PoolSettings:
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
     return settings_cls(**given)
+
+
+def describe_error(exc: ValidationError, settings_cls: type[BaseSettings] = PoolSettings) -> str:
+    """One line per bad setting, naming its flag and variable, without pydantic's links."""
+    prefix = settings_cls.model_config.get("env_prefix", "")
+    parts = []
+    for error in exc.errors(include_url=False):
+        field = str(error["loc"][0]) if error["loc"] else ""
+        msg = error["msg"].removeprefix("Value error, ")
+        if field in settings_cls.model_fields:
+            got = error.get("input")
+            shown = "" if isinstance(got, dict) or field == "token" else f", got {got!r}"
+            parts.append(f"--{field.replace('_', '-')} ({prefix}{field.upper()}): {msg}{shown}")
+        else:
+            parts.append(msg)
+    return "; ".join(parts)

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
+import signal
 import socket
 import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 from kvpool.server.app import create_app
-from kvpool.server.config import PoolSettings, add_settings_arguments, settings_from_args
+from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, settings_from_args
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 
@@ -27,9 +30,26 @@ def bind_tcp(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SystemExit(
+                f"kvpool serve: {host}:{port} is in use (another pool?): stop it, pick another --port, or --port 0 "
+                "to serve the Unix socket only"
+            ) from None
+        raise SystemExit(f"kvpool serve: cannot listen on {host}:{port}: {exc.strerror}") from None
     sock.set_inheritable(True)
     return sock
+
+
+class Stopped(Exception):
+    """A SIGINT or SIGTERM asked the pool to stop: uvicorn re-raises it once its graceful shutdown is done."""
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signal.Signals(signum).name)
 
 
 def check_socket_dir(directory: Path) -> None:
@@ -132,9 +152,16 @@ def serve(settings: PoolSettings) -> None:
             )
         ),
     )
+    # uvicorn handles the signals during its run and re-raises them after its shutdown, into these handlers: a
+    # requested stop ends in the cleanup below and exit status 0, not in a traceback or death by the signal.
+    previous = {sig: signal.signal(sig, _stopped) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run(sockets=sockets)
+    except Stopped as stop:
+        log.info("stopped by %s", stop)
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         plane.close()
         if settings.socket is not None:
             with contextlib.suppress(FileNotFoundError):
@@ -147,14 +174,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
     parser = argparse.ArgumentParser(
-        prog="kvpool serve", description="Run the pool manager (flags override KVPOOL_* variables)."
+        prog="kvpool serve",
+        description="Run the pool manager until SIGINT or SIGTERM. Every flag is also a KVPOOL_* variable; "
+        "flags win over variables.",
     )
     add_settings_arguments(parser, PoolSettings)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
-        print(f"kvpool serve: invalid settings:\n{exc}", file=sys.stderr)
+        print(f"kvpool serve: invalid settings: {describe_error(exc)}", file=sys.stderr)
         return 2
     serve(settings)
     return 0

@@ -8,6 +8,7 @@ block is never unowned and a crashed worker's refs are found and released when i
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
 from collections import OrderedDict
@@ -31,6 +32,8 @@ from kvpool.layout import KVLayout
 
 Clock = Callable[[], float]
 REFUSALS_KEPT = 4096
+#: the shape of every session id a pool makes: its epoch's first 8 hex digits, a dash, a random part
+SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9A-Za-z_-]+")
 
 
 @dataclass(slots=True)
@@ -153,6 +156,11 @@ class Pool:
         if session is None or session.expires_at < now:
             if session is not None:
                 self._expire_session(session)
+            if not SESSION_ID.fullmatch(session_id):
+                raise UnknownSession(
+                    f"unknown session {session_id!r}: malformed, no pool makes ids like it; a session id is what "
+                    "POST /sessions returned (like 0123abcd-0123456789abcdef)"
+                )
             if not session_id.startswith(self.epoch[:8]):
                 raise UnknownSession(
                     f"unknown session {session_id!r}: it belongs to another pool epoch (this pool is "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from kvpool.server.config import PoolSettings, add_settings_arguments, parse_size, settings_from_args
+from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, parse_size, settings_from_args
 from pydantic import ValidationError
 
 
@@ -19,7 +19,7 @@ def test_defaults_bind_loopback_and_a_private_socket():
     s = PoolSettings()
     assert (s.host, s.port, s.backend) == ("127.0.0.1", 8470, "auto")
     assert s.socket is not None and s.socket_mode == 0o660
-    assert s.layout.block_nbytes == 2 * 4 * 16 * 4 * 64 * 2
+    assert s.layout.block_nbytes == 2 * 4 * 16 * 2 * 32 * 2
 
 
 def test_flags_override_environment(monkeypatch):
@@ -34,7 +34,7 @@ def test_flags_override_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--num-blocks", "4", "--arena-bytes", "1GiB"], ["--dtype", "int8"], ["--port", "0", "--socket", "none"]],
+    [["--num-blocks", "4", "--arena-bytes", "1GiB"], ["--port", "0", "--socket", "none"]],
 )
 def test_contradictions_are_refused(argv):
     with pytest.raises(ValidationError):
@@ -48,3 +48,42 @@ def test_sizes_read_like_people_write_them():
     assert parse(["--arena-bytes", "2MiB"]).arena_bytes == 2 << 20
     with pytest.raises(ValueError, match="as a size"):
         parse_size("lots")
+
+
+def test_flags_offer_only_the_allowed_values(capsys):
+    for flag, value in [("--dtype", "int8"), ("--backend", "rocm"), ("--order", "tiled"), ("--log-level", "loud")]:
+        with pytest.raises(SystemExit):
+            parse([flag, value])
+        assert "invalid choice" in capsys.readouterr().err
+    assert parse(["--dtype", "bf16"]).dtype == "bfloat16"
+
+
+def test_help_gives_every_flag_its_text_default_and_variable():
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, PoolSettings)
+    actions = {a.dest: a for a in parser._actions if a.dest in PoolSettings.model_fields}
+    assert set(actions) == set(PoolSettings.model_fields)
+    for name, action in actions.items():
+        text = action.help or ""
+        assert not text.startswith("None"), f"--{name} has no description"
+        assert "`" not in text, text
+        assert f"env KVPOOL_{name.upper()}" in text and "(default: " in text, text
+    assert "(default: 16.0MiB;" in actions["max_body_bytes"].help
+    assert "(default: 660;" in actions["socket_mode"].help
+    assert actions["backend"].choices == ["auto", "cuda", "cpu"]
+
+
+def test_invalid_settings_are_one_line_naming_flag_and_variable():
+    with pytest.raises(ValidationError) as exc:
+        parse(["--num-blocks", "0", "--max-body-bytes", "lots"])
+    line = describe_error(exc.value)
+    assert "\n" not in line and "pydantic" not in line and "http" not in line
+    assert "--num-blocks (KVPOOL_NUM_BLOCKS): Input should be greater than or equal to 1, got '0'" in line
+    assert "--max-body-bytes (KVPOOL_MAX_BODY_BYTES)" in line
+
+
+def test_a_bad_token_is_never_echoed(monkeypatch):
+    monkeypatch.setenv("KVPOOL_TOKEN", "")
+    with pytest.raises(ValidationError) as exc:
+        PoolSettings(token=["s3cret"])
+    assert "s3cret" not in describe_error(exc.value)

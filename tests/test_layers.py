@@ -85,7 +85,7 @@ def test_the_installed_distribution_has_one_top_level_name():
 
 
 def test_the_commands_are_registered_by_their_components():
-    from kvpool.cli import registered
+    from kvpool.commands import registered
 
     targets = {name: cmd.target.split(":")[0] for name, cmd in registered().items()}
     assert targets == {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from kvpool.cli import Command
+from kvpool.commands import Command
 
 demo = Command("the whole prefill -> decode flow on this machine (see kvpool demo --help)", "kvpool.workers.demo:main")
 worker = Command("run a worker: kvpool worker prefill|decode --help", "kvpool.workers.commands:worker_main")

@@ -11,7 +11,13 @@ from __future__ import annotations
 import torch
 from kvpool.workers.model import LlamaConfig
 
+from kvpool.errors import LayoutMismatch
 from kvpool.layout import KVLayout
+
+
+class ModelDoesNotFit(LayoutMismatch, ValueError):
+    """The pool's arena was made for another model shape than the worker's model."""
+
 
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -19,7 +25,10 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 def kv_dtype(layout: KVLayout) -> torch.dtype:
     """The torch dtype of a layout's KV; fp8 arenas need scales that the workers do not implement yet."""
     if layout.dtype not in KV_DTYPES:
-        raise ValueError(f"the workers cannot use a {layout.dtype} arena yet: use float32, float16 or bfloat16")
+        raise ModelDoesNotFit(
+            f"the workers cannot use a {layout.dtype} arena yet: start the pool with --dtype float32, float16 or "
+            "bfloat16"
+        )
     return KV_DTYPES[layout.dtype]
 
 
@@ -36,12 +45,16 @@ def layout_for(config: LlamaConfig, block_size: int, dtype: str, order: str = "l
 
 
 def check_layout(config: LlamaConfig, layout: KVLayout) -> None:
-    """Refuse an arena whose KV shape is not this model's, naming what differs."""
+    """Refuse an arena whose KV shape is not this model's, naming what differs and the pool flags that fit."""
     want = layout_for(config, layout.block_size, layout.dtype, layout.order)
     diff = want.diff(layout)
     if diff:
         detail = ", ".join(f"{k}: model {a!r} != arena {b!r}" for k, (a, b) in diff.items())
-        raise ValueError(f"the arena's KV layout does not fit the model ({detail})")
+        flags = " ".join(f"--{k.replace('_', '-')} {a}" for k, (a, _) in diff.items())
+        raise ModelDoesNotFit(
+            f"the arena's KV layout does not fit the model ({detail}): start the pool with {flags}, or give the "
+            "worker a model of the pool's shape"
+        )
     kv_dtype(layout)
 
 

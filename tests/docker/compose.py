@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+import shutil
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,11 @@ SCHEMA = HERE / "compose-spec.json"
 
 GPU_FILES = ("compose.yaml",)
 CPU_FILES = ("compose.yaml", "compose.cpu.yaml")
+
+
+def tool(name: str) -> str | None:
+    """A command from this Python's scripts directory (where the test extra installs it), else from PATH."""
+    return shutil.which(name, path=sysconfig.get_path("scripts")) or shutil.which(name)
 
 
 class Reset:

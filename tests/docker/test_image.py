@@ -11,7 +11,9 @@ import subprocess
 import tomllib
 from pathlib import Path
 
-from .compose import DOCKER, GPU_FILES, ROOT, model
+import pytest
+
+from .compose import DOCKER, GPU_FILES, ROOT, model, tool
 
 DOCKERFILE = DOCKER / "Dockerfile"
 INSTALL = DOCKER / "install.sh"
@@ -54,26 +56,31 @@ def test_installs_only_through_the_ci_script() -> None:
     assert len(installs) == 1, "the image must install kvpool with docker/install.sh, as CI does"
     words = shlex.split(installs[0])
     script = next(i for i, word in enumerate(words) if word.endswith("docker/install.sh"))
-    assert words[script - 1] == "bash" and "--torch" not in words[script:], "torch comes from the base image"
+    assert words[script - 1] == "bash", installs[0]
+    assert not {"--torch", "--cpu"} & set(words[script:]), "torch comes from the base image"
     for run in runs:
         assert not re.search(r"\b(pip|uv|conda)\b", run), f"install through docker/install.sh, not: {run}"
+
+
+def arg_defaults() -> dict[str, str]:
+    return dict(arg.partition("=")[::2] for arg in args_of("ARG"))
 
 
 def test_runs_as_a_non_root_user() -> None:
     users = args_of("USER")
     assert users, "no USER: the image would run as root"
-    user = users[-1].split(":")[0]
-    assert user not in {"root", "0"}
-    created = [run for run in args_of("RUN") if re.search(rf"useradd\b.*\b{re.escape(user)}\s*($|&&)", run)]
-    assert created, f"user {user} is never created"
-    for arg in args_of("ARG"):
-        key, _, default = arg.partition("=")
-        assert not (key.endswith("UID") and default.strip() == "0"), arg
+    user, _, group = users[-1].partition(":")
+    # numeric, so that the host and Kubernetes' runAsNonRoot can tell it is not root (hadolint DL3066)
+    uid = re.sub(r"\$\{(\w+)\}", lambda m: arg_defaults()[m.group(1)], user)
+    assert uid.isdigit() and int(uid) != 0, users[-1]
+    assert group == user, "the user's own group, which owns the socket directory"
+    created = [run for run in args_of("RUN") if re.search(rf"useradd\b.*--uid \"?{re.escape(user)}\"?", run)]
+    assert created, f"no user with uid {user} is created"
 
 
 def test_ci_installs_with_the_same_script() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
-    assert re.search(r"^[^#]*\bbash docker/install\.sh --torch torch==\S+ ", ci, re.MULTILINE), (
+    assert re.search(r"^[^#]*\bbash docker/install\.sh --cpu ", ci, re.MULTILINE), (
         ".ci/run must install with docker/install.sh, as the image does"
     )
 
@@ -87,7 +94,8 @@ def test_entrypoint_is_kvpool() -> None:
 
 def test_socket_directory_belongs_to_the_user() -> None:
     # a fresh named volume takes the owner of the image's directory it is mounted on
-    user = args_of("USER")[-1].split(":")[0]
+    (created,) = [run for run in args_of("RUN") if "useradd" in run]
+    user = re.search(r"useradd\b.* (\w+)\s*($|&&)", created).group(1)
     assert any(re.search(rf"install -d -o {user} -g {user} .*/run/kvpool\b", run) for run in args_of("RUN"))
     env = " ".join(args_of("ENV"))
     assert "KVPOOL_SOCKET=/run/kvpool/kvpool.sock" in env
@@ -133,6 +141,14 @@ def test_build_context_has_what_the_install_needs() -> None:
         assert _ignored(path, patterns), f"{path} should stay out of the build context"
 
 
+def test_hadolint_clean() -> None:
+    hadolint = tool("hadolint")
+    if hadolint is None:
+        pytest.skip("no hadolint here (the test extra installs it on Linux x86-64)")
+    done = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "", done.stdout + done.stderr
+
+
 def test_install_script_parses() -> None:
     subprocess.run(["bash", "-n", str(INSTALL)], check=True)
     if shutil.which("shellcheck"):
@@ -147,12 +163,18 @@ if [[ "$1" == "-c" && "$2" == *'version("torch")'* ]]; then
   cat "$state/torch"; exit 0
 fi
 if [[ "$1" == "-c" && "$2" == *sysconfig* ]]; then echo "$state/bin"; exit 0; fi
+if [[ "$1" == "-c" && "$2" == *urlopen* ]]; then
+  echo "probe $3" >>"$state/log"; [[ -z "${FAKE_INDEX_DOWN:-}" ]]; exit
+fi
 if [[ "$1 $2 $3" == "-m pip install" ]]; then
   shift 3
   echo "pip install $*" >>"$state/log"
   for a in "$@"; do
     if [[ "$prev" == "--constraint" ]]; then echo "constraint $(cat "$a")" >>"$state/log"; fi
-    if [[ "$a" == torch==* ]]; then echo "${a#torch==}+cpu" >"$state/torch"; fi
+    if [[ "$a" == torch==* ]]; then
+      [[ -n "${FAKE_NO_TORCH:-}" ]] && exit 1
+      v=${a#torch==}; echo "${v%+cpu}+cpu" >"$state/torch"
+    fi
     prev=$a
   done
   if [[ -n "${FAKE_PIP_REPLACES_TORCH:-}" && "$*" != *torch==* ]]; then echo 9.9.9 >"$state/torch"; fi
@@ -213,3 +235,30 @@ def test_install_passes_pip_arguments_on(tmp_path: Path) -> None:
 def test_install_fails_if_torch_was_replaced(tmp_path: Path) -> None:
     code, err, _ = run_install(tmp_path, ".", torch="2.9.1+cu128", FAKE_PIP_REPLACES_TORCH="1")
     assert code != 0 and "torch changed from 2.9.1+cu128 to 9.9.9" in err
+
+
+def test_cpu_takes_torch_from_the_cpu_index(tmp_path: Path) -> None:
+    code, err, log = run_install(tmp_path, "--cpu", "-e", ".[test]")
+    assert code == 0, err
+    index = "https://download.pytorch.org/whl/cpu"
+    assert log[:2] == [f"probe {index}", f"pip install --no-cache-dir --index-url {index} torch==2.13.0"]
+    assert log[2].endswith(" -e .[test]") and log[3] == "constraint torch==2.13.0+cpu"
+
+
+def test_cpu_index_and_version_can_be_changed(tmp_path: Path) -> None:
+    mirror = "https://mirror.example/whl/cpu"
+    code, err, log = run_install(tmp_path, "--cpu", KVPOOL_TORCH_INDEX=mirror, KVPOOL_TORCH_VERSION="2.12.1")
+    assert code == 0, err
+    assert log[1] == f"pip install --no-cache-dir --index-url {mirror} torch==2.12.1"
+
+
+def test_cpu_without_the_index_asks_for_the_cpu_build_only(tmp_path: Path) -> None:
+    code, err, log = run_install(tmp_path, "--cpu", FAKE_INDEX_DOWN="1")
+    assert code == 0, err
+    # a "+cpu" local version: the configured sources can only satisfy it with a CPU build, never a CUDA one
+    assert log[1] == "pip install --no-cache-dir torch==2.13.0+cpu"
+
+
+def test_cpu_says_what_to_do_when_no_cpu_build_is_found(tmp_path: Path) -> None:
+    code, err, _ = run_install(tmp_path, "--cpu", FAKE_INDEX_DOWN="1", FAKE_NO_TORCH="1")
+    assert code == 1 and "set KVPOOL_TORCH_INDEX" in err

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 from kvpool.server.launch import child_env, spawn
@@ -32,5 +34,8 @@ def serve(
     log = Path(tempfile.mkdtemp(prefix="kvp-log-")) / "pool.log"
     args = ["kvpool", "serve", "--backend", "cpu", "--log-level", "warning", *flags]
     inherited = {k: v for k, v in child_env().items() if not k.startswith("KVPOOL_")}
-    return spawn(args, socket=socket, port=port, log=log, env={**inherited, **(env or {})}, wait=wait,
-                 timeout_s=timeout_s)  # fmt: skip
+    pool = spawn(args, socket=socket, port=port, log=log, env={**inherited, **(env or {})}, wait=wait,
+                 timeout_s=timeout_s, workdir=log.parent)  # fmt: skip
+    # a pool expected to refuse is never stopped by its test: its log goes with it all the same
+    weakref.finalize(pool, shutil.rmtree, log.parent, True)
+    return pool

@@ -158,7 +158,8 @@ HTTP_CASES: list[tuple[str, str, str, Any, int, list[str]]] = [
      ["priority", "extra"]),
     ("unknown-field-free", "POST", "/free", {"session_id": "{A}", "block_ids": [2], "force": True}, 422, ["force"]),
     # unknown sessions
-    ("unknown-session-alloc", "POST", "/alloc", {"session_id": "nope", "num_blocks": 1}, 404, ["unknown session"]),
+    ("unknown-session-alloc", "POST", "/alloc", {"session_id": "nope", "num_blocks": 1}, 404,
+     ["unknown session", "malformed", "/sessions"]),
     ("unknown-session-free", "POST", "/free", {"session_id": "nope", "block_ids": [0]}, 404, ["unknown session"]),
     ("unknown-session-lookup", "POST", "/lookup", {"session_id": "nope", "token_ids": PREFIX}, 404,
      ["unknown session"]),
