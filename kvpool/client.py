@@ -39,7 +39,7 @@ from kvpool.errors import (
     PoolUnavailable,
     UnknownSession,
 )
-from kvpool.inbox import Delivery, Inbox, Outbox, encode_delivery
+from kvpool.inbox import SEAL_BYTES, Delivery, Inbox, Outbox, encode_delivery
 from kvpool.layout import KVLayout
 from kvpool.protocol import (
     AllocRequest,
@@ -198,7 +198,6 @@ class PoolClient:
         self._inbox_lock = threading.RLock()
         self._delivered: OrderedDict[str, Delivery] = OrderedDict()
         self._claimed: OrderedDict[str, None] = OrderedDict()
-        self._inboxes: dict[str, str | None] = {}
         self._http = http_client(self.url, self.token, timeout_s)
         self._local = threading.local()
         self._conns: list[FastConnection] = []
@@ -229,7 +228,8 @@ class PoolClient:
         self._claimed.clear()
         if info.inbox is not None and self._fast_path is not None:
             try:
-                self._inbox = Inbox(info.inbox, self.epoch, os.stat(self._fast_path).st_mode & 0o777)
+                key = bytes.fromhex(info.inbox_key or "")
+                self._inbox = Inbox(info.inbox, self.epoch, key, os.stat(self._fast_path).st_mode & 0o777)
             except OSError as exc:  # the pool's directory is not writable from here: handoffs come through the pool
                 log.warning("no inbox at %s (%s): addressed handoffs will come through the pool", info.inbox, exc)
 
@@ -353,29 +353,24 @@ class PoolClient:
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         """
-        ids = pack_ids(block_ids) if self._fast_path is not None and to is not None else None
-        inbox = self._inbox_of(to) if to is not None and ids is not None else None
-        if inbox is not None and ids is not None:
-            resp = self._handoff_direct(inbox, request_id, ids, num_tokens, meta or {}, ttl_s, str(to))
-        else:
-            req, ids = self._with_ids(
-                HandoffRequest,
-                block_ids,
-                session_id=self.session_id,
-                request_id=request_id,
-                num_tokens=num_tokens,
-                meta=meta or {},
-                ttl_s=ttl_s,
-                to=to,
-            )
-            resp = self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)
-        if to is not None:
-            self._inboxes[to] = resp.inbox
-        return resp
+        if self._fast_path is not None and to is not None:
+            ids = pack_ids(block_ids)
+            if ids is not None:
+                return self._handoff_direct(request_id, ids, num_tokens, meta or {}, ttl_s, to)
+        req, ids = self._with_ids(
+            HandoffRequest,
+            block_ids,
+            session_id=self.session_id,
+            request_id=request_id,
+            num_tokens=num_tokens,
+            meta=meta or {},
+            ttl_s=ttl_s,
+            to=to,
+        )
+        return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)
 
     def _handoff_direct(
         self,
-        inbox: str,
         request_id: str,
         ids: memoryview,
         num_tokens: int,
@@ -383,11 +378,11 @@ class PoolClient:
         ttl_s: float | None,
         to: str,
     ) -> HandoffResponse:
-        """The handoff to the pool, and its ids to the addressee's inbox once the pool has it.
+        """The handoff to the pool, then its ids to the addressee's inbox, sealed with the pool's answer.
 
         This is the direct path's critical path, so the request is written by hand and goes unvalidated: a
-        pydantic model would cost more than the rest of the path. The pool validates it as any request, and a
-        refusal reaches the addressee's claim.
+        pydantic model would cost more than the rest of the path. The pool validates it as any request; only a
+        handoff it parked gets a seal, and an inbox takes no delivery without one.
         """
         try:
             extra = json.dumps(meta, separators=(",", ":")).encode()
@@ -395,17 +390,15 @@ class PoolClient:
             ttl = b"null" if ttl_s is None else b"%r" % float(ttl_s)
             rid = json.dumps(request_id).encode()
             head = HANDOFF_JSON % (json.dumps(self.session_id).encode(), rid, num_tokens, extra, ttl, to_json)
-            datagram = encode_delivery(self.epoch, request_id, ids, num_tokens, extra)
+            unsealed = encode_delivery(self.epoch, request_id, ids, num_tokens, extra)
         except (TypeError, ValueError, AttributeError, struct.error) as exc:
             why = f"{exc} (meta must be a JSON object, num_tokens an integer at least 0)"
             raise InvalidRequest(f"cannot send this handoff: {why}") from None
-        outbox = self._outbox = self._outbox or Outbox()
-
-        def deliver() -> None:
-            if not outbox.send(inbox, datagram):
-                self._inboxes.pop(to, None)
-
-        return self._exchange(b"handoff", "/handoff", head, HandoffResponse, ids=ids, between=deliver)[0]
+        resp = self._exchange(b"handoff", "/handoff", head, HandoffResponse, ids=ids)[0]
+        if resp.inbox is not None and resp.seal is not None:
+            outbox = self._outbox = self._outbox or Outbox()
+            outbox.send(resp.inbox, b"".join((memoryview(unsealed)[:-SEAL_BYTES], bytes.fromhex(resp.seal))))
+        return resp
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
@@ -505,14 +498,6 @@ class PoolClient:
         listing = self._send("GET", "/sessions", None, params={"name": name} if name is not None else None)
         return SessionList.model_validate(listing).sessions
 
-    def _inbox_of(self, name: str) -> str | None:
-        """The inbox of the live session called ``name``: asked of the pool once, then kept up to date by the
-        answers to handoffs (which name the addressee's inbox) and by failed deliveries."""
-        if name not in self._inboxes:
-            found = self.sessions(name)
-            self._inboxes[name] = found[0].inbox if len(found) == 1 else None
-        return self._inboxes[name]
-
     def move(self, block_ids: Sequence[int], device: int) -> list[int]:
         """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.
 
@@ -575,18 +560,16 @@ class PoolClient:
         resp: type[R],
         wait_s: float = 0.0,
         ids: memoryview | None = None,
-        between: Callable[[], None] | None = None,
     ) -> tuple[R, array | None]:
-        """One call, over the fast channel when there is one, else HTTP; ``between`` runs once the request is
-        written and before its answer is read. Returns the answer and its block ids packed, if they came so.
-        ``req`` may be the request's JSON already written (the fast channel only)."""
+        """One call, over the fast channel when there is one, else HTTP. Returns the answer and its block ids
+        packed, if they came so. ``req`` may be the request's JSON already written (the fast channel only)."""
         if self._fast_path is None:
             assert isinstance(req, BaseModel)
             return self._guard(lambda: (self._http_call("POST", path, req, resp, wait_s), None))
         request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
 
         def call() -> tuple[R, array | None]:
-            status, body = self._fast().call(op, request, between)
+            status, body = self._fast().call(op, request)
             if status != 200:
                 raise_for(status, body)
             return decode(resp, body)
@@ -647,6 +630,11 @@ class PoolClient:
 
     def _fast(self) -> FastConnection:
         conn: FastConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.closed:  # an interrupted call left it: its answers are not to be trusted
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            conn = None
         if conn is None:
             assert self._fast_path is not None
             conn = FastConnection(self._fast_path)

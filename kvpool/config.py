@@ -22,6 +22,12 @@ DEFAULT_PORT = 8470
 
 
 def default_socket() -> Path:
+    """``$XDG_RUNTIME_DIR/kvpool/kvpool.sock`` where the session manager gives this user a private runtime
+    directory, else ``<tmp>/kvpool-<uid>/kvpool.sock`` (a shared directory, where a squatter may come first:
+    both pool and clients check who owns what they find there)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        return Path(runtime) / "kvpool" / "kvpool.sock"
     return Path(tempfile.gettempdir()) / f"kvpool-{os.getuid()}" / "kvpool.sock"
 
 
@@ -72,6 +78,15 @@ class PoolSettings(BaseSettings):
     handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")
     token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
     max_body_bytes: int = Field(16 << 20, ge=1024, description="largest accepted request body")
+    max_sessions: int = Field(1024, ge=1, description="live sessions at once; more are refused with 429")
+    max_handoffs: int = Field(65536, ge=1, description="parked handoffs at once, all sessions together")
+    max_handoffs_per_session: int = Field(
+        4096, ge=1, description="handoffs a live session has parked, and handoffs addressed to it, at once"
+    )
+    max_meta_bytes: int = Field(16 << 10, ge=2, description="largest handoff meta, as compact JSON")
+    max_claims_per_session: int = Field(64, ge=1, description="claims of one session waiting in the pool at once")
+    max_fast_connections: int = Field(4096, ge=1, description="fast-channel connections open at once")
+    hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
 
     @field_validator("arena_bytes", mode="before")

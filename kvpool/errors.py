@@ -61,6 +61,13 @@ class PayloadTooLarge(KvpoolError):
     status = 413
 
 
+class LimitExceeded(KvpoolError):
+    """A per-client bound of the pool (sessions, parked handoffs, pending claims, meta size) was reached; the
+    message names the limit and the setting that raises it."""
+
+    status = 429
+
+
 class PoolExhausted(KvpoolError):
     """Not enough free or evictable blocks: the caller should free, wait, or size the pool larger."""
 
@@ -96,6 +103,7 @@ ERRORS: dict[str, type[KvpoolError]] = {
         HandoffRefused,
         LayoutMismatch,
         PayloadTooLarge,
+        LimitExceeded,
         PoolExhausted,
         PoolRestarted,
         ArenaClosed,

@@ -51,6 +51,10 @@ class SessionInfo(BaseModel):
     epoch: str
     fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
     inbox: str | None = Field(None, description="where this session should bind its inbox, if it asked for one")
+    inbox_key: str | None = Field(
+        None,
+        description="hex key that deliveries to this session's inbox are sealed with; told to this session alone",
+    )
 
 
 class SessionSummary(BaseModel):
@@ -130,6 +134,11 @@ class HandoffResponse(BaseModel):
     request_id: str
     num_blocks: int
     inbox: str | None = Field(None, description="the addressee's inbox, if it has one (see `to`)")
+    seal: str | None = Field(
+        None,
+        description="hex seal the pool made over this handoff with the addressee's inbox key: its delivery to the "
+        "inbox carries it, and the addressee takes no ids without it",
+    )
 
 
 class ClaimRequest(_Request):

@@ -96,7 +96,14 @@ def serve(settings: PoolSettings) -> None:
     if settings.socket is not None:
         sockets.append(bind_unix(settings.socket, settings.socket_mode))
     if settings.fast_socket is not None:
-        fast = FastChannel(plane, settings.fast_socket, settings.socket_mode, settings.max_body_bytes)
+        fast = FastChannel(
+            plane,
+            settings.fast_socket,
+            settings.socket_mode,
+            settings.max_body_bytes,
+            max_connections=settings.max_fast_connections,
+            hello_timeout_s=settings.hello_timeout_s,
+        )
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
     # A /claim may wait up to an hour for its handoff; without a bound on the graceful shutdown, one waiting claim

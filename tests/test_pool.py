@@ -157,9 +157,13 @@ def test_a_handoff_to_a_name_that_is_not_one_live_session_is_refused_and_remembe
     d = pool.open_session("d", "decode").session_id
     with pytest.raises(HandoffRefused, match=r"refused when its producer made it \(InvalidRequest: no live session"):
         pool.claim(d, "r1")
-    # The id is free for a handoff that stands, which then clears the refusal.
-    pool.handoff(p, "r1", ids, 5, to="d")
-    assert pool.claim(d, "r1").block_ids == ids and "r1" not in pool.refused
+    # Its addressee was told and dropped the request: a later handoff of that id would be parked for nobody, so
+    # it is refused and the producer keeps its blocks. An id whose refusal nobody saw yet is free again.
+    with pytest.raises(HandoffRefused, match="hand it off under a new request id"):
+        pool.handoff(p, "r1", ids, 5, to="d")
+    assert pool.allocator.held(f"s:{p}") == dict.fromkeys(ids, 1)
+    pool.handoff(p, "r2", ids, 5, to="d")
+    assert pool.claim(d, "r2").block_ids == ids and "r2" not in pool.refused
 
 
 def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
@@ -170,7 +174,7 @@ def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
     pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
     with pytest.raises(HandoffExists):
         pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
-    pool.refuse("r", "a late refusal")
+    pool.refuse("r", "a late refusal", p)
     assert "r" not in pool.refused and pool.claim(d, "r").request_id == "r"
 
 
