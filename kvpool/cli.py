@@ -28,6 +28,7 @@ def _health(args: argparse.Namespace) -> int:
     import httpx
 
     from kvpool.client import default_url, http_client
+    from kvpool.errors import UntrustedSocket
 
     url = args.url or default_url()
     try:
@@ -36,14 +37,23 @@ def _health(args: argparse.Namespace) -> int:
     except httpx.HTTPError as exc:
         print(f"unreachable: {url}: {exc}", file=sys.stderr)
         return 1
+    except UntrustedSocket as exc:
+        print(f"kvpool health: {exc}", file=sys.stderr)
+        return 1
     print(r.text)
     return 0 if r.status_code == 200 else 1
 
 
 def _info(args: argparse.Namespace) -> int:
     from kvpool.client import default_url, http_client, raise_for
+    from kvpool.errors import UntrustedSocket
 
-    with http_client(args.url or default_url(), args.token, 10.0) as http:
+    try:
+        http = http_client(args.url or default_url(), args.token, 10.0)
+    except UntrustedSocket as exc:
+        print(f"kvpool info: {exc}", file=sys.stderr)
+        return 1
+    with http:
         out = {}
         for path in ("/arena", "/stats"):
             r = http.get(path)

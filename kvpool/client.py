@@ -63,6 +63,7 @@ from kvpool.protocol import (
     SessionRef,
     SessionSummary,
 )
+from kvpool.trust import check_socket
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,10 @@ class Claim:
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
+    """A client of the pool's HTTP API; for a Unix socket, only once it is known to be the pool's own
+    (:func:`kvpool.trust.check_socket`): a token is never sent to a socket another user could have put there."""
+    if url.startswith("unix://"):
+        check_socket(url[len("unix://") :])
     headers = {"authorization": f"Bearer {token}"} if token else {}
     limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=15)
     # No TLS on a Unix socket or plain http: skip building an SSL context (tens of ms per client).
@@ -637,6 +642,7 @@ class PoolClient:
             conn = None
         if conn is None:
             assert self._fast_path is not None
+            check_socket(self._fast_path)  # the pool named it, but whoever answers hello gets the token
             conn = FastConnection(self._fast_path)
             body = json.dumps({"token": self.token} if self.token else {}).encode()
             status, reply = conn.call(b"hello", body)

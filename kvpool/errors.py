@@ -57,6 +57,10 @@ class LayoutMismatch(KvpoolError):
     status = 409
 
 
+class UntrustedSocket(KvpoolError):
+    """The pool's Unix socket, or a directory on its way, could be someone else's: no token was sent to it."""
+
+
 class PayloadTooLarge(KvpoolError):
     status = 413
 
@@ -103,6 +107,7 @@ ERRORS: dict[str, type[KvpoolError]] = {
         HandoffRefused,
         LayoutMismatch,
         PayloadTooLarge,
+        UntrustedSocket,
         LimitExceeded,
         PoolExhausted,
         PoolRestarted,

@@ -6,12 +6,12 @@ import contextlib
 import logging
 import os
 import socket
-import stat
 from pathlib import Path
 
 import uvicorn
 
 from kvpool.config import PoolSettings
+from kvpool.trust import directory_problem
 from server.app import create_app
 from server.fastpath import FastChannel
 from server.plane import ControlPlane
@@ -33,20 +33,15 @@ def bind_tcp(host: str, port: int) -> socket.socket:
 def check_socket_dir(directory: Path) -> None:
     """Refuse a socket directory where another user could swap the pool's socket for their own.
 
-    Whoever can rename files in the directory can put a socket of theirs at the pool's path, and clients would
-    send it their token and trust the arena it describes. That is anyone when the directory is world-writable
-    without the sticky bit, and its owner when that is another user (a squatter on the default ``/tmp`` path).
+    Whoever can rename files in the directory (or in one above it, or re-point a link on the way) can put a
+    socket of theirs at the pool's path, and clients would send it their token and trust the arena it describes:
+    a squatter who created the default ``/tmp`` path first, or anyone where a directory is writable by others.
     """
-    st = directory.stat()
-    if st.st_uid not in (os.getuid(), 0):
+    problem = directory_problem(directory, {os.getuid(), 0})
+    if problem is not None:
         raise SystemExit(
-            f"kvpool: {directory} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): its owner could "
-            "replace the pool's socket; remove it or pick another --socket"
-        )
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise SystemExit(
-            f"kvpool: {directory} is world-writable: anyone could replace the pool's socket; use a directory "
-            "writable by the pool's user only (share it with clients through its group)"
+            f"kvpool: refusing the socket directory {directory}: {problem}. Use a directory that only the pool's "
+            "user can change (share it with clients through its group, read-only), or pick another --socket"
         )
 
 
