@@ -7,8 +7,8 @@ instead of an HTTP round trip. The arena is mapped once per process, whatever th
 
 Block ids go over the fast channel packed as int32 (see :mod:`kvpool.channel`): hand a request's block table
 over as an ``array('i')``, an int32 numpy array or CPU tensor, and no id is converted on the way. A client opened
-with ``inbox=True`` also receives handoffs addressed to it (``handoff(..., to=name)``) straight from their
-producer, without waiting for the pool (see :mod:`kvpool.inbox`).
+with ``inbox=True`` also receives handoffs addressed to it (``handoff(..., to=name)``) in its inbox, sent by the
+pool as soon as it parked them, sealed (see :mod:`kvpool.inbox`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import operator
 import os
-import struct
 import threading
 import time
 from array import array
@@ -39,7 +39,7 @@ from kvpool.errors import (
     PoolUnavailable,
     UnknownSession,
 )
-from kvpool.inbox import SEAL_BYTES, Delivery, Inbox, Outbox, encode_delivery
+from kvpool.inbox import Delivery, Inbox
 from kvpool.layout import KVLayout
 from kvpool.protocol import (
     AllocRequest,
@@ -70,8 +70,8 @@ log = logging.getLogger(__name__)
 R = TypeVar("R", bound=BaseModel)
 T = TypeVar("T")
 _BY_STATUS = {cls.status: cls for cls in reversed(list(ERRORS.values()))}
-#: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is normally
-#: parked already, since the producer writes it to the pool before it sends the ids
+#: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is always
+#: parked already, since the pool delivers the ids only once it parked the handoff
 ACCEPT_WAIT_S = 10.0
 #: request ids claimed through the pool remembered, so that a late direct delivery of one is dropped
 CLAIMED_KEPT = 4096
@@ -109,7 +109,7 @@ class Claim:
     """A claimed handoff: its block ids packed (``ids``, int32, as they came off the wire) and as a list
     (``block_ids``, built on first use, so that a caller building a block table from ``ids`` never pays for it).
 
-    ``direct`` is True when the producer delivered the ids to this client's inbox; the pool's answer to the
+    ``direct`` is True when the ids were delivered to this client's inbox; the pool's answer to the
     claim is then still on its way (see :meth:`PoolClient.confirm`).
     """
 
@@ -169,8 +169,8 @@ class PoolClient:
         token: the pool's bearer token, if it has one (default ``$KVPOOL_TOKEN``).
         layout: your model's KV layout; the pool refuses a session whose layout differs from the arena's.
         fast: use the fast channel when the pool serves one and it is reachable from here.
-        inbox: receive the handoffs addressed to this session (``handoff(..., to=name)``) straight from their
-            producer (needs the fast channel; give the session a name no other live session has).
+        inbox: receive the ids of handoffs addressed to this session (``handoff(..., to=name)``) in an inbox, as
+            soon as the pool parked them (needs the fast channel; give the session a name no other live session has).
         spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
     """
@@ -199,7 +199,6 @@ class PoolClient:
         self._want_inbox = inbox
         self.spin_s = spin_s
         self._inbox: Inbox | None = None
-        self._outbox: Outbox | None = None
         self._inbox_lock = threading.RLock()
         self._delivered: OrderedDict[str, Delivery] = OrderedDict()
         self._claimed: OrderedDict[str, None] = OrderedDict()
@@ -287,8 +286,6 @@ class PoolClient:
             self._http.delete(f"/sessions/{self.session_id}")
         self._close_conns()
         self._close_inbox()
-        if self._outbox is not None:
-            self._outbox.close()
         self._http.close()
 
     def _close_inbox(self) -> None:
@@ -383,27 +380,22 @@ class PoolClient:
         ttl_s: float | None,
         to: str,
     ) -> HandoffResponse:
-        """The handoff to the pool, then its ids to the addressee's inbox, sealed with the pool's answer.
+        """An addressed handoff with its ids attached packed; the pool delivers them to the addressee's inbox.
 
         This is the direct path's critical path, so the request is written by hand and goes unvalidated: a
-        pydantic model would cost more than the rest of the path. The pool validates it as any request; only a
-        handoff it parked gets a seal, and an inbox takes no delivery without one.
+        pydantic model would cost more than the rest of the path. The pool validates it as any request.
         """
         try:
             extra = json.dumps(meta, separators=(",", ":")).encode()
             to_json = json.dumps(to).encode()
             ttl = b"null" if ttl_s is None else b"%r" % float(ttl_s)
             rid = json.dumps(request_id).encode()
-            head = HANDOFF_JSON % (json.dumps(self.session_id).encode(), rid, num_tokens, extra, ttl, to_json)
-            unsealed = encode_delivery(self.epoch, request_id, ids, num_tokens, extra)
-        except (TypeError, ValueError, AttributeError, struct.error) as exc:
+            tokens = operator.index(num_tokens)
+            head = HANDOFF_JSON % (json.dumps(self.session_id).encode(), rid, tokens, extra, ttl, to_json)
+        except (TypeError, ValueError) as exc:
             why = f"{exc} (meta must be a JSON object, num_tokens an integer at least 0)"
             raise InvalidRequest(f"cannot send this handoff: {why}") from None
-        resp = self._exchange(b"handoff", "/handoff", head, HandoffResponse, ids=ids)[0]
-        if resp.inbox is not None and resp.seal is not None:
-            outbox = self._outbox = self._outbox or Outbox()
-            outbox.send(resp.inbox, b"".join((memoryview(unsealed)[:-SEAL_BYTES], bytes.fromhex(resp.seal))))
-        return resp
+        return self._exchange(b"handoff", "/handoff", head, HandoffResponse, ids=ids)[0]
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
@@ -411,7 +403,7 @@ class PoolClient:
         With an inbox, a handoff delivered to it returns at once, while the pool's answer to the claim is still
         on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
         known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
-        first, the ids from the producer or the pool's answer, ends the wait.
+        first, the ids in the inbox or the pool's answer, ends the wait.
         """
         if self._inbox is None:
             return self._claim_from_pool(request_id, timeout_s)
@@ -604,7 +596,7 @@ class PoolClient:
         exc = error_for(status, body)
         more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
         err = type(exc)(
-            f"the pool refused the claim of request {label!r}{more}, whose ids its producer delivered to your inbox: "
+            f"the pool refused the claim of request {label!r}{more}, whose ids were delivered to your inbox: "
             f"{exc}"
         )
         err.refused = tuple(r[0] for r in refused)

@@ -1,20 +1,19 @@
-"""Direct delivery of a handoff: the producer sends its block ids straight to the consumer's inbox.
+"""Direct delivery of a handoff: the pool sends its block ids straight to the consumer's inbox.
 
-Through the pool, a handoff's critical path holds two process wake-ups (the pool's, then the waiting claimer's)
-and the pool's books: hundreds of microseconds on an idle machine, while a device copy of a gigabyte of KV takes
-about one millisecond. Here the producer first writes the handoff to the pool over the fast channel (the pool
-records who owns the blocks, exactly as for any handoff), then sends the same ids to the consumer's *inbox*, a Unix
-datagram socket: one system call. A consumer that spins on its inbox while it waits has them within microseconds,
-and its claim goes to the pool pipelined (``accept``), so ownership moves in the books off the critical path.
+Through a claim waiting in the pool, a handoff's critical path holds two process wake-ups (the pool's, then the
+waiting claimer's, blocked in a read) and the pool's books: hundreds of microseconds on an idle machine, while a
+device copy of a gigabyte of KV takes about one millisecond. Here, as soon as its books took an addressed handoff,
+the pool sends its ids to the consumer's *inbox*, a Unix datagram socket (one system call), before it answers the
+producer. A consumer that spins on its inbox while it waits has them within microseconds of the pool, and its claim
+goes to the pool pipelined (``accept``), so ownership moves in the books off the critical path.
 
-Every delivery is sealed by the pool: its answer to the producer's handoff carries a keyed BLAKE2b MAC over the
-datagram, made with a key the pool gave the addressee alone when it opened its session, and the producer sends the
-datagram only then. An inbox takes no ids without a valid seal: whoever else can write to the inbox (a member of
-the socket's group without the token, a process with no session, a stale copy from another epoch) cannot make a
-claim return ids the pool did not park for this consumer. So the ids a consumer reads before the pool has answered
-its claim are blocks the pool already holds for it: every ref on them belongs to the parked handoff, then to the
-consumer, and none can be freed or handed out again in between. The pool's answer to the claim (``accept``) then
-only moves the refs in the books.
+Every delivery is sealed: a keyed BLAKE2b MAC over the datagram, made with a key the pool gave the addressee alone
+when it opened its session. An inbox takes no ids without a valid seal: whoever else can write to the inbox (a
+member of the socket's group without the token, a process with no session, a stale copy from another epoch)
+cannot make a claim return ids the pool did not park for this consumer. So the ids a consumer reads before the
+pool has answered its claim are blocks the pool already holds for it: every ref on them belongs to the parked
+handoff, then to the consumer, and none can be freed or handed out again in between. The pool's answer to the
+claim (``accept``) then only moves the refs in the books.
 
 An inbox is a path the pool names inside its own socket directory, with the pool socket's permissions.
 """
@@ -60,7 +59,7 @@ def encode_delivery(
 ) -> bytes:
     """The datagram of one handoff; ``ids`` are packed int32 (see :func:`kvpool.channel.pack_ids`), ``meta`` JSON.
 
-    Without ``seal`` it is what the pool seals (:func:`seal_delivery`); the producer appends the pool's seal.
+    Without ``seal`` it is what the pool seals (:func:`seal_delivery`), with room left for the seal at its end.
     """
     rid, ep = request_id.encode(), epoch.encode()
     extra = b"" if meta == b"{}" else meta
@@ -136,11 +135,11 @@ class Inbox:
 
 
 class Outbox:
-    """The producer's side: one unbound datagram socket that sends to any inbox."""
+    """The pool's side: one unbound datagram socket that sends to any inbox."""
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)  # a full inbox must never stall a producer: it falls back to the pool
+        self.sock.setblocking(False)  # a full inbox must never stall the pool: its claim falls back to the pool
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MAX_DATAGRAM)
 
     def send(self, path: str, datagram: bytes) -> bool:

@@ -134,11 +134,6 @@ class HandoffResponse(BaseModel):
     request_id: str
     num_blocks: int
     inbox: str | None = Field(None, description="the addressee's inbox, if it has one (see `to`)")
-    seal: str | None = Field(
-        None,
-        description="hex seal the pool made over this handoff with the addressee's inbox key: its delivery to the "
-        "inbox carries it, and the addressee takes no ids without it",
-    )
 
 
 class ClaimRequest(_Request):

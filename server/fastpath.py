@@ -177,8 +177,13 @@ class FastChannel:
             return _error(KvpoolError(f"unknown op {op[:32]!r}; ops: {sorted(o.decode() for o in self.ops)}"))
         model, handler = entry
         try:
-            req = decode(model, body)[0]
-            result = handler(req) if watch is None else handler(req, watch)
+            req, ids = decode(model, body)
+            if watch is not None:
+                result = handler(req, watch)
+            elif op == b"handoff":
+                result = handler(req, ids)  # the ids as they came, for the delivery to an inbox
+            else:
+                result = handler(req)
             if isinstance(result, Awaitable):
                 result = await result
             return _encode(200, _reply(result))

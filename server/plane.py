@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import secrets
+from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from kvpool.arena import HostArena, create_host_arena, resolve_backend, size_in_
 from kvpool.channel import pack_ids
 from kvpool.config import PoolSettings
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PoolUnavailable
-from kvpool.inbox import encode_delivery, seal_delivery
+from kvpool.inbox import SEAL_BYTES, Outbox, encode_delivery, seal_delivery
 from kvpool.pool import Handoff, Limits, Pool, Session
 from kvpool.protocol import (
     AcceptResponse,
@@ -70,6 +71,7 @@ class ControlPlane:
         self._stopping = False
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
         self._waiting: Counter[str] = Counter()  # claims waiting, by session
+        self._outbox: Outbox | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -173,6 +175,9 @@ class ControlPlane:
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
 
     @property
     def ready(self) -> bool:
@@ -252,18 +257,26 @@ class ControlPlane:
         r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
-    def handoff(self, req: HandoffRequest) -> HandoffResponse:
+    def handoff(self, req: HandoffRequest, packed: array | None = None) -> HandoffResponse:
+        """Park the handoff; if its addressee has an inbox, send it the ids at once, sealed, before answering.
+
+        The pool sends the delivery itself, right after its books took the handoff: the seal (a MAC with the key
+        only the addressee was given) then vouches that these ids were parked for it, so an inbox takes nothing
+        else, and the ids reach a consumer spinning on its inbox without waiting for the producer to wake up.
+        ``packed`` are the ids as they came (int32), when they came packed.
+        """
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
         addressee = pool.sessions.get(h.to) if h.to is not None else None
         if addressee is None or addressee.inbox is None:
             return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
-        # The seal says that the pool parked exactly these ids for the addressee: its inbox takes nothing else.
-        ids = pack_ids(h.block_ids)
+        ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
         assert ids is not None  # the books hold int32 block ids
         datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json)
-        seal = seal_delivery(addressee.inbox_key, datagram).hex()
-        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=addressee.inbox, seal=seal)
+        seal = seal_delivery(addressee.inbox_key, datagram)
+        self._outbox = self._outbox or Outbox()
+        self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))
+        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=addressee.inbox)
 
     async def claim(self, req: ClaimRequest, watch: Watch | None = None) -> ClaimResponse:
         """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked (while the claimer is there:

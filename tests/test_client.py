@@ -150,9 +150,10 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
     ):
         assert d._inbox is not None and os.path.exists(d._inbox.path)
         ids = ph.alloc(2)
-        ph.handoff("over-http", ids, 5, to="decode-0")  # HTTP has no direct path: the pool alone delivers it
+        ph.handoff("over-http", ids, 5, to="decode-0")  # the pool delivers it, whatever way it came
         got = d.claim("over-http", timeout_s=5)
-        assert (got.request_id, got.block_ids, got.direct) == ("over-http", ids, False)
+        assert (got.request_id, got.block_ids, got.direct) == ("over-http", ids, True)
+        d.confirm()
         d.free(got.ids)
         # Delivered to the inbox but claimed through the pool (as when the ids land just after the claim stopped
         # watching; staged here by claiming through the pool directly): the copy left in the inbox is dropped,
@@ -164,6 +165,14 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         d.free(got.block_ids)
         with pytest.raises(HandoffNotFound):
             d.claim(timeout_s=0.05)
+        # The inbox cannot be reached (here: its name is gone): the handoff is parked anyway, and the claim gets
+        # it through the pool.
+        os.unlink(d._inbox.path)
+        ids = p.alloc(2)
+        p.handoff("undelivered", array("i", ids), 6, to="decode-0")
+        got = d.claim("undelivered", timeout_s=5)
+        assert (got.request_id, got.block_ids, got.direct) == ("undelivered", ids, False)
+        d.free(got.ids)
     assert pool_server.stats()["in_use"] == 0
 
 
