@@ -50,6 +50,12 @@ class PoolCollector(Collector):
         yield CounterMetricFamily("kvpool_evictions", "cached blocks evicted for room", value=a.num_evictions)
         for field, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=getattr(pool.counters, field))
+        refused = CounterMetricFamily(
+            "kvpool_limits_exceeded", "calls refused (429) for a per-client limit, by setting", labels=["limit"]
+        )
+        for limit, count in sorted(pool.limits_exceeded.items()):
+            refused.add_metric([limit], count)
+        yield refused
 
 
 def registry_for(get_pool: Callable[[], Pool]) -> CollectorRegistry:

@@ -12,7 +12,7 @@ import heapq
 import json
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,6 +164,7 @@ class Pool:
         self.handoffs: dict[str, Handoff] = {}
         self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
         self.counters = Counters()
+        self.limits_exceeded: Counter[str] = Counter()  # calls refused for a per-client limit, by limit
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
         # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
         self._by_name: dict[str, dict[str, None]] = {}
@@ -181,7 +182,7 @@ class Pool:
             diff = ", ".join(f"{k}: pool {a!r} != yours {b!r}" for k, (a, b) in self.layout.diff(layout).items())
             raise LayoutMismatch(f"your model's KV layout does not match the arena's ({diff})")
         if len(self.sessions) >= self.limits.max_sessions:
-            raise self.limits.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
+            raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
@@ -228,6 +229,11 @@ class Pool:
             return [s for s in self.sessions.values() if s.expires_at >= now]
         found = (self.sessions[sid] for sid in self._by_name.get(name, ()))
         return [s for s in found if s.expires_at >= now]
+
+    def exceeded(self, limit: str, what: str) -> LimitExceeded:
+        """The refusal of a call past ``limit``, counted (``kvpool_limits_exceeded``): a client hitting a bound."""
+        self.limits_exceeded[limit] += 1
+        return self.limits.exceeded(limit, what)
 
     def _live(self, session_id: str) -> Session | None:
         """The session if it is live, without extending its lease (for calls made by someone else)."""
@@ -348,16 +354,16 @@ class Pool:
                 )
             meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
             if len(meta_json) > limits.max_meta_bytes:
-                raise limits.exceeded("max_meta_bytes", f"meta is {len(meta_json)} bytes of JSON")
+                raise self.exceeded("max_meta_bytes", f"meta is {len(meta_json)} bytes of JSON")
             if len(self.handoffs) >= limits.max_handoffs:
-                raise limits.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
+                raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
             mine = self._parked_by.get(session_id, ())
             if len(mine) >= limits.max_handoffs_per_session:
-                raise limits.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
+                raise self.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
             addressee = None if to is None else self.named(to).session_id
             waiting = self._addressed.get(addressee or "", ())
             if len(waiting) >= limits.max_handoffs_per_session:
-                raise limits.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
+                raise self.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
             ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
             self._seq += 1
             handoff = Handoff(
@@ -576,6 +582,7 @@ class Pool:
             "hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
             "evictions": a.num_evictions,
             "counters": {name: getattr(c, name) for name in Counters.__slots__},
+            "limits_exceeded": dict(self.limits_exceeded),
             "arenas": [
                 dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
             ],

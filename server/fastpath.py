@@ -107,6 +107,8 @@ class FastChannel:
                 f"the fast channel has {self.connections} connections open: the limit is {self.max_connections} "
                 "(--max-fast-connections, KVPOOL_MAX_FAST_CONNECTIONS); close idle clients, or raise it"
             )
+            if self.plane.ready:
+                self.plane.pool.limits_exceeded["max_fast_connections"] += 1
             writer.write(_error(limit))
             writer.close()
             return

@@ -341,9 +341,8 @@ class ControlPlane:
                 if self._stopping:
                     raise PoolUnavailable(STOPPING)
                 if not counted:
-                    limits = self.pool.limits
-                    if self._waiting[sid] >= limits.max_claims_per_session:
-                        raise limits.exceeded(
+                    if self._waiting[sid] >= self.pool.limits.max_claims_per_session:
+                        raise self.pool.exceeded(
                             "max_claims_per_session", f"this session has {self._waiting[sid]} claims waiting"
                         )
                     self._waiting[sid] += 1

@@ -253,8 +253,13 @@ def test_per_client_bounds_are_settings_and_say_which(tmp_path: Path) -> None:
             with pytest.raises(LimitExceeded, match="max-claims-per-session"):
                 b.claim("y", timeout_s=3.0)
             waiting.join()
+            metrics = http.get("/metrics").text
             http.close()
-        assert_balanced(pool.stats())
+        s = pool.stats()
+        assert_balanced(s)
+        assert s["limits_exceeded"] == {"max_sessions": 1, "max_meta_bytes": 1, "max_handoffs_per_session": 1,
+                                        "max_claims_per_session": 1}  # fmt: skip
+        assert 'kvpool_limits_exceeded_total{limit="max_sessions"} 1.0' in metrics
     finally:
         pool.stop()
 
