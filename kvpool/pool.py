@@ -329,7 +329,7 @@ class Pool:
     ) -> Handoff:
         """Park the blocks under ``request_id``, moving the session's refs to the handoff.
 
-        ``to`` names the one session that may claim it. Its producer may already have sent it the ids directly, and
+        ``to`` names the one session that may claim it. The pool may deliver it the ids at once (to its inbox), and
         it may read them before its claim reaches the pool, so an addressed handoff is held for its addressee for
         as long as that session lives: it does not expire, and no other session may claim it. When the addressee
         ends, the handoff is anyone's and its time-to-live starts. If such a handoff is refused, the refusal is kept
