@@ -4,10 +4,11 @@ Two real processes (a producer standing for the prefill, a consumer for the deco
 size the variants run interleaved, round by round:
 
   pool-direct the consumer (a client with an inbox) waits in ``claim(request_id)``, watching its inbox; the producer
-              calls ``handoff(..., to=consumer)``, which writes the handoff to the pool and then sends the ids to the
-              inbox; done when the claim returned: the consumer holds the block ids, and the arena's per-layer views
-              were mapped once, at start (``arena.k(layer)[block]`` is a view of the producer's KV). The pool's
-              answer to the claim (ownership moved in its books) comes after, off this path.
+              calls ``handoff(..., to=consumer)``, which writes the handoff to the pool; the pool parks it and sends
+              the ids, sealed, to the inbox; done when the claim returned: the consumer holds the block ids, and the
+              arena's per-layer views were mapped once, at start (``arena.k(layer)[block]`` is a view of the
+              producer's KV). The pool's answer to the claim (ownership moved in its books) comes after, off this
+              path.
   pool-fast   the consumer has ``claim(request_id, timeout_s)`` pending in the pool over the fast channel; the
               producer calls ``handoff``; done when the pool's answer to the waiting claim returned
   pool-http   the same through HTTP (PoolClient(fast=False)), to show what the fast channel saves

@@ -14,7 +14,6 @@ import socket
 import struct
 from array import array
 from collections import deque
-from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -63,6 +62,11 @@ class FastConnection:
     Calls can be pipelined: :meth:`send` writes a request without waiting, and its reply is read, in order, before
     the next request goes out (or by :meth:`settle`). If the pool refused a pipelined request, the next call, send
     or settle raises :class:`PipelinedRefusal` instead of going on, having read every pending reply.
+
+    Replies carry no request id: they are matched to requests by their order. So whatever interrupts an exchange
+    half way (Ctrl-C, a signal handler that raises, a time-out) closes the connection: its reply, or the rest of
+    it, would otherwise be read as the next call's answer. The caller opens a new one; the pool, seeing this one
+    close, stops a claim that was waiting on it and parks again a handoff it took in that moment.
     """
 
     def __init__(self, path: str, timeout_s: float | None = None) -> None:
@@ -70,19 +74,26 @@ class FastConnection:
         self.sock.settimeout(timeout_s)
         self.sock.connect(path)
         self.pending: deque[str] = deque()
+        self.closed = False
 
-    def call(self, op: bytes, body: bytes, between: Callable[[], None] | None = None) -> tuple[int, bytes]:
-        """Send a request and read its answer; ``between`` runs once the request is written."""
+    def call(self, op: bytes, body: bytes) -> tuple[int, bytes]:
+        """Send a request and read its answer."""
         self.settle()
-        self.sock.sendall(frame(op, body))
-        if between is not None:
-            between()
-        return self.receive()
+        try:
+            self.sock.sendall(frame(op, body))
+            return self.receive()
+        except BaseException:
+            self.close()
+            raise
 
     def send(self, op: bytes, body: bytes, label: str) -> None:
         """Write a request and return at once; ``label`` names it if the pool refuses it."""
         self.settle()
-        self.sock.sendall(frame(op, body))
+        try:
+            self.sock.sendall(frame(op, body))
+        except BaseException:
+            self.close()
+            raise
         self.pending.append(label)
 
     def settle(self) -> None:
@@ -97,10 +108,16 @@ class FastConnection:
 
     def take(self) -> tuple[str, int, bytes]:
         """The reply of the oldest pipelined request, as (label, status, body)."""
-        status, body = self.receive()
+        try:
+            status, body = self.receive()
+        except BaseException:
+            self.close()
+            raise
         return self.pending.popleft(), status, body
 
     def receive(self) -> tuple[int, bytes]:
+        if self.closed:
+            raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
         (size,) = HEADER.unpack(self._recv(HEADER.size))
         status, _, reply = self._recv(size).partition(b"\n")
         return int(status), reply
@@ -116,6 +133,7 @@ class FastConnection:
         return bytes(buf)
 
     def close(self) -> None:
+        self.closed = True
         self.sock.close()
 
 

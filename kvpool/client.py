@@ -6,8 +6,8 @@ reaches the pool over HTTP or, for the hot calls (alloc, free, commit, lookup, h
 
 Block ids go over the fast channel packed as int32: hand a request's block table over as an ``array('i')``, an
 int32 numpy array or CPU tensor, and no id is converted on the way. A client opened with ``inbox=True`` also
-receives handoffs addressed to it (``handoff(..., to=name)``) straight from their producer, without waiting for the
-pool (:mod:`kvpool.handoffs`).
+receives the ids of handoffs addressed to it (``handoff(..., to=name)``) in its inbox, sent and sealed by the pool
+as soon as it parked them (:mod:`kvpool.handoffs`).
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class PoolClient:
         token: the pool's bearer token, if it has one (default ``$KVPOOL_TOKEN``).
         layout: your model's KV layout; the pool refuses a session whose layout differs from the arena's.
         fast: use the fast channel when the pool serves one and it is reachable from here.
-        inbox: receive the handoffs addressed to this session (``handoff(..., to=name)``) straight from their
-            producer (needs the fast channel; give the session a name no other live session has).
+        inbox: receive the ids of handoffs addressed to this session (``handoff(..., to=name)``) in an inbox, as
+            soon as the pool parked them (needs the fast channel; give the session a name no other live session has).
         spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
     """
@@ -133,7 +133,7 @@ class PoolClient:
         fast = path if self._use_fast and path and os.path.exists(path) else None
         self.transport.fast_path = fast
         if info.inbox is not None and fast is not None:
-            self.direct.open_inbox(info.inbox, os.stat(fast).st_mode & 0o777)
+            self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
 
     def reconnect(self) -> None:
         """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand.
@@ -220,17 +220,13 @@ class PoolClient:
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         """
-        ids = pack_ids(block_ids) if self.transport.fast_path is not None and to is not None else None
-        inbox = self._inbox_of(to) if to is not None and ids is not None else None
-        if inbox is not None and ids is not None:
-            resp = self.direct.handoff(inbox, request_id, ids, num_tokens, meta or {}, ttl_s, str(to))
-        else:
-            fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
-            req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
-            resp = self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
-        if to is not None:
-            self.direct.inboxes[to] = resp.inbox
-        return resp
+        if self.transport.fast_path is not None and to is not None:
+            ids = pack_ids(block_ids)
+            if ids is not None:
+                return self.direct.handoff(request_id, ids, num_tokens, meta or {}, ttl_s, to)
+        fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
+        req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
+        return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
@@ -238,7 +234,7 @@ class PoolClient:
         With an inbox, a handoff delivered to it returns at once, while the pool's answer to the claim is still
         on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
         known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
-        first, the ids from the producer or the pool's answer, ends the wait.
+        first, the ids in the inbox or the pool's answer, ends the wait.
         """
         if self.direct.inbox is None:
             return self._claim_from_pool(request_id, timeout_s)
@@ -259,14 +255,6 @@ class PoolClient:
         """The pool's live sessions (by name, role and inbox), or those called ``name``."""
         listing = self.transport.request("GET", "/sessions", params={"name": name} if name is not None else None)
         return SessionList.model_validate(listing).sessions
-
-    def _inbox_of(self, name: str) -> str | None:
-        """The inbox of the live session called ``name``: asked of the pool once, then kept up to date by the
-        answers to handoffs (which name the addressee's inbox) and by failed deliveries."""
-        if name not in self.direct.inboxes:
-            found = self.sessions(name)
-            self.direct.inboxes[name] = found[0].inbox if len(found) == 1 else None
-        return self.direct.inboxes[name]
 
     def move(self, block_ids: Sequence[int], device: int) -> list[int]:
         """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.

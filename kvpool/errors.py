@@ -60,8 +60,19 @@ class LayoutMismatch(KvpoolError):
     status = 409
 
 
+class UntrustedSocket(KvpoolError):
+    """The pool's Unix socket, or a directory on its way, could be someone else's: no token was sent to it."""
+
+
 class PayloadTooLarge(KvpoolError):
     status = 413
+
+
+class LimitExceeded(KvpoolError):
+    """A per-client bound of the pool (sessions, parked handoffs, pending claims, meta size) was reached; the
+    message names the limit and the setting that raises it."""
+
+    status = 429
 
 
 class PoolExhausted(KvpoolError):
@@ -99,6 +110,8 @@ ERRORS: dict[str, type[KvpoolError]] = {
         HandoffRefused,
         LayoutMismatch,
         PayloadTooLarge,
+        UntrustedSocket,
+        LimitExceeded,
         PoolExhausted,
         PoolRestarted,
         ArenaClosed,

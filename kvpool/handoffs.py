@@ -1,16 +1,16 @@
-"""Direct handoffs as a client sees them: the inbox it receives on, the outbox it sends from, and its claims.
+"""Direct handoffs as a client sees them: the addressed handoff it sends, the inbox it receives on, its claims.
 
-The datagram format and why a consumer may read the blocks before the pool answers are in :mod:`kvpool.inbox`.
-Here is the bookkeeping around it: deliveries received before their claim, request ids already claimed through
-the pool (so that a late copy is dropped), the inboxes of the sessions this client hands off to, and the pipelined
-claims whose answers a later call (or :meth:`DirectHandoffs.confirm`) reads.
+The sealed datagram the pool sends to an inbox, and why a consumer may read the blocks before the pool answers
+its claim, are in :mod:`kvpool.inbox`. Here is the bookkeeping around it: deliveries received before their claim,
+request ids already claimed through the pool (so that a late copy is dropped), and the pipelined claims whose
+answers a later call (or :meth:`DirectHandoffs.confirm`) reads.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import struct
+import operator
 import threading
 import time
 from array import array
@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from kvpool.channel import FastConnection, PipelinedRefusal, decode
 from kvpool.errors import InvalidRequest, KvpoolError, error_for, raise_for
-from kvpool.inbox import Delivery, Inbox, Outbox, encode_delivery
+from kvpool.inbox import Delivery, Inbox
 from kvpool.protocol import ClaimResponse, HandoffResponse, claim_json, handoff_json
 from kvpool.session import Session
 from kvpool.transport import Transport
@@ -29,8 +29,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is normally
-#: parked already, since the producer writes it to the pool before it sends the ids
+#: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is always
+#: parked already, since the pool delivers the ids only once it parked the handoff
 ACCEPT_WAIT_S = 10.0
 #: request ids claimed through the pool remembered, so that a late direct delivery of one is dropped
 CLAIMED_KEPT = 4096
@@ -40,8 +40,8 @@ class Claim:
     """A claimed handoff: its block ids packed (``ids``, int32, as they came off the wire) and as a list
     (``block_ids``, built on first use, so that a caller building a block table from ``ids`` never pays for it).
 
-    ``direct`` is True when the producer delivered the ids to this client's inbox; the pool's answer to the
-    claim is then still on its way (see :meth:`kvpool.client.PoolClient.confirm`).
+    ``direct`` is True when the ids were delivered to this client's inbox; the pool's answer to the claim is
+    then still on its way (see :meth:`kvpool.client.PoolClient.confirm`).
     """
 
     __slots__ = ("_list", "direct", "ids", "meta", "num_tokens", "request_id")
@@ -81,7 +81,7 @@ def refused_error(refused: list[tuple[str, int, bytes]]) -> KvpoolError:
     exc = error_for(status, body)
     more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
     err = type(exc)(
-        f"the pool refused the claim of request {label!r}{more}, whose ids its producer delivered to your inbox: "
+        f"the pool refused the claim of request {label!r}{more}, whose ids were delivered to your inbox: "
         f"{exc}"
     )
     err.refused = tuple(r[0] for r in refused)
@@ -96,17 +96,15 @@ class DirectHandoffs:
         self.session = session
         self.spin_s = spin_s
         self.inbox: Inbox | None = None
-        self.outbox: Outbox | None = None
         self.lock = threading.RLock()
         self.delivered: OrderedDict[str, Delivery] = OrderedDict()
         self.claimed: OrderedDict[str, None] = OrderedDict()
-        self.inboxes: dict[str, str | None] = {}
 
-    def open_inbox(self, path: str, mode: int) -> None:
+    def open_inbox(self, path: str, key: bytes, mode: int) -> None:
         self.delivered.clear()
         self.claimed.clear()
         try:
-            self.inbox = Inbox(path, self.session.epoch, mode)
+            self.inbox = Inbox(path, self.session.epoch, key, mode)
         except OSError as exc:  # the pool's directory is not writable from here: handoffs come through the pool
             log.warning("no inbox at %s (%s): addressed handoffs will come through the pool", path, exc)
 
@@ -117,8 +115,6 @@ class DirectHandoffs:
 
     def close(self) -> None:
         self.close_inbox()
-        if self.outbox is not None:
-            self.outbox.close()
 
     def guard(self, fn: Callable[[], T]) -> T:
         """Run a call of this session; a refusal of one of its pipelined claims, read on the way, is raised."""
@@ -127,11 +123,8 @@ class DirectHandoffs:
         except PipelinedRefusal as exc:
             raise refused_error(exc.refused) from None
 
-    # -- the producer's side ----------------------------------------------------------------------------
-
     def handoff(
         self,
-        inbox: str,
         request_id: str,
         ids: memoryview,
         num_tokens: int,
@@ -139,22 +132,19 @@ class DirectHandoffs:
         ttl_s: float | None,
         to: str,
     ) -> HandoffResponse:
-        """The handoff to the pool, and its ids to the addressee's inbox once the pool has it."""
+        """An addressed handoff with its ids attached packed; the pool delivers them to the addressee's inbox.
+
+        This is the direct path's critical path, so the request is written by hand (:func:`handoff_json`) and goes
+        unvalidated here: a pydantic model would cost more than the rest of the path. The pool validates it.
+        """
         try:
             extra = json.dumps(meta, separators=(",", ":")).encode()
-            head = handoff_json(self.session.session_id, request_id, num_tokens, extra, ttl_s, to)
-            datagram = encode_delivery(self.session.epoch, request_id, ids, num_tokens, extra)
-        except (TypeError, ValueError, AttributeError, struct.error) as exc:
+            head = handoff_json(self.session.session_id, request_id, operator.index(num_tokens), extra, ttl_s, to)
+        except (TypeError, ValueError) as exc:
             why = f"{exc} (meta must be a JSON object, num_tokens an integer at least 0)"
             raise InvalidRequest(f"cannot send this handoff: {why}") from None
-        outbox = self.outbox = self.outbox or Outbox()
-
-        def deliver() -> None:
-            if not outbox.send(inbox, datagram):
-                self.inboxes.pop(to, None)
-
         call = self.transport.call
-        return self.guard(lambda: call(b"handoff", "/handoff", head, HandoffResponse, ids=ids, between=deliver))[0]
+        return self.guard(lambda: call(b"handoff", "/handoff", head, HandoffResponse, ids=ids))[0]
 
     # -- the consumer's side ----------------------------------------------------------------------------
 

@@ -1,25 +1,27 @@
-"""Direct delivery of a handoff: the producer sends its block ids straight to the consumer's inbox.
+"""Direct delivery of a handoff: the pool sends its block ids straight to the consumer's inbox.
 
-Through the pool, a handoff's critical path holds two process wake-ups (the pool's, then the waiting claimer's)
-and the pool's books: hundreds of microseconds on an idle machine, while a device copy of a gigabyte of KV takes
-about one millisecond. Here the producer first writes the handoff to the pool over the fast channel (the pool
-records who owns the blocks, exactly as for any handoff), then sends the same ids to the consumer's *inbox*, a Unix
-datagram socket: one system call. A consumer that spins on its inbox while it waits has them within microseconds,
-and its claim goes to the pool pipelined (``accept``), so ownership moves in the books off the critical path.
+Through a claim waiting in the pool, a handoff's critical path holds two process wake-ups (the pool's, then the
+waiting claimer's, blocked in a read) and the pool's books: hundreds of microseconds on an idle machine, while a
+device copy of a gigabyte of KV takes about one millisecond. Here, as soon as its books took an addressed handoff,
+the pool sends its ids to the consumer's *inbox*, a Unix datagram socket (one system call), before it answers the
+producer. A consumer that spins on its inbox while it waits has them within microseconds of the pool, and its claim
+goes to the pool pipelined (``accept``), so ownership moves in the books off the critical path.
 
-Why the consumer may use the blocks before the pool has answered: from the moment the producer's handoff frame is
-written, the pool holds it, and every ref on the blocks belongs to the producer's session, then to the parked
-handoff, then to the consumer; at no point is a block unowned, so none can be freed or handed out again. If the
-pool refuses the handoff (ids the producer did not hold, an expired producer session), the accept fails at once
-with the reason (:class:`kvpool.errors.HandoffRefused`) and the consumer's next call to the pool raises it, before
-it frees or grows the request. A datagram from another pool epoch is dropped (its ids index another arena).
+Every delivery is sealed: a keyed BLAKE2b MAC over the datagram, made with a key the pool gave the addressee alone
+when it opened its session. An inbox takes no ids without a valid seal: whoever else can write to the inbox (a
+member of the socket's group without the token, a process with no session, a stale copy from another epoch)
+cannot make a claim return ids the pool did not park for this consumer. So the ids a consumer reads before the
+pool has answered its claim are blocks the pool already holds for it: every ref on them belongs to the parked
+handoff, then to the consumer, and none can be freed or handed out again in between. The pool's answer to the
+claim (``accept``) then only moves the refs in the books.
 
-An inbox is a path the pool names inside its own socket directory, with the pool socket's permissions: whoever
-may write it may also talk to the pool and map the arena, so it widens no one's access.
+An inbox is a path the pool names inside its own socket directory, with the pool socket's permissions.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -35,9 +37,11 @@ from kvpool.ids import unpack_ids
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVH1"
-#: magic, number of ids, num_tokens, meta bytes, request id bytes, epoch bytes; the ids follow, 4-byte aligned
+MAGIC = b"KVH2"
+#: magic, number of ids, num_tokens, meta bytes, request id bytes, epoch bytes; the ids follow, 4-byte aligned,
+#: then the epoch, the request id, the meta JSON and last the seal
 HEAD = struct.Struct("<4sIQIHH")
+SEAL_BYTES = 16
 #: a datagram larger than this is not sent; the consumer then gets the handoff through the pool
 MAX_DATAGRAM = 1 << 20
 
@@ -50,40 +54,56 @@ class Delivery:
     ids: array
 
 
-def encode_delivery(epoch: str, request_id: str, ids: memoryview, num_tokens: int, meta: bytes) -> bytes:
-    """The datagram of one handoff; ``ids`` are packed int32 (see :func:`kvpool.channel.pack_ids`), ``meta`` JSON."""
+def encode_delivery(
+    epoch: str, request_id: str, ids: memoryview, num_tokens: int, meta: bytes, seal: bytes = bytes(SEAL_BYTES)
+) -> bytes:
+    """The datagram of one handoff; ``ids`` are packed int32 (see :func:`kvpool.channel.pack_ids`), ``meta`` JSON.
+
+    Without ``seal`` it is what the pool seals (:func:`seal_delivery`), with room left for the seal at its end.
+    """
     rid, ep = request_id.encode(), epoch.encode()
     extra = b"" if meta == b"{}" else meta
     head = HEAD.pack(MAGIC, len(ids) // 4, num_tokens, len(extra), len(rid), len(ep))
-    return b"".join((head, ids, ep, rid, extra))
+    return b"".join((head, ids, ep, rid, extra, seal))
 
 
-def decode_delivery(data: memoryview, epoch: bytes) -> Delivery | None:
-    """The handoff a datagram carries, or None for one that is malformed or from another pool epoch."""
-    if len(data) < HEAD.size:
+def seal_delivery(key: bytes, datagram: bytes) -> bytes:
+    """The seal of a datagram (with its seal field zeroed, as :func:`encode_delivery` leaves it without one)."""
+    return hashlib.blake2b(memoryview(datagram)[:-SEAL_BYTES], key=key, digest_size=SEAL_BYTES).digest()
+
+
+def decode_delivery(data: memoryview, epoch: bytes, key: bytes) -> Delivery | None:
+    """The handoff a datagram carries, or None for one that is malformed, unsealed, or from another pool epoch."""
+    if len(data) < HEAD.size + SEAL_BYTES:
         return None
     magic, n, num_tokens, meta_len, rid_len, ep_len = HEAD.unpack_from(data)
     at = HEAD.size + 4 * n
     rid_at = at + ep_len
-    if magic != MAGIC or len(data) != rid_at + rid_len + meta_len:
+    if magic != MAGIC or len(data) != rid_at + rid_len + meta_len + SEAL_BYTES:
+        return None
+    mac = hashlib.blake2b(data[:-SEAL_BYTES], key=key, digest_size=SEAL_BYTES).digest()
+    if not hmac.compare_digest(mac, data[-SEAL_BYTES:]):
+        log.debug("dropped a handoff delivery without the pool's seal")
         return None
     if data[at:rid_at] != epoch:
         log.debug("dropped a handoff delivery of another pool epoch")
         return None
     try:
         request_id = str(data[rid_at : rid_at + rid_len], "utf-8")
-        meta = json.loads(data[rid_at + rid_len :].tobytes()) if meta_len else {}
+        meta = json.loads(data[rid_at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
     return Delivery(request_id, num_tokens, meta if isinstance(meta, dict) else {}, unpack_ids(data[HEAD.size : at]))
 
 
 class Inbox:
-    """The consumer's side: a datagram socket bound at the path the pool named for its session."""
+    """The consumer's side: a datagram socket bound at the path the pool named for its session, taking only
+    deliveries sealed with ``key``."""
 
-    def __init__(self, path: str, epoch: str, mode: int = 0o660) -> None:
+    def __init__(self, path: str, epoch: str, key: bytes, mode: int = 0o660) -> None:
         self.path = path
         self.epoch = epoch.encode()
+        self.key = key
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             self.sock.bind(path)
@@ -105,7 +125,7 @@ class Inbox:
                 if time.perf_counter() >= until:
                     return None
                 continue
-            got = decode_delivery(view[:n], self.epoch)
+            got = decode_delivery(view[:n], self.epoch, self.key)
             if got is not None:
                 return got
 
@@ -115,11 +135,11 @@ class Inbox:
 
 
 class Outbox:
-    """The producer's side: one unbound datagram socket that sends to any inbox."""
+    """The pool's side: one unbound datagram socket that sends to any inbox."""
 
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.setblocking(False)  # a full inbox must never stall a producer: it falls back to the pool
+        self.sock.setblocking(False)  # a full inbox must never stall the pool: its claim falls back to the pool
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * MAX_DATAGRAM)
 
     def send(self, path: str, datagram: bytes) -> bool:

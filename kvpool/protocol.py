@@ -52,6 +52,10 @@ class SessionInfo(BaseModel):
     epoch: str
     fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
     inbox: str | None = Field(None, description="where this session should bind its inbox, if it asked for one")
+    inbox_key: str | None = Field(
+        None,
+        description="hex key that deliveries to this session's inbox are sealed with; told to this session alone",
+    )
 
 
 class SessionSummary(BaseModel):

@@ -17,13 +17,18 @@ from typing import Any, TypeVar
 import httpx
 from pydantic import BaseModel
 
-from kvpool.channel import SEP, FastConnection, PipelinedRefusal, decode, encode
+from kvpool.channel import SEP, FastConnection, decode, encode
 from kvpool.errors import PoolUnavailable, raise_for
+from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
+    """A client of the pool's HTTP API; for a Unix socket, only once it is known to be the pool's own
+    (:func:`kvpool.trust.check_socket`): a token is never sent to a socket another user could have put there."""
+    if url.startswith("unix://"):
+        check_socket(url[len("unix://") :])
     headers = {"authorization": f"Bearer {token}"} if token else {}
     limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=15)
     # No TLS on a Unix socket or plain http: skip building an SSL context (tens of ms per client).
@@ -79,33 +84,26 @@ class Transport:
         resp: type[R],
         wait_s: float = 0.0,
         ids: memoryview | None = None,
-        between: Callable[[], None] | None = None,
     ) -> tuple[R, array | None]:
-        """One call, over the fast channel when there is one, else HTTP; ``between`` runs once the request is
-        written and before its answer is read. Returns the answer and its block ids packed, if they came so.
-        ``req`` may be the request's JSON already written (the fast channel only)."""
+        """One call, over the fast channel when there is one, else HTTP. Returns the answer and its block ids
+        packed, if they came so. ``req`` may be the request's JSON already written (the fast channel only)."""
         if self.fast_path is None:
             assert isinstance(req, BaseModel)
             return self.fetch("POST", path, req, resp, wait_s), None
         request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
-        status, body = self.exchange(lambda conn: conn.call(op, request, between))
+        status, body = self.exchange(lambda conn: conn.call(op, request))
         if status != 200:
             raise_for(status, body)
         return decode(resp, body)
 
     def exchange(self, fn: Callable[[FastConnection], Any]) -> Any:
-        """Run ``fn`` on this thread's fast connection. A connection left mid-exchange (broken, or interrupted by
-        a signal or a timeout) is dropped: the reply still on it would otherwise answer the next call."""
+        """Run ``fn`` on this thread's fast connection; a broken channel is PoolUnavailable, and every thread opens
+        a new connection next. (A connection interrupted mid-exchange closes itself: see FastConnection.)"""
         try:
             return fn(self.connection())
-        except PipelinedRefusal:
-            raise  # every pending reply was read: the connection is in step
         except (ConnectionError, OSError) as exc:
             self.reset()
             raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
-        except BaseException:
-            self.reset()
-            raise
 
     def pending(self) -> FastConnection | None:
         """This thread's fast connection if it has pipelined requests whose answers are not read yet."""
@@ -114,8 +112,14 @@ class Transport:
 
     def connection(self) -> FastConnection:
         conn: FastConnection | None = getattr(self._local, "conn", None)
+        if conn is not None and conn.closed:  # an interrupted call left it: its answers are not to be trusted
+            with self._conns_lock:
+                if conn in self._conns:
+                    self._conns.remove(conn)
+            conn = None
         if conn is None:
             assert self.fast_path is not None
+            check_socket(self.fast_path)  # the pool named it, but whoever answers hello gets the token
             try:
                 conn = FastConnection(self.fast_path)
             except OSError as exc:

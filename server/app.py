@@ -51,7 +51,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'"
 
-ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 503, 507)}
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503, 507)
+}
 
 
 class SafeJSONResponse(JSONResponse):
@@ -276,9 +278,19 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return plane.handoff(req)
 
     @api.post("/claim")
-    async def claim(req: ClaimRequest) -> ClaimResponse:
+    async def claim(req: ClaimRequest, request: Request) -> ClaimResponse:
         """Take a parked handoff (waiting up to timeout_s), its refs moved to the session; 404 on time-out."""
-        return await plane.claim(req)
+        watching: list[asyncio.Future[object]] = []
+
+        def watch() -> asyncio.Future[object]:
+            watching.append(asyncio.ensure_future(_disconnected(request.receive)))
+            return watching[-1]
+
+        try:
+            return await plane.claim(req, watch)
+        finally:
+            for task in watching:
+                task.cancel()
 
     @api.get("/stats")
     async def stats() -> dict[str, Any]:
@@ -296,6 +308,14 @@ def create_app(plane: ControlPlane) -> FastAPI:
 
     app.include_router(api)
     return app
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Raise once the HTTP client has gone away (the body is read already: the next message says so)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ConnectionResetError("the client went away")
 
 
 def _stop_on_failure(app: FastAPI, task: asyncio.Task[None]) -> None:

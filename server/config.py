@@ -61,6 +61,15 @@ class PoolSettings(BaseSettings):
     handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")
     token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
     max_body_bytes: ByteSize = Field(ByteSize(16 << 20), ge=1024, description="largest accepted request body")
+    max_sessions: int = Field(1024, ge=1, description="live sessions at once; more are refused with 429")
+    max_handoffs: int = Field(65536, ge=1, description="parked handoffs at once, all sessions together")
+    max_handoffs_per_session: int = Field(
+        4096, ge=1, description="handoffs a live session has parked, and handoffs addressed to it, at once"
+    )
+    max_meta_bytes: int = Field(16 << 10, ge=2, description="largest handoff meta, as compact JSON")
+    max_claims_per_session: int = Field(64, ge=1, description="claims of one session waiting in the pool at once")
+    max_fast_connections: int = Field(4096, ge=1, description="fast-channel connections open at once")
+    hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     @field_validator("socket_mode", mode="before")

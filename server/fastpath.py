@@ -28,7 +28,7 @@ from kvpool.server.plane import ControlPlane
 from pydantic import BaseModel, ValidationError
 
 from kvpool.channel import HEADER, decode, encode, frame
-from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
+from kvpool.errors import KvpoolError, LimitExceeded, PayloadTooLarge, Unauthorized, body_for, error_body
 from kvpool.ids import pack_ids
 from kvpool.protocol import (
     AllocRequest,
@@ -44,6 +44,11 @@ from kvpool.protocol import (
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Any]
+#: the largest frame taken before a connection's hello (a hello is a token, at most 4096 characters, in JSON):
+#: a stranger holds no more memory than this, and no longer than the hello time-out
+HELLO_MAX = 16 << 10
+#: ops that may wait: they stop waiting when their connection closes
+WAITS = frozenset({b"claim", b"accept"})
 
 
 def _encode(status: int, body: bytes) -> bytes:
@@ -55,11 +60,22 @@ def _error(exc: KvpoolError) -> bytes:
 
 
 class FastChannel:
-    def __init__(self, plane: ControlPlane, path: Path, mode: int, max_frame: int) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        path: Path,
+        mode: int,
+        max_frame: int,
+        max_connections: int = 4096,
+        hello_timeout_s: float = 10.0,
+    ) -> None:
         self.plane = plane
         self.path = path
         self.mode = mode
         self.max_frame = max_frame
+        self.max_connections = max_connections
+        self.hello_timeout_s = hello_timeout_s
+        self.connections = 0
         token = plane.settings.token
         self.token = token.get_secret_value().encode() if token else None
         self._server: asyncio.AbstractServer | None = None
@@ -87,15 +103,39 @@ class FastChannel:
         self.path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.connections >= self.max_connections:
+            limit = LimitExceeded(
+                f"the fast channel has {self.connections} connections open: the limit is {self.max_connections} "
+                "(--max-fast-connections, KVPOOL_MAX_FAST_CONNECTIONS); close idle clients, or raise it"
+            )
+            self.plane.count_exceeded("max_fast_connections")
+            writer.write(_error(limit))
+            writer.close()
+            return
+        self.connections += 1
         authorized = False
+        head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
+
+        def watch() -> asyncio.Future[bytes]:
+            """Read the next header while a claim waits: it raises at end of file, when the claimer has gone."""
+            nonlocal head
+            head = asyncio.ensure_future(reader.readexactly(HEADER.size))
+            return head
+
         try:
             while True:
-                (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
-                if size > self.max_frame:
-                    writer.write(_error(PayloadTooLarge(f"frame of {size} bytes over {self.max_frame}")))
+                if not authorized:
+                    # A stranger gets a small frame and a few seconds to say hello, no more of the pool's memory.
+                    raw = await asyncio.wait_for(reader.readexactly(HEADER.size), self.hello_timeout_s)
+                    frame = await asyncio.wait_for(self._frame(raw, HELLO_MAX, reader), self.hello_timeout_s)
+                else:
+                    raw = await (head if head is not None else reader.readexactly(HEADER.size))
+                    head = None
+                    frame = await self._frame(raw, self.max_frame, reader)
+                if frame is None:
+                    writer.write(_error(PayloadTooLarge(self._too_large(raw, authorized))))
                     await writer.drain()
                     return
-                frame = await reader.readexactly(size)
                 op, _, body = frame.partition(b"\n")
                 if op == b"hello":
                     reply = self._hello(body)
@@ -103,13 +143,26 @@ class FastChannel:
                 elif not authorized:
                     reply = _error(Unauthorized("say hello first (with the pool's token, if it has one)"))
                 else:
-                    reply = await self._call(op, body)
+                    reply = await self._call(op, body, watch if op in WAITS else None)
                 writer.write(reply)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
+            self.connections -= 1
+            if head is not None and not head.done():
+                head.cancel()
             writer.close()
+
+    async def _frame(self, raw: bytes, limit: int, reader: asyncio.StreamReader) -> bytes | None:
+        (size,) = HEADER.unpack(raw)
+        return None if size > limit else await reader.readexactly(size)
+
+    def _too_large(self, raw: bytes, authorized: bool) -> str:
+        (size,) = HEADER.unpack(raw)
+        if authorized:
+            return f"frame of {size} bytes over {self.max_frame} (--max-body-bytes, KVPOOL_MAX_BODY_BYTES)"
+        return f"frame of {size} bytes before hello, over {HELLO_MAX}: say hello first"
 
     def _hello(self, body: bytes) -> bytes:
         try:
@@ -120,13 +173,19 @@ class FastChannel:
             return _error(Unauthorized("missing or wrong token in hello"))
         return _encode(200, b'{"epoch": "%s"}' % self.plane.epoch.encode())
 
-    async def _call(self, op: bytes, body: bytes) -> bytes:
+    async def _call(self, op: bytes, body: bytes, watch: Callable[[], asyncio.Future[bytes]] | None = None) -> bytes:
         entry = self.ops.get(op)
         if entry is None:
             return _error(KvpoolError(f"unknown op {op[:32]!r}; ops: {sorted(o.decode() for o in self.ops)}"))
         model, handler = entry
         try:
-            result = handler(decode(model, body)[0])
+            req, ids = decode(model, body)
+            if watch is not None:
+                result = handler(req, watch)
+            elif op == b"handoff":
+                result = handler(req, ids)  # the ids as they came, for the delivery to an inbox
+            else:
+                result = handler(req)
             if isinstance(result, Awaitable):
                 result = await result
             return _encode(200, _reply(result))
@@ -150,10 +209,16 @@ class FastChannel:
             return
         if not isinstance(head, dict):
             return
-        request_id, to = head.get("request_id"), head.get("to")
-        if isinstance(request_id, str) and 0 < len(request_id) <= 256 and isinstance(to, str) and self.plane.ready:
+        request_id, to, by = head.get("request_id"), head.get("to"), head.get("session_id")
+        if (
+            isinstance(request_id, str)
+            and 0 < len(request_id) <= 256
+            and isinstance(to, str)
+            and isinstance(by, str)
+            and self.plane.ready
+        ):
             fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors(include_url=False))
-            self.plane.refuse(request_id, f"ValidationError: invalid {fields}")
+            self.plane.refuse(request_id, f"ValidationError: invalid {fields}", by)
 
 
 def _reply(result: BaseModel) -> bytes:

@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import socket
-import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +19,8 @@ from kvpool.server.app import create_app
 from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, settings_from_args
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
+
+from kvpool.trust import directory_problem
 
 log = logging.getLogger("kvpool")
 
@@ -55,20 +56,15 @@ def _stopped(signum: int, frame: FrameType | None) -> None:
 def check_socket_dir(directory: Path) -> None:
     """Refuse a socket directory where another user could swap the pool's socket for their own.
 
-    Whoever can rename files in the directory can put a socket of theirs at the pool's path, and clients would
-    send it their token and trust the arena it describes. That is anyone when the directory is world-writable
-    without the sticky bit, and its owner when that is another user (a squatter on the default ``/tmp`` path).
+    Whoever can rename files in the directory (or in one above it, or re-point a link on the way) can put a
+    socket of theirs at the pool's path, and clients would send it their token and trust the arena it describes:
+    a squatter who created the default ``/tmp`` path first, or anyone where a directory is writable by others.
     """
-    st = directory.stat()
-    if st.st_uid not in (os.getuid(), 0):
+    problem = directory_problem(directory, {os.getuid(), 0})
+    if problem is not None:
         raise SystemExit(
-            f"kvpool: {directory} belongs to uid {st.st_uid}, not to this user (uid {os.getuid()}): its owner could "
-            "replace the pool's socket; remove it or pick another --socket"
-        )
-    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
-        raise SystemExit(
-            f"kvpool: {directory} is world-writable: anyone could replace the pool's socket; use a directory "
-            "writable by the pool's user only (share it with clients through its group)"
+            f"kvpool: refusing the socket directory {directory}: {problem}. Use a directory that only the pool's "
+            "user can change (share it with clients through its group, read-only), or pick another --socket"
         )
 
 
@@ -118,7 +114,14 @@ def serve(settings: PoolSettings) -> None:
     if settings.socket is not None:
         sockets.append(bind_unix(settings.socket, settings.socket_mode))
     if settings.fast_socket is not None:
-        fast = FastChannel(plane, settings.fast_socket, settings.socket_mode, settings.max_body_bytes)
+        fast = FastChannel(
+            plane,
+            settings.fast_socket,
+            settings.socket_mode,
+            settings.max_body_bytes,
+            max_connections=settings.max_fast_connections,
+            hello_timeout_s=settings.hello_timeout_s,
+        )
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
     # A /claim may wait up to an hour for its handoff; without a bound on the graceful shutdown, one waiting claim

@@ -53,6 +53,12 @@ class PoolCollector(Collector):
         yield CounterMetricFamily("kvpool_evictions", "cached blocks evicted for room", value=s["evictions"])
         for field, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=s["counters"][field])
+        refused = CounterMetricFamily(
+            "kvpool_limits_exceeded", "calls refused (429) for a per-client limit, by setting", labels=["limit"]
+        )
+        for limit, count in sorted(s["limits_exceeded"].items()):
+            refused.add_metric([limit], count)
+        yield refused
 
 
 #: the control plane's operations whose latency is measured, over HTTP and the fast channel alike

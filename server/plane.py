@@ -7,18 +7,23 @@ protocol models; the transports only parse, authenticate and map :class:`KvpoolE
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
-from collections import defaultdict
+from array import array
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvpool.server.arenas import HostArena, create_host_arena, resolve_backend, size_in_blocks
 from kvpool.server.config import PoolSettings
-from kvpool.server.pool import Handoff, Pool, Session
+from kvpool.server.pool import Handoff, Limits, Pool, Session
 
-from kvpool.errors import HandoffNotFound, InvalidRequest, PoolUnavailable
+from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PoolUnavailable
+from kvpool.ids import pack_ids
+from kvpool.inbox import SEAL_BYTES, Outbox, encode_delivery, seal_delivery
 from kvpool.protocol import (
     AcceptResponse,
     AllocRequest,
@@ -45,6 +50,16 @@ log = logging.getLogger(__name__)
 
 STOPPING = "the pool is shutting down: claim again once it is back (a restarted pool has a new epoch)"
 
+#: makes, once a claim has to wait, an awaitable that raises when the claimer goes away (and returns if it is
+#: still there); the transport owns it, and the claim neither cancels nor awaits it again
+Watch = Callable[[], "asyncio.Future[object]"]
+
+
+class ClaimerGone(KvpoolError):
+    """The claimer went away while its claim waited: nothing was claimed for it (nobody reads this answer)."""
+
+    status = 499
+
 
 class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
@@ -57,6 +72,8 @@ class ControlPlane:
         self.startup_error: str | None = None
         self._stopping = False
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
+        self._waiting: Counter[str] = Counter()  # claims waiting, by session
+        self._outbox: Outbox | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -124,6 +141,7 @@ class ControlPlane:
             epoch=self.epoch,
             on_handoff=self._wake,
             on_session_end=self._session_ended,
+            limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -159,6 +177,9 @@ class ControlPlane:
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
+        if self._outbox is not None:
+            self._outbox.close()
+            self._outbox = None
 
     @property
     def ready(self) -> bool:
@@ -197,6 +218,7 @@ class ControlPlane:
             epoch=self.epoch,
             fast_socket=fast,
             inbox=inbox,
+            inbox_key=session.inbox_key.hex() if inbox else None,
         )
 
     def _session_ended(self, session: Session) -> None:
@@ -237,53 +259,121 @@ class ControlPlane:
         r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
-    def handoff(self, req: HandoffRequest) -> HandoffResponse:
+    def handoff(self, req: HandoffRequest, packed: array | None = None) -> HandoffResponse:
+        """Park the handoff; if its addressee has an inbox, send it the ids at once, sealed, before answering.
+
+        The pool sends the delivery itself, right after its books took the handoff: the seal (a MAC with the key
+        only the addressee was given) then vouches that these ids were parked for it, so an inbox takes nothing
+        else, and the ids reach a consumer spinning on its inbox without waiting for the producer to wake up.
+        ``packed`` are the ids as they came (int32), when they came packed.
+        """
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
-        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=pool.inbox_of(h.to))
+        addressee = pool.addressee(h)
+        if addressee is None or addressee.inbox is None:
+            return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
+        ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
+        assert ids is not None  # the books hold int32 block ids
+        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json)
+        seal = seal_delivery(addressee.inbox_key, datagram)
+        self._outbox = self._outbox or Outbox()
+        self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))
+        return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids), inbox=addressee.inbox)
 
-    def refuse(self, request_id: str, why: str) -> None:
+    def count_exceeded(self, limit: str) -> None:
+        """Count a call refused for a limit the transport enforces itself (``kvpool_limits_exceeded``)."""
+        if self.ready:
+            self.pool.limits_exceeded[limit] += 1
+
+    def refuse(self, request_id: str, why: str, by: str) -> None:
         """Remember that an addressed handoff was refused before it reached the books, for its claimer to learn."""
-        self.pool.refuse(request_id, why)
+        self.pool.refuse(request_id, why, by)
 
-    async def claim(self, req: ClaimRequest) -> ClaimResponse:
-        """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked."""
-        h = await self._claim(req)
+    async def claim(self, req: ClaimRequest, watch: Watch | None = None) -> ClaimResponse:
+        """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked (while the claimer is there:
+        see :meth:`_claim`)."""
+        h = await self._claim(req, watch)
         return ClaimResponse.model_construct(
             request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
         )
 
-    async def accept(self, req: ClaimRequest) -> AcceptResponse:
+    async def accept(self, req: ClaimRequest, watch: Watch | None = None) -> AcceptResponse:
         """A claim whose claimer already has the ids (its producer sent them directly): answered without them."""
-        h = await self._claim(req)
+        h = await self._claim(req, watch)
         return AcceptResponse(request_id=h.request_id, num_blocks=len(h.block_ids), num_tokens=h.num_tokens)
 
-    async def _claim(self, req: ClaimRequest) -> Handoff:
+    async def _claim(self, req: ClaimRequest, watch: Watch | None = None) -> Handoff:
+        """The claim, waiting only as long as its claimer is there to take the answer.
+
+        A claim that outlives its caller (an HTTP client that timed out, a fast-channel connection that closed)
+        would take the next handoff into the session with nobody to learn the ids, and the blocks would stay held
+        until the session ends. So a waiting claim stops when ``watch`` says the caller left, and a handoff it took
+        in that same moment is parked again.
+        """
+        try:
+            return self.pool.claim(req.session_id, req.request_id)
+        except HandoffNotFound:
+            if req.timeout_s <= 0 or watch is None:
+                return await self._wait(req)
+        gone = watch()
+        waiting = asyncio.ensure_future(self._wait(req))
+        try:
+            await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            waiting.cancel()
+            raise
+        if not gone.done() or gone.exception() is None:
+            return await waiting
+        if not waiting.done():
+            waiting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KvpoolError):
+                await waiting
+        elif waiting.exception() is None:
+            self.pool.unclaim(req.session_id, waiting.result())
+        raise ClaimerGone("the claimer went away while its claim waited")
+
+    async def _wait(self, req: ClaimRequest) -> Handoff:
+        """Claim, waiting up to ``timeout_s`` for a matching handoff; a session may have only so many waiting."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + req.timeout_s
-        while True:
-            try:
-                return self.pool.claim(req.session_id, req.request_id)
-            except HandoffNotFound:
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    raise HandoffNotFound(
-                        f"no handoff {'parked' if req.request_id is None else repr(req.request_id)} "
-                        f"within {req.timeout_s}s"
-                    ) from None
-            if self._stopping:
-                raise PoolUnavailable(STOPPING)
-            fut: asyncio.Future[None] = loop.create_future()
-            waiters = self._waiters[req.request_id]
-            waiters.add(fut)
-            try:
-                await asyncio.wait_for(fut, remaining)
-            except TimeoutError:
-                pass
-            finally:
-                waiters.discard(fut)
-                if not waiters:
-                    self._waiters.pop(req.request_id, None)
+        sid = req.session_id
+        counted = False
+        try:
+            while True:
+                try:
+                    return self.pool.claim(sid, req.request_id)
+                except HandoffNotFound:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        raise HandoffNotFound(
+                            f"no handoff {'parked' if req.request_id is None else repr(req.request_id)} "
+                            f"within {req.timeout_s}s"
+                        ) from None
+                if self._stopping:
+                    raise PoolUnavailable(STOPPING)
+                if not counted:
+                    if self._waiting[sid] >= self.pool.limits.max_claims_per_session:
+                        raise self.pool.exceeded(
+                            "max_claims_per_session", f"this session has {self._waiting[sid]} claims waiting"
+                        )
+                    self._waiting[sid] += 1
+                    counted = True
+                fut: asyncio.Future[None] = loop.create_future()
+                waiters = self._waiters[req.request_id]
+                waiters.add(fut)
+                try:
+                    await asyncio.wait_for(fut, remaining)
+                except TimeoutError:
+                    pass
+                finally:
+                    waiters.discard(fut)
+                    if not waiters:
+                        self._waiters.pop(req.request_id, None)
+        finally:
+            if counted:
+                self._waiting[sid] -= 1
+                if not self._waiting[sid]:
+                    del self._waiting[sid]
 
     def _wake(self, request_id: str) -> None:
         for key in (request_id, None):
@@ -292,4 +382,4 @@ class ControlPlane:
                     fut.set_result(None)
 
     def stats(self) -> dict[str, Any]:
-        return self.pool.stats()
+        return {**self.pool.stats(), "claims_waiting": self._waiting.total()}

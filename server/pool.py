@@ -8,10 +8,12 @@ block is never unowned and a crashed worker's refs are found and released when i
 
 from __future__ import annotations
 
+import heapq
+import json
 import re
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,7 @@ from kvpool.errors import (
     HandoffRefused,
     InvalidRequest,
     KvpoolError,
+    LimitExceeded,
     NotOwner,
     UnknownSession,
 )
@@ -36,6 +39,21 @@ REFUSALS_KEPT = 4096
 SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9A-Za-z_-]+")
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one client can make the pool hold; each is a setting of ``kvpool serve`` (same name)."""
+
+    max_sessions: int = 1024
+    max_handoffs: int = 65536
+    max_handoffs_per_session: int = 4096
+    max_meta_bytes: int = 16 << 10
+    max_claims_per_session: int = 64
+
+    def exceeded(self, name: str, what: str) -> LimitExceeded:
+        flag, env = "--" + name.replace("_", "-"), "KVPOOL_" + name.upper()
+        return LimitExceeded(f"{what}: the limit is {getattr(self, name)} ({flag}, {env}); wait, or raise it")
+
+
 @dataclass(slots=True)
 class Session:
     session_id: str
@@ -44,6 +62,8 @@ class Session:
     expires_at: float
     created_at: float
     inbox: str | None = None
+    #: the key the pool seals deliveries to this session's inbox with (see kvpool.inbox); given to it alone
+    inbox_key: bytes = b""
 
     @property
     def holder(self) -> str:
@@ -60,6 +80,8 @@ class Handoff:
     expires_at: float
     ttl_s: float
     to: str | None = None  # the one session that may claim it; None: any. Addressed, it does not expire.
+    seq: int = 0
+    meta_json: bytes = b""  # meta as compact JSON (empty for {}): what its size limit and a delivery's seal cover
 
     @property
     def holder(self) -> str:
@@ -67,6 +89,12 @@ class Handoff:
 
     def claimable_by(self, session_id: str) -> bool:
         return self.to is None or self.to == session_id
+
+
+@dataclass(slots=True)
+class Refusal:
+    why: str
+    seen: bool = False  # a claim of the request was told: its addressee dropped it
 
 
 @dataclass(slots=True)
@@ -121,6 +149,7 @@ class Pool:
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
+    limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex()
@@ -135,17 +164,32 @@ class Pool:
         ]
         self.sessions: dict[str, Session] = {}
         self.handoffs: dict[str, Handoff] = {}
-        self.refused: OrderedDict[str, str] = OrderedDict()  # addressed handoffs refused lately: request -> why
+        self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
         self.counters = Counters()
+        self.limits_exceeded: Counter[str] = Counter()  # calls refused for a per-client limit, by limit
+        # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
+        # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
+        self._by_name: dict[str, dict[str, None]] = {}
+        self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
+        self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
+        self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
+        self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
+        self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
+        self._seq = 0
 
     # -- sessions ---------------------------------------------------------------------------------------
 
     def open_session(self, name: str, role: str, layout: KVLayout | None = None, inbox: str | None = None) -> Session:
         self.layout.require(layout)
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
-        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox)
+        key = secrets.token_bytes(32) if inbox is not None else b""
+        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox, key)
         self.sessions[sid] = session
+        self._by_name.setdefault(name, {})[sid] = None
+        heapq.heappush(self._session_deadlines, (session.expires_at, sid))
         self.counters.sessions_opened += 1
         return session
 
@@ -183,14 +227,27 @@ class Pool:
         self._ended(session)
         return released
 
-    def inbox_of(self, session_id: str | None) -> str | None:
-        session = self.sessions.get(session_id) if session_id is not None else None
-        return session.inbox if session is not None else None
+    def addressee(self, handoff: Handoff) -> Session | None:
+        """The session a handoff is addressed to, if it is open (its lease may have run out since the last sweep)."""
+        return self.sessions.get(handoff.to) if handoff.to is not None else None
 
     def live_sessions(self, name: str | None = None) -> list[Session]:
         """Sessions whose lease has not run out (the sweep may not have removed the others yet), by name."""
         now = self.clock()
-        return [s for s in self.sessions.values() if s.expires_at >= now and (name is None or s.name == name)]
+        if name is None:
+            return [s for s in self.sessions.values() if s.expires_at >= now]
+        found = (self.sessions[sid] for sid in self._by_name.get(name, ()))
+        return [s for s in found if s.expires_at >= now]
+
+    def exceeded(self, limit: str, what: str) -> LimitExceeded:
+        """The refusal of a call past ``limit``, counted (``kvpool_limits_exceeded``): a client hitting a bound."""
+        self.limits_exceeded[limit] += 1
+        return self.limits.exceeded(limit, what)
+
+    def _live(self, session_id: str) -> Session | None:
+        """The session if it is live, without extending its lease (for calls made by someone else)."""
+        session = self.sessions.get(session_id)
+        return session if session is not None and session.expires_at >= self.clock() else None
 
     def named(self, name: str) -> Session:
         """The one live session called ``name`` (the addressee of a handoff)."""
@@ -281,23 +338,43 @@ class Pool:
     ) -> Handoff:
         """Park the blocks under ``request_id``, moving the session's refs to the handoff.
 
-        ``to`` names the one session that may claim it. Its producer may already have sent it the ids directly, and
+        ``to`` names the one session that may claim it. The pool may deliver it the ids at once (to its inbox), and
         it may read them before its claim reaches the pool, so an addressed handoff is held for its addressee for
         as long as that session lives: it does not expire, and no other session may claim it. When the addressee
         ends, the handoff is anyone's and its time-to-live starts. If such a handoff is refused, the refusal is kept
         a while: the addressee's claim of it fails at once with the reason.
         """
+        session: Session | None = None
+        limits = self.limits
         try:
             session = self.session(session_id)
             if request_id in self.handoffs:
                 raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
+            refusal = self.refused.get(request_id)
+            if refusal is not None and refusal.seen:
+                raise HandoffRefused(
+                    f"request {request_id!r} was refused before ({refusal.why}), and its claimer was told so and "
+                    "dropped it: hand it off under a new request id"
+                )
             max_tokens = len(block_ids) * self.layout.block_size
             if num_tokens > max_tokens:
                 raise InvalidRequest(
                     f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
                 )
+            meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+            if len(meta_json) > limits.max_meta_bytes:
+                raise self.exceeded("max_meta_bytes", f"meta is {len(meta_json)} bytes of JSON")
+            if len(self.handoffs) >= limits.max_handoffs:
+                raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
+            mine = self._parked_by.get(session_id, ())
+            if len(mine) >= limits.max_handoffs_per_session:
+                raise self.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
             addressee = None if to is None else self.named(to).session_id
+            waiting = self._addressed.get(addressee or "", ())
+            if len(waiting) >= limits.max_handoffs_per_session:
+                raise self.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
             ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
+            self._seq += 1
             handoff = Handoff(
                 request_id=request_id,
                 block_ids=list(block_ids),
@@ -307,24 +384,62 @@ class Pool:
                 expires_at=self.clock() + ttl,
                 ttl_s=ttl,
                 to=addressee,
+                seq=self._seq,
+                meta_json=meta_json,
             )
             self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
         except KvpoolError as exc:
-            if to is not None and not isinstance(exc, HandoffExists):
-                self.refuse(request_id, f"{type(exc).__name__}: {exc}")
+            if to is not None and session is not None and not isinstance(exc, (HandoffExists, HandoffRefused)):
+                self.refuse(request_id, f"{type(exc).__name__}: {exc}", session_id)
             raise
         self.refused.pop(request_id, None)
-        self.handoffs[request_id] = handoff
+        self._park(handoff)
+        self._parked_by.setdefault(session_id, set()).add(request_id)
         self.counters.handoffs += 1
         if self.on_handoff is not None:
             self.on_handoff(request_id)
         return handoff
 
-    def refuse(self, request_id: str, why: str) -> None:
-        """Keep a while that an addressed handoff of ``request_id`` was refused, and wake its claimers to say so."""
-        if request_id in self.handoffs:
-            return  # one of that id is parked, and it stands
-        self.refused[request_id] = why
+    def _park(self, handoff: Handoff) -> None:
+        rid = handoff.request_id
+        self.handoffs[rid] = handoff
+        if handoff.to is None:
+            self._open[rid] = None
+            self._push_deadline(handoff)
+        else:
+            self._addressed.setdefault(handoff.to, {})[rid] = None
+
+    def _unpark(self, handoff: Handoff) -> None:
+        rid = handoff.request_id
+        del self.handoffs[rid]
+        self._open.pop(rid, None)
+        if handoff.to is not None:
+            waiting = self._addressed.get(handoff.to)
+            if waiting is not None:
+                waiting.pop(rid, None)
+                if not waiting:
+                    del self._addressed[handoff.to]
+        mine = self._parked_by.get(handoff.from_session)
+        if mine is not None:
+            mine.discard(rid)
+
+    def _push_deadline(self, handoff: Handoff) -> None:
+        heap = self._handoff_deadlines
+        heapq.heappush(heap, (handoff.expires_at, handoff.seq, handoff.request_id))
+        if len(heap) > 2 * len(self._open) + 1024:  # claimed handoffs leave entries behind: drop them now and then
+            live = (self.handoffs[r] for r in self._open)
+            self._handoff_deadlines = [(h.expires_at, h.seq, h.request_id) for h in live]
+            heapq.heapify(self._handoff_deadlines)
+
+    def refuse(self, request_id: str, why: str, by: str) -> None:
+        """Keep a while that an addressed handoff of ``request_id`` was refused, and wake its claimers to say so.
+
+        Only a live session's failed handoff counts: anyone else could otherwise fail any request's claim
+        before its producer parks it.
+        """
+        if request_id in self.handoffs or self._live(by) is None:
+            return  # one of that id is parked, and it stands; or the caller is no session of this pool
+        self.refused[request_id] = Refusal(why)
         while len(self.refused) > REFUSALS_KEPT:
             self.refused.popitem(last=False)
         if self.on_handoff is not None:
@@ -334,15 +449,16 @@ class Pool:
         """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session."""
         session = self.session(session_id)
         if request_id is None:
-            request_id = next((r for r, h in self.handoffs.items() if self._claimable(h, session_id)), None)
+            request_id = self._oldest_for(session_id)
             if request_id is None:
                 raise HandoffNotFound("no handoff is parked for this session")
         handoff = self.handoffs.get(request_id)
         if handoff is None:
-            why = self.refused.get(request_id)
-            if why is not None:
+            refusal = self.refused.get(request_id)
+            if refusal is not None:
+                refusal.seen = True
                 raise HandoffRefused(
-                    f"the handoff of request {request_id!r} was refused when its producer made it ({why}): "
+                    f"the handoff of request {request_id!r} was refused when its producer made it ({refusal.why}): "
                     "any ids you were sent for it are not yours; drop the request"
                 )
             raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
@@ -353,9 +469,40 @@ class Pool:
                 "only it may claim it"
             )
         self.allocator.transfer(handoff.holder, session.holder, handoff.block_ids)
-        del self.handoffs[request_id]
+        self._unpark(handoff)
         self.counters.claims += 1
         return handoff
+
+    def unclaim(self, session_id: str, handoff: Handoff) -> bool:
+        """Park a claimed handoff again, as it was, when its claimer went away before it could learn of it.
+
+        Only while the session still holds those blocks and nothing took the request id since; whether it did.
+        """
+        session = self.sessions.get(session_id)
+        if session is None or handoff.request_id in self.handoffs:
+            return False
+        try:
+            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+        except KvpoolError:
+            return False
+        if handoff.to is not None and handoff.to not in self.sessions:
+            handoff.to = None
+        self._park(handoff)
+        mine = self._parked_by.get(handoff.from_session)
+        if mine is not None:
+            mine.add(handoff.request_id)
+        self.counters.claims -= 1
+        if self.on_handoff is not None:
+            self.on_handoff(handoff.request_id)
+        return True
+
+    def _oldest_for(self, session_id: str) -> str | None:
+        """The oldest handoff the session may claim: addressed to it, or to nobody."""
+        mine = next(iter(self._addressed.get(session_id, ())), None)
+        anyones = next(iter(self._open), None)
+        if mine is None or anyones is None:
+            return mine or anyones
+        return mine if self.handoffs[mine].seq < self.handoffs[anyones].seq else anyones
 
     def _claimable(self, handoff: Handoff, session_id: str) -> bool:
         """Whether the session may claim it: addressed to it or to no one, or its addressee's lease ran out."""
@@ -369,17 +516,36 @@ class Pool:
     # -- reclaiming -------------------------------------------------------------------------------------
 
     def expire(self) -> tuple[int, int]:
-        """Release sessions whose lease ran out and handoffs nobody claimed in time."""
+        """Release sessions whose lease ran out and handoffs nobody claimed in time.
+
+        It costs what expired (and a look at each live session once a lease), never a pass over everything:
+        the sweep runs on the pool's one event loop, and a slow one would expire every other session too.
+        """
         now = self.clock()
-        dead = [s for s in self.sessions.values() if s.expires_at < now]
-        for session in dead:
-            self._expire_session(session)
-        stale = [h for h in self.handoffs.values() if h.expires_at < now and h.to is None]
-        for handoff in stale:
-            del self.handoffs[handoff.request_id]
+        dead = 0
+        heap = self._session_deadlines
+        while heap and heap[0][0] < now:
+            _, sid = heapq.heappop(heap)
+            session = self.sessions.get(sid)
+            if session is None:
+                continue
+            if session.expires_at < now:
+                self._expire_session(session)
+                dead += 1
+            else:  # it renewed its lease since this entry was made
+                heapq.heappush(heap, (session.expires_at, sid))
+        stale = 0
+        heap = self._handoff_deadlines
+        while heap and heap[0][0] < now:
+            _, seq, rid = heapq.heappop(heap)
+            handoff = self.handoffs.get(rid)
+            if handoff is None or handoff.seq != seq or handoff.to is not None or handoff.expires_at >= now:
+                continue
+            self._unpark(handoff)
             self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
             self.counters.handoffs_expired += 1
-        return len(dead), len(stale)
+            stale += 1
+        return dead, stale
 
     def _expire_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
@@ -390,11 +556,19 @@ class Pool:
     def _ended(self, session: Session) -> None:
         """Handoffs addressed to a session that ended become anyone's, with their time-to-live started anew."""
         sid, now = session.session_id, self.clock()
-        freed = [h.request_id for h in self.handoffs.values() if h.to == sid]
+        named = self._by_name.get(session.name)
+        if named is not None:
+            named.pop(sid, None)
+            if not named:
+                del self._by_name[session.name]
+        self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
+        freed = list(self._addressed.pop(sid, ()))
         for request_id in freed:
             handoff = self.handoffs[request_id]
             handoff.to = None
             handoff.expires_at = now + handoff.ttl_s
+            self._open[request_id] = None
+            self._push_deadline(handoff)
         if self.on_session_end is not None:
             self.on_session_end(session)
         if freed and self.on_handoff is not None:
@@ -417,6 +591,7 @@ class Pool:
             "hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
             "evictions": a.num_evictions,
             "counters": {name: getattr(c, name) for name in Counters.__slots__},
+            "limits_exceeded": dict(self.limits_exceeded),
             "arenas": [
                 dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
             ],

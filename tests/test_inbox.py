@@ -10,41 +10,75 @@ from array import array
 import pytest
 
 from kvpool.ids import pack_ids
-from kvpool.inbox import MAX_DATAGRAM, Inbox, Outbox, decode_delivery, encode_delivery
+from kvpool.inbox import (
+    MAX_DATAGRAM,
+    SEAL_BYTES,
+    Inbox,
+    Outbox,
+    decode_delivery,
+    encode_delivery,
+    seal_delivery,
+)
 
 EPOCH = "0123456789abcdef"
+KEY = bytes(range(32))
 
 
-def datagram(request_id: str = "req-1", ids: list[int] | None = None, meta: bytes = b'{"first_token":5}') -> bytes:
+def datagram(
+    request_id: str = "req-1",
+    ids: list[int] | None = None,
+    meta: bytes = b'{"first_token":5}',
+    key: bytes = KEY,
+    epoch: str = EPOCH,
+) -> bytes:
+    """A delivery sealed as the pool seals it (with the addressee's key)."""
     packed = pack_ids(array("i", [4, 9, 2] if ids is None else ids))
     assert packed is not None
-    return encode_delivery(EPOCH, request_id, packed, 37, meta)
+    unsealed = encode_delivery(epoch, request_id, packed, 37, meta)
+    return unsealed[:-SEAL_BYTES] + seal_delivery(key, unsealed)
 
 
 def test_a_delivery_round_trips():
-    got = decode_delivery(memoryview(datagram("r-é")), EPOCH.encode())
+    got = decode_delivery(memoryview(datagram("r-é")), EPOCH.encode(), KEY)
     assert got is not None
     assert (got.request_id, got.num_tokens, got.meta, got.ids.tolist()) == ("r-é", 37, {"first_token": 5}, [4, 9, 2])
-    empty = decode_delivery(memoryview(datagram(meta=b"{}")), EPOCH.encode())
+    empty = decode_delivery(memoryview(datagram(meta=b"{}")), EPOCH.encode(), KEY)
     assert empty is not None and empty.meta == {}
 
 
 def test_a_delivery_of_another_pool_epoch_is_dropped():
-    assert decode_delivery(memoryview(datagram()), b"fedcba9876543210") is None
+    assert decode_delivery(memoryview(datagram()), b"fedcba9876543210", KEY) is None
+
+
+def test_a_delivery_without_the_pools_seal_is_dropped():
+    """Whoever can write to the inbox but has not the addressee's key cannot make it take ids."""
+    assert decode_delivery(memoryview(datagram(key=bytes(32))), EPOCH.encode(), KEY) is None
+    unsealed = encode_delivery(EPOCH, "req-1", memoryview(b"\1\0\0\0"), 4, b"{}")
+    assert decode_delivery(memoryview(unsealed), EPOCH.encode(), KEY) is None
+    # A sealed delivery with one id changed is no longer sealed.
+    forged = bytearray(datagram())
+    forged[16] ^= 1
+    assert decode_delivery(memoryview(bytes(forged)), EPOCH.encode(), KEY) is None
 
 
 @pytest.mark.parametrize(
     "mangle",
-    [lambda d: d[:10], lambda d: d[:-1], lambda d: d + b"x", lambda d: b"XXXX" + d[4:], lambda d: d[:-17] + b"{" * 17],
+    [
+        lambda d: d[:10],
+        lambda d: d[:-1],
+        lambda d: d + b"x",
+        lambda d: b"XXXX" + d[4:],
+        lambda d: d[: -17 - SEAL_BYTES] + b"{" * 17 + d[-SEAL_BYTES:],
+    ],
     ids=["truncated-head", "short", "long", "bad-magic", "bad-meta"],
 )
 def test_a_malformed_delivery_is_dropped(mangle):
-    assert decode_delivery(memoryview(mangle(datagram())), EPOCH.encode()) is None
+    assert decode_delivery(memoryview(mangle(datagram())), EPOCH.encode(), KEY) is None
 
 
 @pytest.fixture
 def inbox(tmp_path):
-    box = Inbox(str(tmp_path / "inbox-test.sock"), EPOCH, mode=0o600)
+    box = Inbox(str(tmp_path / "inbox-test.sock"), EPOCH, KEY, mode=0o600)
     yield box
     box.close()
 
@@ -71,7 +105,8 @@ def test_foreign_datagrams_are_skipped_not_returned(inbox):
     out = Outbox()
     try:
         out.send(inbox.path, b"not a delivery")
-        out.send(inbox.path, encode_delivery("another-epoch", "x", memoryview(b""), 0, b"{}"))
+        out.send(inbox.path, datagram("x", epoch="another-epoch"))
+        out.send(inbox.path, encode_delivery(EPOCH, "unsealed", memoryview(b""), 0, b"{}"))
         out.send(inbox.path, datagram("mine"))
         got = inbox.receive(time.perf_counter() + 5)
         assert got is not None and got.request_id == "mine"
@@ -95,6 +130,6 @@ def test_an_undeliverable_datagram_is_a_miss_never_an_error(tmp_path, inbox):
 
 
 def test_closing_an_inbox_removes_its_socket(tmp_path):
-    box = Inbox(str(tmp_path / "inbox-x.sock"), EPOCH)
+    box = Inbox(str(tmp_path / "inbox-x.sock"), EPOCH, KEY)
     box.close()
     assert not (tmp_path / "inbox-x.sock").exists()

@@ -157,9 +157,13 @@ def test_a_handoff_to_a_name_that_is_not_one_live_session_is_refused_and_remembe
     d = pool.open_session("d", "decode").session_id
     with pytest.raises(HandoffRefused, match=r"refused when its producer made it \(InvalidRequest: no live session"):
         pool.claim(d, "r1")
-    # The id is free for a handoff that stands, which then clears the refusal.
-    pool.handoff(p, "r1", ids, 5, to="d")
-    assert pool.claim(d, "r1").block_ids == ids and "r1" not in pool.refused
+    # Its addressee was told and dropped the request: a later handoff of that id would be parked for nobody, so
+    # it is refused and the producer keeps its blocks. An id whose refusal nobody saw yet is free again.
+    with pytest.raises(HandoffRefused, match="hand it off under a new request id"):
+        pool.handoff(p, "r1", ids, 5, to="d")
+    assert pool.allocator.held(f"s:{p}") == dict.fromkeys(ids, 1)
+    pool.handoff(p, "r2", ids, 5, to="d")
+    assert pool.claim(d, "r2").block_ids == ids and "r2" not in pool.refused
 
 
 def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
@@ -170,7 +174,7 @@ def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
     pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
     with pytest.raises(HandoffExists):
         pool.handoff(p, "r", pool.alloc(p, 1), 1, to="d")
-    pool.refuse("r", "a late refusal")
+    pool.refuse("r", "a late refusal", p)
     assert "r" not in pool.refused and pool.claim(d, "r").request_id == "r"
 
 
@@ -237,3 +241,41 @@ def test_sessions_past_their_lease_are_not_live_even_before_the_sweep():
     fresh = pool.open_session("decode-0", "decode")
     assert [s.session_id for s in pool.live_sessions("decode-0")] == [fresh.session_id]
     assert pool.named("decode-0") is fresh
+
+
+def test_a_claim_whose_claimer_left_is_parked_again_as_it_was():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    d = pool.open_session("d", "decode").session_id
+    ids = pool.alloc(p, 2)
+    pool.handoff(p, "r", ids, 5, meta={"t": 1}, to="d")
+    taken = pool.claim(d, "r")
+    assert pool.unclaim(d, taken)
+    assert pool.allocator.held(f"s:{d}") == {} and balanced(pool)
+    with pytest.raises(NotOwner):
+        pool.claim(p, "r")  # still addressed to d alone
+    again = pool.claim(d)
+    assert (again.request_id, again.block_ids, again.meta) == ("r", ids, {"t": 1})
+    pool.free(d, ids)
+    assert not pool.unclaim(d, again)  # its blocks are gone: nothing to park again
+    assert pool.stats()["in_use"] == 0 and balanced(pool)
+
+
+def test_sweeps_expire_by_deadline_and_renewed_leases_survive_them():
+    clock = Clock()
+    pool = make_pool(clock)
+    live = pool.open_session("live", "other").session_id
+    idle = [pool.open_session(f"idle-{i}", "other").session_id for i in range(3)]
+    pool.handoff(idle[0], "anyones", pool.alloc(idle[0], 1), 1, ttl_s=3.0)
+    pool.handoff(idle[1], "for-live", pool.alloc(idle[1], 1), 1, to="live")
+    clock.now += 1.5
+    pool.heartbeat(live)
+    clock.now += 1.0  # idle leases (2 s) ran out; live's was renewed
+    assert pool.expire() == (3, 0)
+    assert set(pool.sessions) == {live}
+    clock.now += 1.0  # the unaddressed handoff's 3 s ran out; the addressed one never expires while live lives
+    pool.heartbeat(live)
+    assert pool.expire() == (0, 1)
+    assert set(pool.handoffs) == {"for-live"}
+    assert pool.claim(live).request_id == "for-live" and balanced(pool)

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from kvpool.server.config import PoolSettings
 
+from kvpool.address import default_socket
 from kvpool.channel import HEADER, FastConnection
 from kvpool.client import PoolClient
 from kvpool.errors import Unauthorized
@@ -60,11 +61,21 @@ def test_default_settings_are_loopback_and_owner_group_socket(monkeypatch: pytes
     for key in list(os.environ):
         if key.startswith("KVPOOL_"):
             monkeypatch.delenv(key)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     s = PoolSettings()
     assert s.host == "127.0.0.1"
     assert s.socket_mode == 0o660
     assert s.token is None
     assert s.socket is not None and s.socket.parent.name == f"kvpool-{os.getuid()}"
+
+
+def test_the_default_socket_is_in_the_users_runtime_directory_where_there_is_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert default_socket() == tmp_path / "kvpool" / "kvpool.sock"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "missing"))  # set but not there: the shared fallback
+    assert default_socket().parent.name == f"kvpool-{os.getuid()}"
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from /proc/net")
@@ -73,7 +84,8 @@ def test_served_with_defaults_listens_on_loopback_and_a_private_socket() -> None
     tmp = Path(tempfile.mkdtemp(prefix="kvp-default-"))
     port = free_port()
     sock = tmp / f"kvpool-{os.getuid()}" / "kvpool.sock"
-    pool = serve([*SMALL_LAYOUT, "--port", str(port)], port=port, socket=sock, env={"TMPDIR": str(tmp)})
+    pool = serve([*SMALL_LAYOUT, "--port", str(port)], port=port, socket=sock,
+                 env={"TMPDIR": str(tmp), "XDG_RUNTIME_DIR": ""})  # fmt: skip
     try:
         assert listening_addresses(port) == {"127.0.0.1"}
         for path in (sock, Path(f"{sock}.fast")):

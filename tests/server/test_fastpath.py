@@ -92,5 +92,12 @@ def test_ids_come_back_packed_and_errors_in_the_pool_s_shape(plane: ControlPlane
 
 
 def test_a_frame_over_the_limit_closes_the_connection_with_413(plane: ControlPlane, tmp_path: Path) -> None:
-    (status, body), = run(plane, tmp_path, HEADER.pack(4096) + b"x" * 16, max_frame=1024)
+    (ok, _), (status, body) = run(plane, tmp_path, hello(), HEADER.pack(4096) + b"x" * 16, max_frame=1024)
+    assert ok == 200
     assert status == 413 and json.loads(body)["error"] == "PayloadTooLarge"
+    assert "--max-body-bytes" in json.loads(body)["detail"]
+
+
+def test_before_hello_only_a_small_frame_is_read(plane: ControlPlane, tmp_path: Path) -> None:
+    (status, body), = run(plane, tmp_path, HEADER.pack(1 << 20) + b"x" * 16)
+    assert status == 413 and "before hello" in json.loads(body)["detail"]
