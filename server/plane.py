@@ -19,7 +19,8 @@ from typing import Any
 
 from kvpool.server.arenas import HostArena, create_host_arena, resolve_backend, size_in_blocks
 from kvpool.server.config import PoolSettings
-from kvpool.server.pool import Handoff, Limits, Pool, Session
+from kvpool.server.pool import Pool
+from kvpool.server.records import Handoff, Limits, Session
 
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PoolUnavailable
 from kvpool.ids import pack_ids

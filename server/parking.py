@@ -1,0 +1,231 @@
+"""The handoff half of the books: parking blocks under a request id, claiming them, and refusals.
+
+A mixin of :class:`kvpool.server.pool.Pool`, which owns the state these methods keep (the handoffs, their indexes
+by producer and addressee, the deadline heap of handoffs anyone may claim) beside the sessions and the allocator.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.server.allocator import BlockAllocator
+from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
+
+from kvpool.errors import HandoffExists, HandoffNotFound, HandoffRefused, InvalidRequest, KvpoolError, NotOwner
+from kvpool.layout import KVLayout
+
+
+class Parking:
+    layout: KVLayout
+    allocator: BlockAllocator
+    limits: Limits
+    counters: Counters
+    handoff_ttl_s: float
+    clock: Callable[[], float]
+    on_handoff: Callable[[str], None] | None
+    sessions: dict[str, Session]
+    handoffs: dict[str, Handoff]
+    refused: OrderedDict[str, Refusal]
+    _open: dict[str, None]
+    _addressed: dict[str, dict[str, None]]
+    _parked_by: dict[str, set[str]]
+    _handoff_deadlines: list[tuple[float, int, str]]
+    _seq: int
+
+    # provided by the pool's session half
+    session: Callable[[str], Session]
+    named: Callable[[str], Session]
+    exceeded: Callable[[str, str], KvpoolError]
+    _live: Callable[[str], Session | None]
+    _expire_session: Callable[[Session], None]
+
+    def handoff(
+        self,
+        session_id: str,
+        request_id: str,
+        block_ids: Sequence[int],
+        num_tokens: int,
+        meta: dict[str, Any] | None = None,
+        ttl_s: float | None = None,
+        to: str | None = None,
+    ) -> Handoff:
+        """Park the blocks under ``request_id``, moving the session's refs to the handoff.
+
+        ``to`` names the one session that may claim it. The pool may deliver it the ids at once (to its inbox), and
+        it may read them before its claim reaches the pool, so an addressed handoff is held for its addressee for
+        as long as that session lives: it does not expire, and no other session may claim it. When the addressee
+        ends, the handoff is anyone's and its time-to-live starts. If such a handoff is refused, the refusal is kept
+        a while: the addressee's claim of it fails at once with the reason.
+        """
+        session: Session | None = None
+        limits = self.limits
+        try:
+            session = self.session(session_id)
+            if request_id in self.handoffs:
+                raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
+            refusal = self.refused.get(request_id)
+            if refusal is not None and refusal.seen:
+                raise HandoffRefused(
+                    f"request {request_id!r} was refused before ({refusal.why}), and its claimer was told so and "
+                    "dropped it: hand it off under a new request id"
+                )
+            max_tokens = len(block_ids) * self.layout.block_size
+            if num_tokens > max_tokens:
+                raise InvalidRequest(
+                    f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
+                )
+            meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+            if len(meta_json) > limits.max_meta_bytes:
+                raise self.exceeded("max_meta_bytes", f"meta is {len(meta_json)} bytes of JSON")
+            if len(self.handoffs) >= limits.max_handoffs:
+                raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
+            mine = self._parked_by.get(session_id, ())
+            if len(mine) >= limits.max_handoffs_per_session:
+                raise self.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
+            addressee = None if to is None else self.named(to).session_id
+            waiting = self._addressed.get(addressee or "", ())
+            if len(waiting) >= limits.max_handoffs_per_session:
+                raise self.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
+            ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
+            self._seq += 1
+            handoff = Handoff(
+                request_id=request_id,
+                block_ids=list(block_ids),
+                num_tokens=num_tokens,
+                meta=dict(meta or {}),
+                from_session=session_id,
+                expires_at=self.clock() + ttl,
+                ttl_s=ttl,
+                to=addressee,
+                seq=self._seq,
+                meta_json=meta_json,
+            )
+            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+        except KvpoolError as exc:
+            if to is not None and session is not None and not isinstance(exc, (HandoffExists, HandoffRefused)):
+                self.refuse(request_id, f"{type(exc).__name__}: {exc}", session_id)
+            raise
+        self.refused.pop(request_id, None)
+        self._park(handoff)
+        self._parked_by.setdefault(session_id, set()).add(request_id)
+        self.counters.handoffs += 1
+        if self.on_handoff is not None:
+            self.on_handoff(request_id)
+        return handoff
+
+    def _park(self, handoff: Handoff) -> None:
+        rid = handoff.request_id
+        self.handoffs[rid] = handoff
+        if handoff.to is None:
+            self._open[rid] = None
+            self._push_deadline(handoff)
+        else:
+            self._addressed.setdefault(handoff.to, {})[rid] = None
+
+    def _unpark(self, handoff: Handoff) -> None:
+        rid = handoff.request_id
+        del self.handoffs[rid]
+        self._open.pop(rid, None)
+        if handoff.to is not None:
+            waiting = self._addressed.get(handoff.to)
+            if waiting is not None:
+                waiting.pop(rid, None)
+                if not waiting:
+                    del self._addressed[handoff.to]
+        mine = self._parked_by.get(handoff.from_session)
+        if mine is not None:
+            mine.discard(rid)
+
+    def _push_deadline(self, handoff: Handoff) -> None:
+        heap = self._handoff_deadlines
+        heapq.heappush(heap, (handoff.expires_at, handoff.seq, handoff.request_id))
+        if len(heap) > 2 * len(self._open) + 1024:  # claimed handoffs leave entries behind: drop them now and then
+            live = (self.handoffs[r] for r in self._open)
+            self._handoff_deadlines = [(h.expires_at, h.seq, h.request_id) for h in live]
+            heapq.heapify(self._handoff_deadlines)
+
+    def refuse(self, request_id: str, why: str, by: str) -> None:
+        """Keep a while that an addressed handoff of ``request_id`` was refused, and wake its claimers to say so.
+
+        Only a live session's failed handoff counts: anyone else could otherwise fail any request's claim
+        before its producer parks it.
+        """
+        if request_id in self.handoffs or self._live(by) is None:
+            return  # one of that id is parked, and it stands; or the caller is no session of this pool
+        self.refused[request_id] = Refusal(why)
+        while len(self.refused) > REFUSALS_KEPT:
+            self.refused.popitem(last=False)
+        if self.on_handoff is not None:
+            self.on_handoff(request_id)
+
+    def claim(self, session_id: str, request_id: str | None = None) -> Handoff:
+        """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session."""
+        session = self.session(session_id)
+        if request_id is None:
+            request_id = self._oldest_for(session_id)
+            if request_id is None:
+                raise HandoffNotFound("no handoff is parked for this session")
+        handoff = self.handoffs.get(request_id)
+        if handoff is None:
+            refusal = self.refused.get(request_id)
+            if refusal is not None:
+                refusal.seen = True
+                raise HandoffRefused(
+                    f"the handoff of request {request_id!r} was refused when its producer made it ({refusal.why}): "
+                    "any ids you were sent for it are not yours; drop the request"
+                )
+            raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
+        if not self._claimable(handoff, session_id):
+            addressee = self.sessions.get(handoff.to or "")
+            raise NotOwner(
+                f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
+                "only it may claim it"
+            )
+        self.allocator.transfer(handoff.holder, session.holder, handoff.block_ids)
+        self._unpark(handoff)
+        self.counters.claims += 1
+        return handoff
+
+    def unclaim(self, session_id: str, handoff: Handoff) -> bool:
+        """Park a claimed handoff again, as it was, when its claimer went away before it could learn of it.
+
+        Only while the session still holds those blocks and nothing took the request id since; whether it did.
+        """
+        session = self.sessions.get(session_id)
+        if session is None or handoff.request_id in self.handoffs:
+            return False
+        try:
+            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+        except KvpoolError:
+            return False
+        if handoff.to is not None and handoff.to not in self.sessions:
+            handoff.to = None
+        self._park(handoff)
+        mine = self._parked_by.get(handoff.from_session)
+        if mine is not None:
+            mine.add(handoff.request_id)
+        self.counters.claims -= 1
+        if self.on_handoff is not None:
+            self.on_handoff(handoff.request_id)
+        return True
+
+    def _oldest_for(self, session_id: str) -> str | None:
+        """The oldest handoff the session may claim: addressed to it, or to nobody."""
+        mine = next(iter(self._addressed.get(session_id, ())), None)
+        anyones = next(iter(self._open), None)
+        if mine is None or anyones is None:
+            return mine or anyones
+        return mine if self.handoffs[mine].seq < self.handoffs[anyones].seq else anyones
+
+    def _claimable(self, handoff: Handoff, session_id: str) -> bool:
+        """Whether the session may claim it: addressed to it or to no one, or its addressee's lease ran out."""
+        if handoff.claimable_by(session_id):
+            return True
+        addressee = self.sessions.get(handoff.to or "")
+        if addressee is not None and addressee.expires_at < self.clock():
+            self._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
+        return handoff.claimable_by(session_id)

@@ -1,0 +1,107 @@
+"""What the pool's books record: sessions, parked handoffs, refusals, counters, and the per-client limits."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import LimitExceeded
+
+Clock = Callable[[], float]
+REFUSALS_KEPT = 4096
+#: the shape of every session id a pool makes: its epoch's first 8 hex digits, a dash, a random part
+SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9A-Za-z_-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds on what one client can make the pool hold; each is a setting of ``kvpool serve`` (same name)."""
+
+    max_sessions: int = 1024
+    max_handoffs: int = 65536
+    max_handoffs_per_session: int = 4096
+    max_meta_bytes: int = 16 << 10
+    max_claims_per_session: int = 64
+
+    def exceeded(self, name: str, what: str) -> LimitExceeded:
+        flag, env = "--" + name.replace("_", "-"), "KVPOOL_" + name.upper()
+        return LimitExceeded(f"{what}: the limit is {getattr(self, name)} ({flag}, {env}); wait, or raise it")
+
+
+@dataclass(slots=True)
+class Session:
+    session_id: str
+    name: str
+    role: str
+    expires_at: float
+    created_at: float
+    inbox: str | None = None
+    #: the key the pool seals deliveries to this session's inbox with (see kvpool.inbox); given to it alone
+    inbox_key: bytes = b""
+
+    @property
+    def holder(self) -> str:
+        return f"s:{self.session_id}"
+
+
+@dataclass(slots=True)
+class Handoff:
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    meta: dict[str, Any]
+    from_session: str
+    expires_at: float
+    ttl_s: float
+    to: str | None = None  # the one session that may claim it; None: any. Addressed, it does not expire.
+    seq: int = 0
+    meta_json: bytes = b""  # meta as compact JSON (empty for {}): what its size limit and a delivery's seal cover
+
+    @property
+    def holder(self) -> str:
+        return f"h:{self.request_id}"
+
+    def claimable_by(self, session_id: str) -> bool:
+        return self.to is None or self.to == session_id
+
+
+@dataclass(slots=True)
+class Refusal:
+    why: str
+    seen: bool = False  # a claim of the request was told: its addressee dropped it
+
+
+@dataclass(slots=True)
+class Counters:
+    alloc_requests: int = 0
+    alloc_blocks: int = 0
+    alloc_exhausted: int = 0
+    free_requests: int = 0
+    free_blocks: int = 0
+    commit_requests: int = 0
+    committed_blocks: int = 0
+    duplicate_blocks: int = 0
+    lookup_requests: int = 0
+    lookup_blocks: int = 0
+    hit_blocks: int = 0
+    handoffs: int = 0
+    claims: int = 0
+    sessions_opened: int = 0
+    sessions_expired: int = 0
+    handoffs_expired: int = 0
+    blocks_reclaimed: int = 0
+
+
+@dataclass(slots=True)
+class LookupResult:
+    block_ids: list[int]
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class CommitResult:
+    committed: int
+    duplicates: int
+    num_blocks: int
