@@ -13,7 +13,7 @@ from typing import Literal
 
 from kvpool.errors import InvalidRequest
 from kvpool.layout import KVLayout
-from kvpool.protocol import DeviceInfo
+from kvpool.protocol import ArenaDescriptor, ArenaPart, DeviceInfo
 
 log = logging.getLogger(__name__)
 
@@ -146,3 +146,75 @@ def create_host_arena(
     if backend == "cuda":
         return CudaHostArena(nbytes, device)
     return CpuHostArena(nbytes, shm_dir, epoch)
+
+
+def create_arenas(
+    backend: Literal["cuda", "cpu"],
+    devices: list[int],
+    layout: KVLayout,
+    epoch: str,
+    *,
+    num_blocks: int | None,
+    arena_bytes: int | None,
+    gpu_memory_fraction: float | None,
+    shm_dir: Path,
+) -> tuple[list[HostArena], list[int]]:
+    """One arena per device, each sized one way, and their sizes in blocks; on a failure none is left behind."""
+    arenas: list[HostArena] = []
+    sizes: list[int] = []
+    try:
+        for d in devices:
+            free_bytes = None
+            if backend == "cuda":
+                from kvpool import cuda
+
+                cuda.set_device(d)
+                free_bytes = cuda.mem_get_info()[0]
+            n = size_in_blocks(
+                layout,
+                num_blocks=num_blocks,
+                arena_bytes=arena_bytes,
+                gpu_memory_fraction=gpu_memory_fraction,
+                free_device_bytes=free_bytes,
+            )
+            part_epoch = epoch if len(devices) == 1 else f"{epoch}-{d}"
+            nbytes = n * layout.block_nbytes
+            arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=shm_dir, epoch=part_epoch))
+            sizes.append(n)
+    except BaseException:
+        for arena in arenas:
+            arena.close()
+        raise
+    return arenas, sizes
+
+
+def describe(
+    epoch: str,
+    devices: list[int],
+    arenas: list[HostArena],
+    sizes: list[int],
+    layout: KVLayout,
+    model: str,
+    fast_socket: str | None,
+) -> ArenaDescriptor:
+    """The descriptor clients map the arenas by: the first arena's fields at the top, every arena in ``arenas``."""
+    parts, first = [], 0
+    for d, arena, n in zip(devices, arenas, sizes, strict=True):
+        parts.append(ArenaPart(index=d, device=arena.device, handle=arena.handle, nbytes=arena.nbytes,
+                               num_blocks=n, first_block=first))  # fmt: skip
+        first += n
+    head = parts[0]
+    return ArenaDescriptor(
+        epoch=epoch,
+        backend=arenas[0].backend,
+        device=head.device,
+        handle=head.handle,
+        nbytes=head.nbytes,
+        num_blocks=head.num_blocks,
+        block_nbytes=layout.block_nbytes,
+        layout=layout,
+        owner_pid=os.getpid(),
+        model=model,
+        fast_socket=fast_socket,
+        arenas=parts,
+    )

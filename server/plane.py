@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 from array import array
 from collections import Counter, defaultdict
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.server.arenas import HostArena, create_host_arena, resolve_backend, size_in_blocks
+from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
@@ -30,7 +29,6 @@ from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
-    ArenaPart,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -83,56 +81,21 @@ class ControlPlane:
         s = self.settings
         layout = s.layout
         devices = s.device_list
-        arenas: list[HostArena] = []
-        sizes: list[int] = []
         try:
-            backend = resolve_backend(s.backend)
-            for d in devices:
-                free_bytes = None
-                if backend == "cuda":
-                    from kvpool import cuda
-
-                    cuda.set_device(d)
-                    free_bytes = cuda.mem_get_info()[0]
-                num_blocks = size_in_blocks(
-                    layout,
-                    num_blocks=s.num_blocks,
-                    arena_bytes=s.arena_bytes,
-                    gpu_memory_fraction=s.gpu_memory_fraction,
-                    free_device_bytes=free_bytes,
-                )
-                epoch = self.epoch if len(devices) == 1 else f"{self.epoch}-{d}"
-                nbytes = num_blocks * layout.block_nbytes
-                arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=s.shm_dir, epoch=epoch))
-                sizes.append(num_blocks)
+            arenas, sizes = create_arenas(
+                resolve_backend(s.backend), devices, layout, self.epoch,
+                num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
+                shm_dir=s.shm_dir,
+            )  # fmt: skip
         except Exception as exc:
-            for arena in arenas:
-                arena.close()
             self.startup_error = f"{type(exc).__name__}: {exc}"
             log.error("arena allocation failed: %s", self.startup_error)
             raise
         self.host_arenas = arenas
         self.arena_of = {d: i for i, d in enumerate(devices)}
-        parts, first = [], 0
-        for d, arena, n in zip(devices, arenas, sizes, strict=True):
-            parts.append(ArenaPart(index=d, device=arena.device, handle=arena.handle, nbytes=arena.nbytes,
-                                   num_blocks=n, first_block=first))  # fmt: skip
-            first += n
-        head = parts[0]
-        self._descriptor = ArenaDescriptor(
-            epoch=self.epoch,
-            backend=arenas[0].backend,
-            device=head.device,
-            handle=head.handle,
-            nbytes=head.nbytes,
-            num_blocks=head.num_blocks,
-            block_nbytes=layout.block_nbytes,
-            layout=layout,
-            owner_pid=os.getpid(),
-            model=s.model,
-            fast_socket=str(s.fast_socket) if s.fast_socket is not None else None,
-            arenas=parts,
-        )
+        fast = str(s.fast_socket) if s.fast_socket is not None else None
+        self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
+        parts = self._descriptor.arenas
         self._pool = Pool(
             sizes,
             layout,
