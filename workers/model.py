@@ -26,7 +26,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.attention import paged_decode_attention, prefill_attention, write_kv
+from workers.attention import (
+    packed_prefill_attention,
+    paged_decode_attention,
+    prefill_attention,
+    triton_available,
+    write_kv,
+)
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -140,13 +146,24 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PrefillPiece:
+    """New tokens of one sequence for a prefill forward: ``tokens`` go at positions ``start ..``, after the
+    ``start`` tokens (a prefix hit, earlier chunks) whose K/V are already in ``block_table``'s blocks."""
+
+    block_table: Sequence[int]
+    start: int
+    tokens: Sequence[int]
+
+
 @dataclass
 class AttentionBatch:
     """Where the forward pass writes this step's K/V and how it attends.
 
     ``slot_blocks``/``slot_offsets`` ([N] on the device) name the cache slot of each input token. Prefill
     (``block_table`` of one sequence, ``num_cached`` tokens already in it) and decode (``block_tables``
-    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields.
+    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields; a packed
+    prefill (:meth:`packed`) sets ``q_lens`` and ``cached_lens`` per sequence beside ``block_tables``.
     """
 
     slot_blocks: torch.Tensor
@@ -156,6 +173,9 @@ class AttentionBatch:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int = 0
+    q_lens: list[int] | None = None
+    cached_lens: list[int] = field(default_factory=list)
+    packed_args: Any = None
 
     @classmethod
     def prefill(
@@ -169,6 +189,28 @@ class AttentionBatch:
             block_table=table.to(device),
             num_cached=num_cached,
         )
+
+    @classmethod
+    def packed(cls, pieces: Sequence[PrefillPiece], block_size: int, device: torch.device) -> AttentionBatch:
+        """Several sequences' new tokens in one batch (``block_tables`` [B, max_blocks], ``q_lens``)."""
+        width = max(len(p.block_table) for p in pieces)
+        tables = torch.tensor([list(p.block_table) + [0] * (width - len(p.block_table)) for p in pieces])
+        rows = torch.cat([torch.full((len(p.tokens),), i) for i, p in enumerate(pieces)])
+        pos = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces])
+        q_lens, cached = [len(p.tokens) for p in pieces], [p.start for p in pieces]
+        batch = cls(
+            slot_blocks=tables[rows, pos // block_size].to(device),
+            slot_offsets=(pos % block_size).to(device),
+            block_tables=tables.to(torch.int32).to(device),
+            q_lens=q_lens,
+            cached_lens=cached,
+        )
+        if triton_available(device):
+            from workers.triton_prefill import prefill_tiles
+
+            cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32).to(device)
+            batch.packed_args = (cu, torch.tensor(cached, dtype=torch.int32).to(device), prefill_tiles(q_lens, device))
+        return batch
 
     @classmethod
     def decode(
@@ -299,6 +341,12 @@ class LlamaModel:
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
+        if batch.q_lens is not None:
+            assert batch.block_tables is not None
+            return packed_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.q_lens, batch.cached_lens, self.scale,
+                device_args=batch.packed_args,
+            )  # fmt: skip
         if batch.block_tables is not None:
             assert batch.context_lens is not None
             return paged_decode_attention(
@@ -343,17 +391,29 @@ class LlamaModel:
 
         Returns the fp32 logits ``[vocab]`` of the last token. ``block_table`` must cover ``len(token_ids)``.
         """
-        new = list(token_ids[num_cached:])
-        if not new:
-            raise ValueError("prefill needs at least one token to compute")
+        return self.prefill_batch([PrefillPiece(block_table, num_cached, token_ids[num_cached:])], kv_caches)[0]
+
+    def prefill_batch(self, pieces: Sequence[PrefillPiece], kv_caches: KVCaches) -> torch.Tensor:
+        """One forward over several sequences' new tokens, packed: ``[len(pieces), vocab]`` fp32 logits, each
+        of a piece's last token (a chunk that does not end its prompt has no use for them).
+
+        Batching is what makes a prefill worker fast: the projections and MLP of every piece run as one matmul,
+        and the attention as one kernel launch per layer, instead of one small forward per request.
+        """
+        if not pieces:
+            raise ValueError("prefill_batch needs at least one piece")
         bs = kv_caches[0][0].shape[1]
-        if len(block_table) * bs < len(token_ids):
-            raise ValueError(f"{len(block_table)} blocks of {bs} cannot hold {len(token_ids)} tokens")
-        batch = AttentionBatch.prefill(block_table, num_cached, len(new), bs, self.device)
-        ids = torch.tensor(new, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_cached, num_cached + len(new), device=self.device)
+        for p in pieces:
+            if not p.tokens:
+                raise ValueError("prefill needs at least one token to compute")
+            if len(p.block_table) * bs < p.start + len(p.tokens):
+                raise ValueError(f"{len(p.block_table)} blocks of {bs} cannot hold {p.start + len(p.tokens)} tokens")
+        batch = AttentionBatch.packed(pieces, bs, self.device)
+        ids = torch.tensor([t for p in pieces for t in p.tokens], dtype=torch.long).to(self.device)
+        positions = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces]).to(self.device)
         hidden = self.forward(ids, positions, kv_caches, batch)
-        return self.logits(hidden[-1:])[0]
+        last = torch.tensor(batch.q_lens).cumsum(0).sub(1).to(self.device)
+        return self.logits(hidden[last])
 
     def decode(
         self,
