@@ -1,16 +1,33 @@
-"""Greedy generation in one process with a private paged cache: the baseline the disaggregated run must equal.
+"""Generation in one process with a private paged cache: the baseline the disaggregated run must equal and beat.
 
-Same model, same kernels, same decode step as the workers; only the blocks are private (a free list over a
-cache from :func:`workers.kvcache.private_kv_caches`) and every prompt is computed from scratch.
+:func:`greedy_generate` is the plain reference (every prompt computed from scratch, then decoded in batches) that
+the tests hold the workers' tokens to. :class:`MonolithicEngine` (``python -m workers.monolithic``) is the fair
+serving baseline: the same model, kernels, batched chunked prefill (:mod:`workers.batching`) and decode step as
+the workers, and a prefix cache of its own: the pool's very books (:class:`kvpool.pool.Pool`), in process, over
+a private cache that no other process sees.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import Any
 
+import torch
+
+from kvpool.errors import PoolExhausted
 from kvpool.layout import KVLayout
+from kvpool.pool import LookupResult, Pool
+from workers.batching import PrefillBatcher
 from workers.kvcache import private_kv_caches
-from workers.model import LlamaModel
+from workers.model import KVCaches, LlamaModel
+from workers.request import GenerationRequest
 from workers.sequence import Sequence, blocks_needed, decode_step, greedy
 
 
@@ -64,3 +81,165 @@ def greedy_generate(
             active = [s for s in active if not s.done]
         results.extend(s.output for s in seqs)
     return results
+
+
+class PrivateBlocks:
+    """A private cache's blocks with a prefix cache: the pool's books in this process, one session, no HTTP."""
+
+    def __init__(self, num_blocks: int, layout: KVLayout, model_name: str = "") -> None:
+        self.books = Pool(num_blocks, layout, lease_ttl_s=math.inf, model=model_name)
+        self.session = self.books.open_session("monolithic", "other").session_id
+
+    def alloc(self, num_blocks: int) -> list[int]:
+        return self.books.alloc(self.session, num_blocks)
+
+    def free(self, block_ids: Seq[int]) -> int:
+        return self.books.free(self.session, block_ids)
+
+    def lookup(self, token_ids: Seq[int]) -> LookupResult:
+        return self.books.lookup(self.session, token_ids)
+
+    def commit(self, block_ids: Seq[int], token_ids: Seq[int]) -> object:
+        return self.books.commit(self.session, block_ids, token_ids)
+
+    def stats(self) -> dict[str, Any]:
+        return self.books.stats()
+
+
+class MonolithicEngine:
+    """Continuous batching in one process: each iteration admits waiting requests, runs one prefill step (a
+    token budget of new prompt tokens) and one decode step for every sequence past its prefill.
+
+    Prefill and decode share the GPU and take turns, which is the interference a disaggregated pair avoids.
+    """
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_caches: KVCaches,
+        blocks: PrivateBlocks,
+        block_size: int,
+        max_batch: int = 32,
+        token_budget: int = 4096,
+        prefix_cache: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.blocks = blocks
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.prefix_cache = prefix_cache
+        self.batcher = PrefillBatcher(model, kv_caches, blocks, block_size, token_budget, max_batch, prefix_cache)
+        self.running: list[Sequence] = []
+        self.info: dict[str, dict[str, Any]] = {}
+
+    def submit(self, req: GenerationRequest, arrived_at: float | None = None) -> None:
+        self.batcher.add(req, arrived_at)
+
+    @property
+    def idle(self) -> bool:
+        return self.batcher.idle and not self.running
+
+    def iterate(self) -> list[dict[str, Any]]:
+        """One round; records: ``{"event": "first"}`` when a request's first token exists, then its final one."""
+        records: list[dict[str, Any]] = []
+        self.batcher.admit(self.max_batch - len(self.running) - len(self.batcher.running))
+        if self.batcher.running:
+            finished = self.batcher.step()
+            self.batcher.release(finished)
+            for p in finished:
+                assert p.first_token is not None
+                req = p.request
+                if self.prefix_cache:
+                    self.blocks.commit(p.block_ids, req.prompt)
+                seq = Sequence(req.request_id, len(req.prompt), p.block_ids, [p.first_token], req.max_new_tokens)
+                self.running.append(seq)
+                self.info[req.request_id] = {"hit_tokens": p.hit_tokens, "arrived_at": p.arrived_at}
+                records.append({"request_id": req.request_id, "event": "first", "hit_tokens": p.hit_tokens})
+        active = [s for s in self.running if not s.done]
+        if active:
+            try:
+                decode_step(self.model, self.kv_caches, active, self.blocks, self.block_size)
+            except PoolExhausted as exc:
+                victim = self.running.pop()
+                self.blocks.free(victim.block_ids)
+                self.info.pop(victim.request_id)
+                why = f"dropped, the private cache is full: {exc}"
+                return [*records, {"request_id": victim.request_id, "error": why, "tokens": victim.output}]
+        done = [s for s in self.running if s.done]
+        if done:
+            self.running = [s for s in self.running if not s.done]
+            self.blocks.free([b for s in done for b in s.block_ids])
+            now = time.time()
+            for s in done:
+                info = self.info.pop(s.request_id)
+                records.append(
+                    {
+                        "request_id": s.request_id,
+                        "prompt_len": s.prompt_len,
+                        "tokens": s.output,
+                        "hit_tokens": info["hit_tokens"],
+                        "e2e_ms": round(1e3 * (now - info["arrived_at"]), 3),
+                    }
+                )
+        return records
+
+
+def _read(stream: Iterable[str], inbox: queue.Queue[tuple[float, str] | None]) -> None:
+    for line in stream:
+        if line.strip():
+            inbox.put((time.time(), line))
+    inbox.put(None)
+
+
+def main(argv: Seq[str] | None = None) -> int:
+    """``python -m workers.monolithic``: JSON-lines requests on stdin, JSON lines out (a ``first`` event per
+    request, then its tokens), until stdin ends and every request is done."""
+    from workers.cli import add_model_arguments, emit, load_model, setup
+    from workers.kvcache import layout_for
+
+    parser = argparse.ArgumentParser(prog="python -m workers.monolithic", description=main.__doc__)
+    add_model_arguments(parser)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--num-blocks", type=int, required=True, help="blocks of the private cache")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-dtype", choices=["float32", "float16", "bfloat16"], default="bfloat16")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--token-budget", type=int, default=4096)
+    parser.add_argument("--no-prefix-cache", action="store_true", help="compute every prompt from scratch")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    setup(args)
+    from workers.cli import model_config
+
+    device = torch.device(args.device)
+    layout = layout_for(model_config(args), args.block_size, args.kv_dtype)
+    model = load_model(args, layout, device)
+    blocks = PrivateBlocks(args.num_blocks, layout, "monolithic")
+    caches = private_kv_caches(layout, args.num_blocks, device)
+    engine = MonolithicEngine(
+        model, caches, blocks, layout.block_size, args.max_batch, args.token_budget, not args.no_prefix_cache
+    )
+    emit({"ready": True})
+    inbox: queue.Queue[tuple[float, str] | None] = queue.Queue()
+    threading.Thread(target=_read, args=(sys.stdin, inbox), name="mono-requests", daemon=True).start()
+    ended = False
+    while not (ended and engine.idle):
+        try:
+            item = inbox.get(timeout=0.05) if engine.idle else inbox.get_nowait()
+            while not ended:
+                if item is None:
+                    ended = True
+                    break
+                engine.submit(GenerationRequest.from_json(item[1]), item[0])
+                item = inbox.get_nowait()
+        except queue.Empty:
+            pass
+        for record in engine.iterate():
+            emit(record)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

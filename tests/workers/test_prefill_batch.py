@@ -14,6 +14,8 @@ from kvpool.layout import KVLayout
 from workers.attention import gather_context, packed_prefill_attention, reference_attention, write_kv
 from workers.kvcache import layout_for, private_kv_caches
 from workers.model import LlamaConfig, LlamaModel, PrefillPiece
+from workers.monolithic import MonolithicEngine, PrivateBlocks, greedy_generate
+from workers.request import GenerationRequest
 
 SMALL = LlamaConfig(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -103,3 +105,35 @@ def test_prefill_batch_refuses_a_table_too_short() -> None:
     caches = private_kv_caches(layout_for(SMALL, 8, "float32"), 4)
     with pytest.raises(ValueError, match="cannot hold"):
         model.prefill_batch([PrefillPiece([0], 4, list(range(9)))], caches)
+
+
+@pytest.mark.parametrize("token_budget", [16, 4096])
+def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int) -> None:
+    """Continuous batching with a private prefix cache: the reference's tokens, hits where prompts share blocks,
+    and every block back in the books at the end."""
+    model = LlamaModel.random(SMALL, seed=6)
+    bs = 8
+    layout = layout_for(SMALL, bs, "float32", "block_major")
+    gen = torch.Generator().manual_seed(7)
+    system = torch.randint(0, SMALL.vocab_size, (3 * bs,), generator=gen).tolist()
+    prompts = [system + torch.randint(0, SMALL.vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 2)]
+    prompts.append(torch.randint(0, SMALL.vocab_size, (20,), generator=gen).tolist())
+    blocks = PrivateBlocks(64, layout)
+    engine = MonolithicEngine(model, private_kv_caches(layout, 64), blocks, bs, max_batch=3, token_budget=token_budget)
+    for i, p in enumerate(prompts):
+        engine.submit(GenerationRequest(f"r{i}", p, 9))
+    records: dict[str, dict[str, object]] = {}
+    firsts = set()
+    for _ in range(200):
+        for r in engine.iterate():
+            if r.get("event") == "first":
+                firsts.add(r["request_id"])
+            else:
+                records[str(r["request_id"])] = r
+        if engine.idle:
+            break
+    assert engine.idle and firsts == set(records)
+    assert [records[f"r{i}"]["tokens"] for i in range(4)] == greedy_generate(model, prompts, 9, layout)
+    assert [records[f"r{i}"]["hit_tokens"] for i in range(4)] == [0, 3 * bs, 3 * bs, 0]
+    stats = blocks.stats()
+    assert stats["in_use"] == 0 and stats["free"] + stats["cached"] == 64
