@@ -73,7 +73,10 @@ SIDES = {"1": ("pool", "mono"), "2": ("pool-2gpu", "mono-x2"), "3": ("shared-2p"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenarios", default=None, help="comma list of 1, 2, 3 [1,3; 2 needs two GPUs]")
-    parser.add_argument("--rates", type=harness_floats, default=None, help="arrival rates, requests/s [GPU 4,8,16,32]")
+    parser.add_argument("--rates", type=harness_floats, default=None, help="arrival rates, requests/s [GPU 8,16,32,64]")
+    parser.add_argument(
+        "--prefill-rates", type=harness_floats, default=None, help="scenario 3's rates [GPU 32,96,192; else --rates]"
+    )
     parser.add_argument("--duration-s", type=float, default=None, help="arrivals per rate last this long [GPU 8]")
     parser.add_argument("--min-requests", type=int, default=None, help="at least this many requests per rate [GPU 24]")
     parser.add_argument("--prompt-len", type=int, default=None, help="mean prompt tokens [CPU 128, GPU 1024]")
@@ -119,19 +122,25 @@ class Request:
         return json.dumps({"request_id": self.request_id, "prompt": self.prompt, "max_new_tokens": self.max_new_tokens})
 
 
-def make_workload(workload: str, rate: float, cfg: dict[str, Any], vocab: int, rng: random.Random) -> list[Request]:
-    """Poisson arrivals over the duration (at least ``min_requests``), prompts and output lengths drawn."""
+def make_workload(workload: str, rate: float, cfg: dict[str, Any], vocab: int, seed: int) -> list[Request]:
+    """Poisson arrivals over the duration (at least ``min_requests``), prompts and output lengths drawn.
+
+    The arrival instants, output lengths and length jitters depend on ``seed`` and the rate only, so both
+    workloads at one rate offer the same load; the tokens differ with the workload.
+    """
     n_min, length, gen = cfg["min_requests"], cfg["prompt_len"], cfg["max_new_tokens"]
+    timing = random.Random(f"{seed}-{rate}")
+    rng = random.Random(f"{seed}-{rate}-{workload}")
     times, t = [], 0.0
     while t < cfg["duration_s"] or len(times) < n_min:
         times.append(t)
-        t += rng.expovariate(rate)
+        t += timing.expovariate(rate)
 
     def toks(k: int) -> list[int]:
         return [rng.randrange(vocab) for _ in range(max(1, k))]
 
-    def jitter(k: int) -> int:
-        return max(1, int(k * rng.uniform(0.75, 1.25)))
+    jitters = [timing.uniform(0.75, 1.25) for _ in times]
+    news = [max(1, int(gen * timing.uniform(0.5, 1.5))) for _ in times]
 
     mix = {k: float(v) for k, v in (part.split("=") for part in cfg["mix"].split(","))}
     classes, weights = list(mix), list(mix.values())
@@ -140,19 +149,19 @@ def make_workload(workload: str, rate: float, cfg: dict[str, Any], vocab: int, r
     out = []
     for i, at in enumerate(times):
         kind = "unique" if workload == "unique" else rng.choices(classes, weights)[0]
-        new = max(1, int(gen * rng.uniform(0.5, 1.5)))
+        new, full = news[i], max(1, int(length * jitters[i]))
         if kind == "shared":
             system = rng.choice(systems)
-            prompt = system + toks(jitter(length) - len(system))
+            prompt = system + toks(full - len(system))
         elif kind == "multiturn":
             c = rng.randrange(len(conversations))
             history = conversations[c]
             if len(history) > 3 * length:
                 history = []  # a conversation that outgrew its window starts over
-            prompt = history + toks(length // 4 if history else jitter(length))
+            prompt = history + toks(length // 4 if history else full)
             conversations[c] = prompt + toks(new)  # the next turn carries this answer (as tokens of its own)
         else:
-            prompt = toks(jitter(length))
+            prompt = toks(full)
         out.append(Request(at, f"{workload}-{rate:g}-{i}", prompt, new, kind))
     return out
 
@@ -226,15 +235,16 @@ class Side:
             return "first", record["request_id"]
         return "done", record["request_id"]
 
-    def cached_bytes(self) -> int:
-        """Bytes of the blocks the side's pools hold as cache or in use (0 for private caches we cannot see)."""
+    def prefix_bytes(self) -> int:
+        """Bytes of the prefix blocks the side's pools have stored so far (committed as new: a prompt's blocks
+        that an identical prefix committed before are not stored again); 0 for caches we cannot see."""
         from kvpool.client import http_client
 
         total = 0
         for pool in self.pools:
             with http_client(pool.url, None, 5.0) as http:
                 stats = http.get("/stats").json()
-            total += (stats["cached"] + stats["in_use"]) * self.block_nbytes
+            total += stats["counters"]["committed_blocks"] * self.block_nbytes
         return total
 
     def logs(self) -> str:
@@ -352,6 +362,8 @@ def drive(side: Side, requests: list[Request], timeout_s: float) -> dict[str, di
         got[rid][kind] = at
         if kind == "first":
             got[rid]["hit_tokens"] = record.get("hit_tokens", 0)
+            if "total_ms" in record:
+                got[rid]["worker_ms"] = (record["total_ms"], record["forward_ms"], record["batch"])
         else:
             got[rid]["tokens"] = record["tokens"]
             got[rid].setdefault("hit_tokens", record.get("hit_tokens", 0))
@@ -389,6 +401,11 @@ def summarize(
         "hit_rate": hits / prompt_tokens,
         "prompt_tokens": prompt_tokens,
     }
+    inside = [got[r.request_id]["worker_ms"] for r in requests if "worker_ms" in got[r.request_id]]
+    if inside:
+        # the prefill worker's own view: arrival to handoff, its last step's forward, requests in that step
+        for i, key in enumerate(("prefill_total_ms", "prefill_step_ms", "prefill_batch")):
+            stats[f"{key}_p50"] = harness.percentile(sorted(x[i] for x in inside), 50)
     for key, samples in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
         stats |= {f"{key}_{k}": v for k, v in harness.summarize_ns(samples).items() if k != "n"}
     return stats, {"ttft_ns": harness.thin(ttft), "tpot_ns": harness.thin(tpot), "e2e_ns": harness.thin(e2e)}
@@ -419,7 +436,10 @@ def _config(args: argparse.Namespace, device: harness.Device) -> dict[str, Any]:
     scenarios = args.scenarios or "1,3"
     return {
         "scenarios": [s.strip() for s in scenarios.split(",") if s.strip()],
-        "rates": args.rates or ([4.0] if quick else [4.0, 8.0, 16.0, 32.0] if gpu else [1.0, 2.0]),
+        "rates": args.rates or ([4.0] if quick else [8.0, 16.0, 32.0, 64.0] if gpu else [1.0, 2.0]),
+        "prefill_rates": args.prefill_rates
+        or args.rates
+        or ([4.0] if quick else [32.0, 96.0, 192.0] if gpu else [2.0, 4.0]),
         "duration_s": args.duration_s if args.duration_s is not None else (1.0 if quick else 8.0 if gpu else 6.0),
         "min_requests": args.min_requests or (4 if quick else 24 if gpu else 8),
         "prompt_len": args.prompt_len or (48 if quick else 1024 if gpu else 128),
@@ -490,32 +510,32 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
 
 def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> None:
     cfg, args = env.cfg, report.args
-    rng = random.Random(args.seed * 1000 + int(scenario))
     one_token = scenario == "3"
+    rates = cfg["prefill_rates"] if one_token else cfg["rates"]
     with _sides(env, scenario) as sides:
-        warm = make_workload("unique", 1000.0, {**cfg, "duration_s": 0, "min_requests": cfg["warmup_requests"]}, vocab,
-                             random.Random(-1))  # fmt: skip
+        warmup = {**cfg, "duration_s": 0, "min_requests": cfg["warmup_requests"]}
+        warm = make_workload("unique", 1000.0, warmup, vocab, -1)
         for side in sides.values():
             for r in warm:
                 r.request_id = f"warm-{side.name}-{r.request_id}"
             drive(side, warm, args.timeout_s)
-        steps = len(cfg["rates"]) * len(WORKLOADS) * len(sides)
+        steps = len(rates) * len(WORKLOADS) * len(sides)
         with harness.progress(steps, f"e2e scenario {scenario}", args.no_progress) as bar:
-            for k, rate in enumerate(cfg["rates"]):
+            for k, rate in enumerate(rates):
                 for workload in harness.rotated(WORKLOADS, k):
-                    requests = make_workload(workload, rate, cfg, vocab, rng)
+                    requests = make_workload(workload, rate, cfg, vocab, args.seed * 10 + int(scenario))
                     if one_token:
                         for r in requests:
                             r.max_new_tokens = 1
                     tokens = {}
                     for name in harness.rotated(list(sides), k):
                         side = sides[name]
-                        before = side.cached_bytes()
+                        before = side.prefix_bytes()
                         got = drive(side, requests, args.timeout_s)
                         stats, raw = summarize(requests, got, cfg["slo_ttft_ms"], cfg["slo_tpot_ms"], cfg["duration_s"])
                         stats |= {"scenario": scenario, "side": name, "workload": workload, "rate": rate}
                         if side.pools:
-                            stats["cached_bytes_added"] = side.cached_bytes() - before
+                            stats["prefix_bytes_stored"] = side.prefix_bytes() - before
                         report.results.append(stats)
                         report.raw[f"{scenario}/{name}/{workload}/{rate:g}"] = raw
                         tokens[name] = [got[r.request_id]["tokens"] for r in requests]
@@ -526,6 +546,10 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
                         report.notes.append(
                             f"scenario {scenario}, {workload} at {rate:g}/s: {bad} of {len(a)} requests' tokens differ"
                         )
+
+
+def _rates(cfg: dict[str, Any], scenario: str) -> list[float]:
+    return cfg["prefill_rates"] if scenario == "3" else cfg["rates"]
 
 
 def _row(report: harness.Report, scenario: str, side: str, workload: str, rate: float) -> dict[str, Any] | None:
@@ -545,15 +569,17 @@ def _targets(report: harness.Report) -> None:
             not differ, "; ".join(differ),
         )
     )  # fmt: skip
-    if "1" in scen:
-        for rate in cfg["rates"]:
-            mixed, unique = _row(report, "1", "pool", "mixed", rate), _row(report, "1", "pool", "unique", rate)
+    for s, side in (("1", "pool"), ("3", "shared-2p")):
+        if s not in scen:
+            continue
+        for rate in _rates(cfg, s):
+            mixed, unique = _row(report, s, side, "mixed", rate), _row(report, s, side, "unique", rate)
             if mixed is None or unique is None:
                 continue
             ratio = mixed["ttft_p50_us"] / unique["ttft_p50_us"]
             report.targets.append(
                 harness.Target(
-                    f"pool TTFT p50 with {mixed['hit_rate']:.0%} hits / unique, {rate:g} req/s",
+                    f"scenario {s}, {side}: TTFT p50 with {mixed['hit_rate']:.0%} hits / unique, {rate:g} req/s",
                     "<= 0.5x (at >= 70% hits)",
                     f"{ratio:.2f}x",
                     ratio <= 0.5 if mixed["hit_rate"] >= 0.7 else None,
@@ -563,7 +589,7 @@ def _targets(report: harness.Report) -> None:
     for s in scen:
         ours, base = SIDES[s]
         best = None
-        for rate in cfg["rates"]:
+        for rate in _rates(cfg, s):
             for w in WORKLOADS:
                 a, b = _row(report, s, ours, w, rate), _row(report, s, base, w, rate)
                 if a and b and (best is None or a["goodput_rps"] > best[0]["goodput_rps"]):
@@ -586,14 +612,14 @@ def _targets(report: harness.Report) -> None:
 def _body(report: harness.Report) -> str:
     cfg = report.config
     head = ["scen", "workload", "rate", "side", "goodput", "SLO met", "out tok/s", "TTFT p50", "TTFT p99",
-            "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "hits", "cached+"]  # fmt: skip
+            "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "hits", "prefix mem", "pf step/batch"]  # fmt: skip
     rows = []
 
     def tpot(r: dict[str, Any], q: str) -> str:
         return harness.fmt_us(r[f"tpot_{q}_us"]) if f"tpot_{q}_us" in r else "-"
 
     for r in sorted(report.results, key=lambda r: (r["scenario"], r["workload"], r["rate"], r["side"])):
-        cached = r.get("cached_bytes_added")
+        cached = r.get("prefix_bytes_stored")
         rows.append(
             [
                 r["scenario"],
@@ -611,6 +637,7 @@ def _body(report: harness.Report) -> str:
                 harness.fmt_us(r["e2e_p99_us"]),
                 f"{r['hit_rate']:.0%}",
                 "-" if cached is None else harness.fmt_bytes(cached),
+                f"{r['prefill_step_ms_p50']:.1f}ms/{r['prefill_batch_p50']:g}" if "prefill_step_ms_p50" in r else "-",
             ]
         )
     return (
@@ -635,7 +662,8 @@ def _plot(report: harness.Report) -> Any:
                 axes[0][col].plot(rates, [r["goodput_rps"] for r in rows], style, marker="o", label=f"{side} {w}")
                 axes[1][col].plot(rates, [r["ttft_p50_us"] / 1e3 for r in rows], style, marker="o",
                                   label=f"{side} {w}")  # fmt: skip
-        axes[0][col].plot(report.config["rates"], report.config["rates"], ":", color="grey", label="offered")
+        offered = _rates(report.config, s)
+        axes[0][col].plot(offered, offered, ":", color="grey", label="offered")
         axes[0][col].set(title=f"scenario {s}: goodput", xlabel="arrival rate (req/s)", ylabel="req/s within SLO")
         axes[1][col].set(title=f"scenario {s}: TTFT p50", xlabel="arrival rate (req/s)", ylabel="ms")
         axes[1][col].set_yscale("log")
