@@ -8,8 +8,9 @@ The loop, until ``--num-requests`` requests have finished or a stop signal (SIGI
    their claims are confirmed by the pool before the step, and one it refuses is dropped (its blocks were
    never this worker's).
 2. One step for the whole batch (:func:`workers.sequence.decode_step`): one ``alloc`` for every sequence that
-   crossed into a new block, the forward pass with paged attention through each block table (the Triton kernel
-   on CUDA), one greedy token per sequence.
+   crossed into a new block, then the engine's step (:class:`workers.engine.DecodeEngine`: on CUDA one graph
+   replay of the fused forward pass, paged attention reading each block table in place), one greedy token per
+   sequence.
 3. Finished sequences (``max_new_tokens`` reached): wait for the stream, ``free`` their blocks, print one JSON
    line with the tokens and timings.
 
@@ -38,6 +39,7 @@ from workers.cli import (
     setup,
     synchronize,
 )
+from workers.engine import DecodeEngine
 from workers.model import KVCaches, LlamaModel
 from workers.request import HandoffMeta
 from workers.sequence import Sequence, decode_step
@@ -68,6 +70,7 @@ class DecodeWorker:
         self.eos = frozenset(model.config.eos_token_id) if stop_at_eos else frozenset()
         self.running: list[Sequence] = []
         self.admitted: dict[str, Admitted] = {}
+        self.engine = DecodeEngine(model, kv_caches, block_size, max_batch=max_batch)
 
     def admit(self, limit: int, wait_s: float) -> list[dict[str, Any]]:
         """Claim up to ``limit`` handoffs (waiting ``wait_s`` for the first); returns records of any that end
@@ -117,7 +120,7 @@ class DecodeWorker:
         records: list[dict[str, Any]] = []
         while self.running:
             try:
-                decode_step(self.model, self.kv_caches, self.running, self.pool, self.block_size)
+                decode_step(self.model, self.kv_caches, self.running, self.pool, self.block_size, self.engine)
                 break
             except PoolExhausted as exc:
                 victim = self.running.pop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 
 from kvpool.layout import KVLayout
+from workers.engine import DecodeEngine
 from workers.kvcache import private_kv_caches
 from workers.model import LlamaModel
 from workers.sequence import Sequence, blocks_needed, decode_step, greedy
@@ -41,12 +42,15 @@ def greedy_generate(
 ) -> list[list[int]]:
     """Generated token ids (``max_new_tokens`` each, fewer if stopped at EOS) for each prompt.
 
-    Prompts are prefilled one by one, then decoded together in batches of up to ``max_batch``.
+    Prompts are prefilled one by one, then decoded together in batches of up to ``max_batch``, by the same
+    :class:`workers.engine.DecodeEngine` (CUDA graphs on a GPU) as the decode worker's.
     """
     bs = layout.block_size
     total = sum(blocks_needed(len(p) + max_new_tokens, bs) for p in prompts)
     caches = private_kv_caches(layout, total, model.device)
     blocks = LocalBlocks(total)
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
+    engine = DecodeEngine(model, caches, bs, max_batch=max_batch, max_context=longest)
     eos = frozenset(model.config.eos_token_id) if stop_at_eos else frozenset()
     results: list[list[int]] = []
     for start in range(0, len(prompts), max_batch):
@@ -57,7 +61,7 @@ def greedy_generate(
             seqs.append(Sequence(str(start + i), len(prompt), table, greedy(logits[None])[:1], max_new_tokens, eos))
         active = [s for s in seqs if not s.done]
         while active:
-            decode_step(model, caches, active, blocks, bs)
+            decode_step(model, caches, active, blocks, bs, engine)
             for s in active:
                 if s.done:
                     blocks.free(s.block_ids)

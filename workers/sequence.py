@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from workers.model import KVCaches, LlamaModel
+
+if TYPE_CHECKING:
+    from workers.engine import DecodeEngine
 
 
 class BlockSource(Protocol):
@@ -65,14 +68,27 @@ def grow(seqs: Seq[Sequence], blocks: BlockSource, block_size: int) -> None:
 
 
 def decode_step(
-    model: LlamaModel, kv_caches: KVCaches, seqs: Seq[Sequence], blocks: BlockSource, block_size: int
+    model: LlamaModel,
+    kv_caches: KVCaches,
+    seqs: Seq[Sequence],
+    blocks: BlockSource,
+    block_size: int,
+    engine: DecodeEngine | None = None,
 ) -> None:
-    """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync)."""
+    """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync).
+
+    With an ``engine`` (built over the same model and caches) the step is its graph replay; without, an eager
+    forward pass, which is what a caller that steps a batch only once or twice wants.
+    """
     grow(seqs, blocks, block_size)
-    logits = model.decode(
-        [s.output[-1] for s in seqs], [s.num_cached for s in seqs], [s.block_ids for s in seqs], kv_caches
-    )
-    for s, token in zip(seqs, greedy(logits), strict=True):
+    if engine is not None:
+        tokens = engine.step(seqs)
+    else:
+        logits = model.decode(
+            [s.output[-1] for s in seqs], [s.num_cached for s in seqs], [s.block_ids for s in seqs], kv_caches
+        )
+        tokens = greedy(logits)
+    for s, token in zip(seqs, tokens, strict=True):
         s.output.append(token)
 
 
