@@ -150,7 +150,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--profile", action="store_true", help="print the eager step's kernels by GPU time")
     parser.add_argument("--sweep", action="store_true", help="time the paged kernel's tuning knobs")
+    parser.add_argument("--block-n", type=int, default=None, help="the paged kernel's tile (default: its own)")
     args = parser.parse_args(argv)
+    if args.block_n:
+        import workers.triton_paged
+
+        workers.triton_paged.BLOCK_N = args.block_n
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -240,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "block_size": args.block_size,
         "order": args.order,
         "steps": args.steps,
+        "block_n": args.block_n,
         "graphs": bool(engine.graphs),
         "decode_tokens_per_s": round(args.batch / step_s, 1),
         "ms_per_step": round(1e3 * step_s, 3),

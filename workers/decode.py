@@ -263,6 +263,7 @@ def main(argv: Seq[str] | None = None) -> int:
         arena = blocks.arena
         model = load_model(args, layout, arena.device)
         worker = DecodeWorker(blocks, model, arena.kv_caches(), layout.block_size, args.max_batch, args.stop_at_eos)
+        worker.engine.capture()  # before the first claim: capturing writes nothing into the arena
         try:
             while args.num_requests is None or finished < args.num_requests:
                 busy = len(worker.running) + len(worker.waiting)

@@ -79,6 +79,15 @@ class DecodeEngine:
         self._sent = [0] * self.max_batch  # how many of its entries are in host_tables
         self.graphs.clear()
 
+    @torch.inference_mode()
+    def capture(self) -> int:
+        """Capture every bucket's graph now (largest first, so the smaller ones reuse its memory), so that no
+        request pays for a capture later; the number of graphs, 0 where graphs are off."""
+        if self.use_graphs:
+            for b in sorted(self.buckets, reverse=True):
+                self._graph(b)
+        return len(self.graphs)
+
     def bucket(self, n: int) -> int:
         """The padded batch size a step of ``n`` sequences runs at."""
         if not self.use_graphs:
@@ -157,10 +166,11 @@ class DecodeEngine:
         return self.model.logits(hidden).argmax(-1)
 
     def _splits(self, b: int) -> int:
-        from workers.triton_paged import choose_splits
+        from workers.triton_paged import choose_splits, default_block_n
 
         c = self.model.config
-        return choose_splits(b, c.num_key_value_heads, self.width * self.block_size, 64, self.device)
+        block_n = default_block_n(c.head_dim)
+        return choose_splits(b, c.num_key_value_heads, self.width * self.block_size, block_n, self.device)
 
     def _graph(self, b: int) -> torch.cuda.CUDAGraph:
         """The graph of bucket ``b``, captured on first use over padding rows, so capturing writes nothing."""

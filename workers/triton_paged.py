@@ -160,6 +160,12 @@ def _num_sms(index: int) -> int:
 
 #: programs per multiprocessor that :func:`choose_splits` aims the grid at
 WAVES = 2
+#: context positions per tile; None: 64 for head dims up to 128, else 32 (``bench_decode --block-n`` sets it)
+BLOCK_N: int | None = None
+
+
+def default_block_n(head_dim: int) -> int:
+    return BLOCK_N or (64 if head_dim <= 128 else 32)
 
 
 def choose_splits(
@@ -203,7 +209,7 @@ def paged_decode_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    block_n = block_n or (64 if d <= 128 else 32)
+    block_n = block_n or default_block_n(d)
     if num_splits is None:
         if max_context_len is None:
             max_context_len = int(context_lens.max())

@@ -71,3 +71,28 @@ def test_engine_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="max_batch"):
         DecodeEngine(model, caches, 4, max_batch=0)
     assert torch.isfinite(caches[0][0]).all()
+
+
+class CountingBlocks(LocalBlocks):
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.calls = 0
+
+    def alloc(self, num_blocks: int) -> list[int]:
+        self.calls += 1
+        return super().alloc(num_blocks)
+
+
+def test_growth_asks_the_pool_about_once_a_block() -> None:
+    """Mixed lengths cross block boundaries at almost every step; the pool is asked once per block_size + 1."""
+    model = LlamaModel.random(CONFIG, seed=4)
+    caches = private_kv_caches(layout_for(CONFIG, 4, "float32"), 200)
+    blocks = CountingBlocks(200)
+    seqs = [Sequence(str(n), n, blocks.alloc(blocks_needed(n, 4)), [1], 40) for n in (5, 6, 7, 8, 9, 10)]
+    blocks.calls = 0
+    engine = DecodeEngine(model, caches, 4, max_batch=6)
+    for _ in range(30):
+        decode_step(model, caches, seqs, blocks, 4, engine)
+    assert blocks.calls <= 30 // 5 + 1
+    for s in seqs:  # every written position has its block, and at most a block's worth more is held
+        assert blocks_needed(s.num_cached, 4) <= len(s.block_ids) <= blocks_needed(s.num_cached + 4, 4)
