@@ -411,7 +411,10 @@ class LlamaModel:
         batch = AttentionBatch.packed(pieces, bs, self.device)
         ids = torch.tensor([t for p in pieces for t in p.tokens], dtype=torch.long).to(self.device)
         positions = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces]).to(self.device)
-        hidden = self.forward(ids, positions, kv_caches, batch)
+        if batch.packed_args is not None and fused_decode_available(self.device):
+            hidden = self._prefill_fused(ids, positions, kv_caches, batch)
+        else:
+            hidden = self.forward(ids, positions, kv_caches, batch)
         last = torch.tensor(batch.q_lens).cumsum(0).sub(1).to(self.device)
         return self.logits(hidden[last])
 
@@ -425,6 +428,112 @@ class LlamaModel:
         """One step for a batch: token ``i`` sits at ``positions[i]`` of sequence ``i``. Returns [B, vocab] fp32."""
         bs = kv_caches[0][0].shape[1]
         batch = AttentionBatch.decode(block_tables, positions, bs, self.device)
+        assert batch.block_tables is not None and batch.context_lens is not None
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.logits(self.forward(ids, pos, kv_caches, batch))
+        hidden = self.decode_hidden(
+            ids, pos, kv_caches, batch.slot_blocks, batch.slot_offsets, batch.block_tables, batch.context_lens,
+            max_context_len=batch.max_context_len,
+        )  # fmt: skip
+        return self.logits(hidden)
+
+    def decode_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_splits: int | None = None,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` of one token per sequence; every argument lives on the device.
+
+        On CUDA (with Triton) the step is the fused kernels of :mod:`workers.triton_ops` around the matmuls and
+        the paged kernel: no host sync when ``num_splits`` is given, so :mod:`workers.engine` captures it in a
+        CUDA graph. There a row whose ``slot_blocks`` entry is negative and whose context length is 0 pads the
+        batch: it writes nothing and reads nothing. Elsewhere it is :meth:`forward`, unpadded.
+        """
+        if fused_decode_available(self.device):
+            return self._decode_fused(
+                input_ids, positions, kv_caches, slot_blocks, slot_offsets, block_tables, context_lens,
+                num_splits, max_context_len,
+            )  # fmt: skip
+        batch = AttentionBatch(
+            slot_blocks=slot_blocks.long(),
+            slot_offsets=slot_offsets.long(),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            max_context_len=max_context_len or int(context_lens.max()),
+        )
+        return self.forward(input_ids.long(), positions.long(), kv_caches, batch)
+
+    @torch.inference_mode()
+    def _decode_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_splits: int | None,
+        max_context_len: int | None,
+    ) -> torch.Tensor:
+        from workers.triton_ops import add_rms_norm, rope_store_kv, silu_mul
+        from workers.triton_paged import paged_decode_attention_triton
+
+        c = self.config
+        n = input_ids.shape[0]
+        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = add_rms_norm(delta, h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = rope_store_kv(qkv, positions, self.inv_freq, k_cache, v_cache, slot_blocks, slot_offsets, hq, hkv)
+            o = paged_decode_attention_triton(
+                q, k_cache, v_cache, block_tables, context_lens, self.scale,
+                max_context_len=max_context_len, num_splits=num_splits,
+            )  # fmt: skip
+            delta = F.linear(o.view(n, hq * d), layer.o, layer.o_bias)
+            x = add_rms_norm(delta, h, layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return add_rms_norm(delta, h, self.norm, eps)
+
+    @torch.inference_mode()
+    def _prefill_fused(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """:meth:`forward` for a packed prefill with the decode step's fused kernels around the matmuls: about
+        eight launches a layer instead of forty, which is most of a prefill's time when few tokens are new."""
+        from workers.triton_ops import add_rms_norm, rope_store_kv, silu_mul
+        from workers.triton_prefill import packed_prefill_attention_triton
+
+        c = self.config
+        n = ids.shape[0]
+        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        cu, cached, tiles = batch.packed_args
+        assert batch.block_tables is not None
+        h = F.embedding(ids, self.embed)
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = add_rms_norm(delta, h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = rope_store_kv(qkv, positions, self.inv_freq, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets,
+                              hq, hkv)  # fmt: skip
+            o = packed_prefill_attention_triton(q, k_cache, v_cache, batch.block_tables, cu, cached, tiles, self.scale)
+            delta = F.linear(o.view(n, hq * d), layer.o, layer.o_bias)
+            x = add_rms_norm(delta, h, layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return add_rms_norm(delta, h, self.norm, eps)
+
+
+def fused_decode_available(device: torch.device) -> bool:
+    """Whether the decode step can run the Triton kernels: a CUDA device and an importable ``triton``."""
+    from workers.attention import triton_available
+
+    return triton_available(device)

@@ -25,6 +25,7 @@ from kvpool.errors import PoolExhausted
 from kvpool.layout import KVLayout
 from kvpool.pool import LookupResult, Pool
 from workers.batching import PrefillBatcher
+from workers.engine import DecodeEngine
 from workers.kvcache import private_kv_caches
 from workers.model import KVCaches, LlamaModel
 from workers.request import GenerationRequest
@@ -58,12 +59,15 @@ def greedy_generate(
 ) -> list[list[int]]:
     """Generated token ids (``max_new_tokens`` each, fewer if stopped at EOS) for each prompt.
 
-    Prompts are prefilled one by one, then decoded together in batches of up to ``max_batch``.
+    Prompts are prefilled one by one, then decoded together in batches of up to ``max_batch``, by the same
+    :class:`workers.engine.DecodeEngine` (CUDA graphs on a GPU) as the decode worker's.
     """
     bs = layout.block_size
     total = sum(blocks_needed(len(p) + max_new_tokens, bs) for p in prompts)
     caches = private_kv_caches(layout, total, model.device)
     blocks = LocalBlocks(total)
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
+    engine = DecodeEngine(model, caches, bs, max_batch=max_batch, max_context=longest)
     eos = frozenset(model.config.eos_token_id) if stop_at_eos else frozenset()
     results: list[list[int]] = []
     for start in range(0, len(prompts), max_batch):
@@ -74,7 +78,7 @@ def greedy_generate(
             seqs.append(Sequence(str(start + i), len(prompt), table, greedy(logits[None])[:1], max_new_tokens, eos))
         active = [s for s in seqs if not s.done]
         while active:
-            decode_step(model, caches, active, blocks, bs)
+            decode_step(model, caches, active, blocks, bs, engine)
             for s in active:
                 if s.done:
                     blocks.free(s.block_ids)
@@ -130,6 +134,7 @@ class MonolithicEngine:
         self.max_batch = max_batch
         self.prefix_cache = prefix_cache
         self.batcher = PrefillBatcher(model, kv_caches, blocks, block_size, token_budget, max_batch, prefix_cache)
+        self.engine = DecodeEngine(model, kv_caches, block_size, max_batch=max_batch)
         self.running: list[Sequence] = []
         self.info: dict[str, dict[str, Any]] = {}
 
@@ -159,7 +164,7 @@ class MonolithicEngine:
         active = [s for s in self.running if not s.done]
         if active:
             try:
-                decode_step(self.model, self.kv_caches, active, self.blocks, self.block_size)
+                decode_step(self.model, self.kv_caches, active, self.blocks, self.block_size, self.engine)
             except PoolExhausted as exc:
                 victim = self.running.pop()
                 self.blocks.free(victim.block_ids)
@@ -221,6 +226,7 @@ def main(argv: Seq[str] | None = None) -> int:
     engine = MonolithicEngine(
         model, caches, blocks, layout.block_size, args.max_batch, args.token_budget, not args.no_prefix_cache
     )
+    engine.engine.capture()
     emit({"ready": True})
     inbox: queue.Queue[tuple[float, str] | None] = queue.Queue()
     threading.Thread(target=_read, args=(sys.stdin, inbox), name="mono-requests", daemon=True).start()
