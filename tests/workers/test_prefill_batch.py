@@ -22,6 +22,7 @@ SMALL = LlamaConfig(
     num_key_value_heads=2,
 )  # fmt: skip
 CASES = [(0, 1), (0, 70), (16, 1), (32, 9), (5, 130), (48, 64)]  # (cached, new) per sequence, packed together
+DEVICES = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 5e-3}
 
 
@@ -70,9 +71,11 @@ def test_packed_attention_matches_reference(backend: str, order: str, dtype: tor
     assert (out.double().cpu() - ref).abs().max().item() <= TOLERANCE[dtype]
 
 
-def test_batched_chunked_prefill_equals_one_at_a_time() -> None:
-    """Three prompts (one over a cached prefix) in one forward, then in chunks: same logits, same K/V."""
-    model = LlamaModel.random(SMALL, seed=4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_batched_chunked_prefill_equals_one_at_a_time(device: str) -> None:
+    """Three prompts (one over a cached prefix) in one forward, then in chunks: same logits, same K/V (on CUDA
+    through the fused kernels and the Triton prefill kernel)."""
+    model = LlamaModel.random(SMALL, seed=4, device=device)
     bs = 8
     layout = layout_for(SMALL, bs, "float32", "block_major")
     gen = torch.Generator().manual_seed(5)
@@ -80,11 +83,11 @@ def test_batched_chunked_prefill_equals_one_at_a_time() -> None:
     prompts[2][:24] = prompts[0][:24]  # three full blocks shared with prompt 0
     tables = [[0, 1, 2, 3, 4], [5], [0, 1, 2, 6, 7, 8, 9, 10]]
 
-    solo_caches = private_kv_caches(layout, 11, fill=float("nan"))
+    solo_caches = private_kv_caches(layout, 11, device, fill=float("nan"))
     solo = [model.prefill(prompts[0], tables[0], 0, solo_caches), model.prefill(prompts[1], tables[1], 0, solo_caches)]
     solo.append(model.prefill(prompts[2], tables[2], 24, solo_caches))
 
-    packed_caches = private_kv_caches(layout, 11, fill=float("nan"))
+    packed_caches = private_kv_caches(layout, 11, device, fill=float("nan"))
     model.prefill_batch([PrefillPiece(tables[0], 0, prompts[0][:24])], packed_caches)  # the shared prefix first
     first = model.prefill_batch(
         [PrefillPiece(tables[0], 24, prompts[0][24:]), PrefillPiece(tables[1], 0, prompts[1]),
@@ -107,11 +110,12 @@ def test_prefill_batch_refuses_a_table_too_short() -> None:
         model.prefill_batch([PrefillPiece([0], 4, list(range(9)))], caches)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("token_budget", [16, 4096])
-def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int) -> None:
+def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int, device: str) -> None:
     """Continuous batching with a private prefix cache: the reference's tokens, hits where prompts share blocks,
     and every block back in the books at the end."""
-    model = LlamaModel.random(SMALL, seed=6)
+    model = LlamaModel.random(SMALL, seed=6, device=device)
     bs = 8
     layout = layout_for(SMALL, bs, "float32", "block_major")
     gen = torch.Generator().manual_seed(7)
@@ -119,7 +123,8 @@ def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int
     prompts = [system + torch.randint(0, SMALL.vocab_size, (n,), generator=gen).tolist() for n in (5, 11, 2)]
     prompts.append(torch.randint(0, SMALL.vocab_size, (20,), generator=gen).tolist())
     blocks = PrivateBlocks(64, layout)
-    engine = MonolithicEngine(model, private_kv_caches(layout, 64), blocks, bs, max_batch=3, token_budget=token_budget)
+    caches = private_kv_caches(layout, 64, device)
+    engine = MonolithicEngine(model, caches, blocks, bs, max_batch=3, token_budget=token_budget)
     for i, p in enumerate(prompts):
         engine.submit(GenerationRequest(f"r{i}", p, 9))
     records: dict[str, dict[str, object]] = {}
