@@ -12,8 +12,9 @@ processes warmed up before anything is timed:
 Scenarios (``--scenarios``):
 
   1  one GPU: pool (one prefill + one decode worker) vs one monolithic worker
-  2  two GPUs: prefill on GPU 0 and decode on GPU 1 through one pool (an arena per GPU) vs two monolithic
-     replicas, one per GPU, behind a round-robin front
+  2  two GPUs: prefill on GPU 0 and decode on GPU 1 through one pool (an arena per GPU; the prefill copies each
+     prompt's KV into GPU 1's arena before the handoff, ``--push-to``) vs two monolithic replicas, one per GPU,
+     behind a round-robin front (``--pull-too`` adds the pool with the decode worker copying at its claim)
   3  two prefill workers sharing one pool's prefix cache vs the same two each with a pool of its own (a private
      cache); requests ask for one token, so this measures prefill: hit rate, TTFT, and the memory the cached
      prefix blocks take at the end of each rate (a shared prefix is stored once, not once per worker)
@@ -99,6 +100,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="[CPU float32, GPU bfloat16]"
+    )
+    parser.add_argument(
+        "--pull-too",
+        action="store_true",
+        help="scenario 2: also run the pool with the decode worker copying the KV at its claim (pool-2gpu-pull)",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="longest one rate may take to drain")
 
@@ -286,7 +292,9 @@ class Env:
         return ["--threads", str(self.threads), *self.model_args] if self.threads else list(self.model_args)
 
 
-def _pool_side(env: Env, name: str, units: int, prefills_per_unit: int, devices: tuple[int, int] | None) -> Side:
+def _pool_side(
+    env: Env, name: str, units: int, prefills_per_unit: int, devices: tuple[int, int] | None, push: bool = False
+) -> Side:
     """``units`` pools, each with ``prefills_per_unit`` prefill workers and one decode worker."""
     side = Side(name, env.workdir)
     side.block_nbytes = env.layout.block_nbytes
@@ -300,6 +308,8 @@ def _pool_side(env: Env, name: str, units: int, prefills_per_unit: int, devices:
         side.pools.append(pool)
         decode_name = f"{name}-decode-{u}"
         place_p = ["--device", str(devices[0])] if devices else []
+        if devices and push:
+            place_p += ["--push-to", str(devices[1])]
         place_d = ["--device", str(devices[1])] if devices else []
         base = ["--pool", pool.url, *env.worker_flags()]
         side.spawn(
@@ -454,6 +464,7 @@ def _config(args: argparse.Namespace, device: harness.Device) -> dict[str, Any]:
         "token_budget": args.token_budget,
         "cache_blocks": args.cache_blocks or (16384 if gpu else 2048),
         "warmup_requests": 8,
+        "pull_too": args.pull_too,
     }
 
 
@@ -495,7 +506,9 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
             made["pool"] = _pool_side(env, "pool", 1, 1, None)
             made["mono"] = _mono_side(env, "mono", [gpu])
         elif scenario == "2":
-            made["pool-2gpu"] = _pool_side(env, "pool-2gpu", 1, 1, (0, 1))
+            made["pool-2gpu"] = _pool_side(env, "pool-2gpu", 1, 1, (0, 1), push=True)
+            if env.cfg["pull_too"]:
+                made["pool-2gpu-pull"] = _pool_side(env, "pool-2gpu-pull", 1, 1, (0, 1))
             made["mono-x2"] = _mono_side(env, "mono-x2", ["cuda:0", "cuda:1"])
         elif scenario == "3":
             made["shared-2p"] = _pool_side(env, "shared-2p", 1, 2, None)
@@ -540,11 +553,12 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
                         report.raw[f"{scenario}/{name}/{workload}/{rate:g}"] = raw
                         tokens[name] = [got[r.request_id]["tokens"] for r in requests]
                         bar.update()
-                    a, b = tokens.values()
-                    bad = sum(x != y for x, y in zip(a, b, strict=True))
+                    first, *others = tokens.values()
+                    bad = sum(any(o[i] != x for o in others) for i, x in enumerate(first))
                     if bad:
                         report.notes.append(
-                            f"scenario {scenario}, {workload} at {rate:g}/s: {bad} of {len(a)} requests' tokens differ"
+                            f"scenario {scenario}, {workload} at {rate:g}/s: {bad} of {len(first)} requests' tokens "
+                            "differ between sides"
                         )
 
 
@@ -652,7 +666,7 @@ def _plot(report: harness.Report) -> Any:
     scen = report.config["scenarios"]
     fig, axes = plt.subplots(2, len(scen), figsize=(6 * len(scen), 8), squeeze=False)
     for col, s in enumerate(scen):
-        for side in SIDES[s]:
+        for side in sorted({r["side"] for r in report.results if r["scenario"] == s}):
             for w, style in zip(WORKLOADS, ("--", "-"), strict=True):
                 rows = sorted((r for r in report.results if (r["scenario"], r["side"], r["workload"]) == (s, side, w)),
                               key=lambda r: r["rate"])  # fmt: skip

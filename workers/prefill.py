@@ -58,11 +58,13 @@ class PrefillWorker:
         handoff_to: str | None = None,
         token_budget: int = 4096,
         max_running: int = 64,
+        push_to: int | None = None,
     ) -> None:
         self.pool = pool
         self.model = model
         self.alloc_timeout_s = alloc_timeout_s
         self.handoff_to = handoff_to
+        self.push_to = push_to
         self.batcher = PrefillBatcher(model, kv_caches, pool, block_size, token_budget, max_running)
 
     def submit(self, req: GenerationRequest, arrived_at: float | None = None) -> None:
@@ -105,7 +107,10 @@ class PrefillWorker:
                 computed_tokens=len(prompt) - p.hit_tokens,
                 hit_tokens=p.hit_tokens,
             )
-            self.pool.handoff(req.request_id, p.block_ids, len(prompt), meta=meta.to_dict(), to=self.handoff_to)
+            if self.push_to is None:
+                self.pool.handoff(req.request_id, p.block_ids, len(prompt), meta=meta.to_dict(), to=self.handoff_to)
+            else:
+                self._push(p, meta)
         except KvpoolError as exc:
             with contextlib.suppress(KvpoolError):
                 self.pool.free(p.block_ids)
@@ -121,6 +126,23 @@ class PrefillWorker:
             "forward_ms": step_ms,
             "total_ms": round(1e3 * (time.time() - p.arrived_at), 3),
         }
+
+    def _push(self, p: Prefilling, meta: HandoffMeta) -> None:
+        """Copy the prompt's KV into ``push_to``'s arena, then hand the copies off (global block ids).
+
+        The copy runs in this process: a gather on this GPU, a peer copy, a scatter on the other. Left to the
+        decode worker's claim, the gather would be that process's kernel on this GPU, time-sliced against the
+        prefill's own; here it queues behind them in one context. The originals stay cached here for hits.
+        """
+        client = self.pool.pool
+        moved = client.move([b + self.pool.first for b in p.block_ids], device=self.push_to)  # type: ignore[arg-type]
+        p.block_ids = []  # the originals are freed: nothing of them to free on a failure below
+        try:
+            client.handoff(p.request.request_id, moved, meta.prompt_len, meta=meta.to_dict(), to=self.handoff_to)
+        except KvpoolError:
+            with contextlib.suppress(KvpoolError):
+                client.free(moved)
+            raise
 
     def _give_up_waiting(self) -> list[dict[str, object]]:
         """With nothing running, a request that still does not fit after ``alloc_timeout_s`` fails (the pool
@@ -146,6 +168,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--token-budget", type=int, default=4096, help="most prompt tokens computed in one forward (longer: chunks)"
     )
     parser.add_argument("--max-running", type=int, default=64, help="most requests being prefilled at once")
+    parser.add_argument(
+        "--push-to",
+        type=int,
+        default=None,
+        metavar="DEVICE",
+        help="copy each prompt's KV into DEVICE's arena before the handoff (a decode worker there reads it in place)",
+    )
     parser.add_argument(
         "--handoff-to",
         default=None,
@@ -185,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             wait_for_session(pool, args.handoff_to, args.alloc_timeout_s)
         worker = PrefillWorker(
             blocks, model, arena.kv_caches(), layout.block_size, args.alloc_timeout_s, args.handoff_to,
-            args.token_budget, args.max_running,
+            args.token_budget, args.max_running, args.push_to,
         )  # fmt: skip
         inbox: queue.Queue[tuple[float, str] | None] = queue.Queue()
         threading.Thread(target=_read, args=(stream, inbox), name="prefill-requests", daemon=True).start()
