@@ -12,9 +12,9 @@ processes warmed up before anything is timed:
 Scenarios (``--scenarios``):
 
   1  one GPU: pool (one prefill + one decode worker) vs one monolithic worker
-  2  two GPUs: prefill on GPU 0 and decode on GPU 1 through one pool (an arena per GPU; the prefill copies each
-     prompt's KV into GPU 1's arena before the handoff, ``--push-to``) vs two monolithic replicas, one per GPU,
-     behind a round-robin front (``--pull-too`` adds the pool with the decode worker copying at its claim)
+  2  two GPUs: prefill on GPU 0 and decode on GPU 1 through one pool (an arena per GPU; the decode worker's claim
+     copies each prompt's KV to GPU 1) vs two monolithic replicas, one per GPU, behind a round-robin front
+     (``--push-too`` adds the pool with the prefill copying the KV before its handoff, ``--push-to``)
   3  two prefill workers sharing one pool's prefix cache vs the same two each with a pool of its own (a private
      cache); requests ask for one token, so this measures prefill: hit rate, TTFT, and the memory the cached
      prefix blocks take at the end of each rate (a shared prefix is stored once, not once per worker)
@@ -102,9 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", choices=["float32", "float16", "bfloat16"], default=None, help="[CPU float32, GPU bfloat16]"
     )
     parser.add_argument(
-        "--pull-too",
+        "--push-too",
         action="store_true",
-        help="scenario 2: also run the pool with the decode worker copying the KV at its claim (pool-2gpu-pull)",
+        help="scenario 2: also run the pool with the prefill copying the KV to GPU 1 (--push-to) (pool-2gpu-push)",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="longest one rate may take to drain")
 
@@ -464,7 +464,7 @@ def _config(args: argparse.Namespace, device: harness.Device) -> dict[str, Any]:
         "token_budget": args.token_budget,
         "cache_blocks": args.cache_blocks or (16384 if gpu else 2048),
         "warmup_requests": 8,
-        "pull_too": args.pull_too,
+        "push_too": args.push_too,
     }
 
 
@@ -506,9 +506,9 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
             made["pool"] = _pool_side(env, "pool", 1, 1, None)
             made["mono"] = _mono_side(env, "mono", [gpu])
         elif scenario == "2":
-            made["pool-2gpu"] = _pool_side(env, "pool-2gpu", 1, 1, (0, 1), push=True)
-            if env.cfg["pull_too"]:
-                made["pool-2gpu-pull"] = _pool_side(env, "pool-2gpu-pull", 1, 1, (0, 1))
+            made["pool-2gpu"] = _pool_side(env, "pool-2gpu", 1, 1, (0, 1))
+            if env.cfg["push_too"]:
+                made["pool-2gpu-push"] = _pool_side(env, "pool-2gpu-push", 1, 1, (0, 1), push=True)
             made["mono-x2"] = _mono_side(env, "mono-x2", ["cuda:0", "cuda:1"])
         elif scenario == "3":
             made["shared-2p"] = _pool_side(env, "shared-2p", 1, 2, None)
