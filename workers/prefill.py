@@ -26,7 +26,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvpool.client import DeviceSession, PoolClient
 from kvpool.errors import KvpoolError
@@ -91,13 +91,32 @@ class PrefillWorker:
             raise
         step_ms = round(1e3 * (time.perf_counter() - t0), 3)
         b.release(finished)
-        return [self._hand_off(p, step_ms, len(finished)) for p in finished]
+        return self._hand_off(finished, step_ms)
 
-    def _hand_off(self, p: Prefilling, step_ms: float, batch: int) -> dict[str, object]:
-        req, prompt = p.request, p.request.prompt
-        assert p.first_token is not None
-        try:
-            self.pool.commit(p.block_ids, prompt)
+    def _hand_off(self, finished: list[Prefilling], step_ms: float) -> list[dict[str, object]]:
+        """Commit each finished prompt's blocks, then hand it off (after one copy for all of them, pushing)."""
+        records: dict[int, dict[str, object]] = {}
+        ready: list[Prefilling] = []
+        for p in finished:
+            try:
+                self.pool.commit(p.block_ids, p.request.prompt)
+                ready.append(p)
+            except KvpoolError as exc:
+                records[id(p)] = self._failed(p, exc, self.pool.free, p.block_ids)
+        # the ids to hand off, and the client that speaks them: this device's (local ids), or the pool's (global)
+        ids: list[Sequence[int]] = [p.block_ids for p in ready]
+        client: DeviceSession | PoolClient = self.pool
+        if self.push_to is not None and ready:
+            try:
+                ids = self._push(ids)
+                client = self.pool.pool
+            except KvpoolError as exc:
+                for p in ready:
+                    records[id(p)] = self._failed(p, exc, self.pool.free, p.block_ids)
+                ready = []
+        for p, held in zip(ready, ids, strict=False):
+            req, prompt = p.request, p.request.prompt
+            assert p.first_token is not None
             meta = HandoffMeta(
                 prompt_len=len(prompt),
                 first_token=p.first_token,
@@ -107,42 +126,45 @@ class PrefillWorker:
                 computed_tokens=len(prompt) - p.hit_tokens,
                 hit_tokens=p.hit_tokens,
             )
-            if self.push_to is None:
-                self.pool.handoff(req.request_id, p.block_ids, len(prompt), meta=meta.to_dict(), to=self.handoff_to)
-            else:
-                self._push(p, meta)
-        except KvpoolError as exc:
-            with contextlib.suppress(KvpoolError):
-                self.pool.free(p.block_ids)
-            return {"request_id": req.request_id, "error": f"{type(exc).__name__}: {exc}"}
-        return {
-            "request_id": req.request_id,
-            "prompt_len": len(prompt),
-            "hit_tokens": p.hit_tokens,
-            "computed_tokens": len(prompt) - p.hit_tokens,
-            "num_blocks": len(p.block_ids),
-            "first_token": p.first_token,
-            "batch": batch,
-            "forward_ms": step_ms,
-            "total_ms": round(1e3 * (time.time() - p.arrived_at), 3),
-        }
+            try:
+                client.handoff(req.request_id, held, len(prompt), meta=meta.to_dict(), to=self.handoff_to)
+            except KvpoolError as exc:
+                records[id(p)] = self._failed(p, exc, client.free, held)
+                continue
+            records[id(p)] = {
+                "request_id": req.request_id,
+                "prompt_len": len(prompt),
+                "hit_tokens": p.hit_tokens,
+                "computed_tokens": len(prompt) - p.hit_tokens,
+                "num_blocks": len(held),
+                "first_token": p.first_token,
+                "batch": len(finished),
+                "forward_ms": step_ms,
+                "total_ms": round(1e3 * (time.time() - p.arrived_at), 3),
+            }
+        return [records[id(p)] for p in finished]
 
-    def _push(self, p: Prefilling, meta: HandoffMeta) -> None:
-        """Copy the prompt's KV into ``push_to``'s arena, then hand the copies off (global block ids).
+    @staticmethod
+    def _failed(p: Prefilling, exc: KvpoolError, free: Callable[[Sequence[int]], object], held: Sequence[int]) -> dict:
+        with contextlib.suppress(KvpoolError):
+            free(held)  # nothing leaks on a failure
+        return {"request_id": p.request.request_id, "error": f"{type(exc).__name__}: {exc}"}
 
-        The copy runs in this process: a gather on this GPU, a peer copy, a scatter on the other. Left to the
-        decode worker's claim, the gather would be that process's kernel on this GPU, time-sliced against the
-        prefill's own; here it queues behind them in one context. The originals stay cached here for hits.
+    def _push(self, tables: list[Sequence[int]]) -> list[list[int]]:
+        """Copy the prompts' KV into ``push_to``'s arena in one go; the copies' global block ids, per prompt.
+
+        The copy runs in this process, once per step: a gather on this GPU (queued behind the prefill's own
+        kernels in one context, where a decode worker's claim-time copy would be a second process's kernel,
+        time-sliced against them), a peer copy, a scatter on the other GPU, then one wait for it all. The
+        originals are freed and stay cached here for prefix hits.
         """
-        client = self.pool.pool
-        moved = client.move([b + self.pool.first for b in p.block_ids], device=self.push_to)  # type: ignore[arg-type]
-        p.block_ids = []  # the originals are freed: nothing of them to free on a failure below
-        try:
-            client.handoff(p.request.request_id, moved, meta.prompt_len, meta=meta.to_dict(), to=self.handoff_to)
-        except KvpoolError:
-            with contextlib.suppress(KvpoolError):
-                client.free(moved)
-            raise
+        flat = [b + self.pool.first for t in tables for b in t]
+        moved = self.pool.pool.move(flat, device=self.push_to)  # type: ignore[arg-type]
+        out, at = [], 0
+        for t in tables:
+            out.append(moved[at : at + len(t)])
+            at += len(t)
+        return out
 
     def _give_up_waiting(self) -> list[dict[str, object]]:
         """With nothing running, a request that still does not fit after ``alloc_timeout_s`` fails (the pool
