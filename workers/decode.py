@@ -35,6 +35,7 @@ from typing import Any
 
 from kvpool.client import DeviceSession
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.protocol import LookupResponse
 from workers.cli import (
     add_model_arguments,
     add_pool_arguments,
@@ -167,7 +168,10 @@ class DecodeWorker:
         prompt = self.admitted[seq.request_id].meta.prompt
         assert prompt is not None
         tokens = [*prompt, *seq.output[:-1]]
-        hit = self.pool.lookup(tokens[:-1])  # at least one token left to compute
+        if len(tokens) > self.block_size:  # a full block to find, and at least one token left to compute
+            hit = self.pool.lookup(tokens[:-1])
+        else:
+            hit = LookupResponse(block_ids=[], num_tokens=0)
         try:
             fresh = self.pool.alloc(blocks_needed(len(tokens), self.block_size) - len(hit.block_ids))
         except PoolExhausted:
