@@ -16,13 +16,21 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvpool.errors import PoolExhausted
 from workers.model import KVCaches, LlamaModel, PrefillPiece
 from workers.request import GenerationRequest
 from workers.sequence import blocks_needed, greedy
+
+
+class Hit(Protocol):
+    @property
+    def block_ids(self) -> Sequence[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 class PrefixBlocks(Protocol):
@@ -32,7 +40,7 @@ class PrefixBlocks(Protocol):
 
     def free(self, block_ids: Sequence[int]) -> object: ...
 
-    def lookup(self, token_ids: Sequence[int]) -> object: ...
+    def lookup(self, token_ids: Sequence[int]) -> Hit: ...
 
     def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> object: ...
 
@@ -47,11 +55,6 @@ class Prefilling:
     hit_tokens: int
     done: int
     first_token: int | None = None
-    admitted_at: float = field(default_factory=time.time)
-
-    @property
-    def finished(self) -> bool:
-        return self.first_token is not None
 
 
 @dataclass
@@ -105,16 +108,15 @@ class PrefillBatcher:
             if self.wait_for_prefix and self._prefix_in_flight(prompt):
                 break
             hit = self.blocks.lookup(prompt[:-1])
-            ids = list(hit.block_ids)  # type: ignore[attr-defined]
+            ids = list(hit.block_ids)
             try:
                 ids += self.blocks.alloc(blocks_needed(len(prompt), self.block_size) - len(ids))
             except PoolExhausted:
                 if ids:
                     self.blocks.free(ids)
                 break
-            hit_tokens = hit.num_tokens  # type: ignore[attr-defined]
             self.waiting.popleft()
-            self.running.append(Prefilling(head.request, head.arrived_at, ids, hit_tokens, hit_tokens))
+            self.running.append(Prefilling(head.request, head.arrived_at, ids, hit.num_tokens, hit.num_tokens))
             admitted += 1
         return admitted
 

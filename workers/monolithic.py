@@ -149,6 +149,11 @@ class MonolithicEngine:
         """One round; records: ``{"event": "first"}`` when a request's first token exists, then its final one."""
         records: list[dict[str, Any]] = []
         self.batcher.admit(self.max_batch - len(self.running) - len(self.batcher.running))
+        if self.batcher.waiting and not self.batcher.running and not self.running:
+            head = self.batcher.waiting.popleft()  # nothing holds a block, yet it does not fit: it never will
+            need = blocks_needed(len(head.request.prompt), self.block_size)
+            why = f"its prompt needs {need} blocks and the private cache has {self.blocks.books.total_blocks}"
+            records.append({"request_id": head.request.request_id, "error": f"too long for this worker: {why}"})
         if self.batcher.running:
             finished = self.batcher.step()
             self.batcher.release(finished)

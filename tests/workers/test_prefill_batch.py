@@ -142,3 +142,15 @@ def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int
     assert [records[f"r{i}"]["hit_tokens"] for i in range(4)] == [0, 3 * bs, 3 * bs, 0]
     stats = blocks.stats()
     assert stats["in_use"] == 0 and stats["free"] + stats["cached"] == 64
+
+
+def test_monolithic_engine_refuses_a_prompt_its_cache_cannot_hold() -> None:
+    model = LlamaModel.random(SMALL, seed=6)
+    layout = layout_for(SMALL, 8, "float32")
+    engine = MonolithicEngine(model, private_kv_caches(layout, 4), PrivateBlocks(4, layout), 8, max_batch=2)
+    engine.submit(GenerationRequest("long", list(range(40)), 3))
+    engine.submit(GenerationRequest("short", list(range(10)), 3))
+    records = [r for _ in range(20) for r in engine.iterate()]
+    assert "needs 5 blocks" in str(records[0]["error"]) and records[0]["request_id"] == "long"
+    assert records[-1]["request_id"] == "short" and len(records[-1]["tokens"]) == 3
+    assert engine.idle and engine.blocks.stats()["in_use"] == 0
