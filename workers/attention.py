@@ -4,8 +4,9 @@ Every cache tensor here is one layer's K or V as the arena shows it: ``[num_bloc
 head_dim]`` (NHD), possibly strided in dim 0 (``block_major`` arenas interleave layers between blocks). A
 sequence's token at position ``p`` lives in block ``block_table[p // block_size]`` at offset ``p % block_size``.
 
-* Prefill gathers the sequence's blocks once (a prompt is read once, so a gather costs no more than the reads)
-  and runs causal attention of the new tokens over cached plus new keys.
+* Prefill runs causal attention of the new tokens over cached plus new keys. Several sequences' new tokens are
+  packed into one batch: on CUDA the Triton kernel of :mod:`workers.triton_prefill` reads each sequence's keys in
+  place through its block table; elsewhere the torch fallback gathers one sequence's blocks at a time.
 * Decode reads K and V in place through the block table: on CUDA with the Triton kernel of
   :mod:`workers.triton_paged`, elsewhere with a torch fallback. The fallback gathers, which is what a CPU can do
   cheaply; the GPU path never copies the context.
@@ -91,6 +92,25 @@ def prefill_attention(
     return _ungrouped(out[0], t)
 
 
+def packed_prefill_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: list[int],
+    num_cached: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """Packed prefill without Triton: :func:`prefill_attention` per sequence, on its slice of ``q``."""
+    out = torch.empty_like(q)
+    begin = 0
+    for i, (t, cached) in enumerate(zip(q_lens, num_cached, strict=True)):
+        part = q[begin : begin + t]
+        out[begin : begin + t] = prefill_attention(part, k_cache, v_cache, block_tables[i], cached, scale)
+        begin += t
+    return out
+
+
 def paged_decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -157,6 +177,36 @@ def paged_decode_attention(
             q, k_cache, v_cache, block_tables, context_lens, scale, max_context_len=max_context_len
         )
     return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def packed_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: list[int],
+    num_cached: list[int],
+    scale: float,
+    device_args: tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Causal attention of several sequences' new tokens, packed in ``q`` ``[sum(q_lens), Hq, D]``.
+
+    Sequence ``i`` has ``num_cached[i]`` tokens in its blocks before its ``q_lens[i]`` new ones, whose K/V must
+    already be written. ``device_args`` (``cu_seqlens``, ``num_cached`` as int32 on the device, and the tiles of
+    :func:`workers.triton_prefill.prefill_tiles`) are built once per forward by the caller, not once per layer.
+    """
+    use_triton = backend == "triton" or (backend == "auto" and triton_available(q.device))
+    if use_triton:
+        from kvpool.workers.triton_prefill import packed_prefill_attention_triton, prefill_tiles
+
+        if device_args is None:
+            cu = torch.tensor([0, *q_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(q.device)
+            cached = torch.tensor(num_cached, dtype=torch.int32, device=q.device)
+            device_args = (cu, cached, prefill_tiles(q_lens, q.device))
+        cu, cached, tiles = device_args
+        return packed_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu, cached, tiles, scale)
+    return packed_prefill_attention_torch(q, k_cache, v_cache, block_tables, q_lens, num_cached, scale)
 
 
 def reference_attention(

@@ -1,12 +1,18 @@
-"""Decode throughput of the paged model: a batch of long sequences, one token each per step.
+"""Decode step time of the paged model beside its bandwidth floor: a batch of long sequences, one token each.
 
 ``python -m kvpool.workers.bench_decode`` (defaults: 32 sequences of 4096 tokens, a random model shaped like Llama 3.2
-1B in bf16, block size 16) times whole decode steps, the same :func:`workers.sequence.decode_step` the decode
-worker runs, over a private cache with the arena's geometry, and times the attention alone: the paged kernel
-against the torch fallback that gathers the context. The contexts' K/V are random values written straight into
-the blocks (prefilling 128k tokens would measure prefill, not decode). Block ids come from a local list, so the
-figures leave out the pool's ``alloc`` (one call per step at most, for the sequences that cross into a new block).
-It prints one JSON object.
+1B in bf16, block size 16) times whole decode steps, the same :class:`workers.engine.DecodeEngine` step (one CUDA
+graph replay on a GPU) that the decode worker and the monolithic generator run, over a private cache with the
+arena's geometry. The contexts' K/V are random values written straight into the blocks (prefilling 128k tokens
+would measure prefill, not decode). Block ids come from a local list, so the figures leave out the pool's
+``alloc`` (one call per step at most, for the sequences that cross into a new block).
+
+The floor is the bytes a step must read (every weight once, every context's K and V once) over the bandwidth of
+a large device-to-device copy measured in the same run (bytes read plus written, per second): no step can beat
+it by much. Besides the step the bench times the graph replay alone (the GPU's share), the eager step (the same
+kernels issued one by one) and the attention of one layer: the paged kernel against the torch fallback that
+gathers the context. ``--profile`` prints the eager step's kernels by GPU time; ``--sweep`` times the paged
+kernel's split count and tile shapes. It prints one JSON object last.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from kvpool.workers.attention import paged_decode_attention
+from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaConfig, LlamaModel
 from kvpool.workers.monolithic import LocalBlocks
@@ -53,23 +60,109 @@ def timed(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def gpu_timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of ``fn`` by CUDA events (the GPU's time, not the host's), after two warm-up runs."""
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Bytes per second of a device-to-device copy, counting the bytes read and the bytes written."""
+    if device.type != "cuda":
+        nbytes //= 8
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    if device.type != "cuda":
+        return 2 * nbytes / timed(lambda: dst.copy_(src), device, repeat=5)
+    return 2 * nbytes / gpu_timed(lambda: dst.copy_(src), repeat=20)
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """Bytes of the weights a decode step reads: every layer, the final norm and the LM head (the embedding's
+    rows for the batch's tokens are a rounding error, and a tied head is counted once)."""
+    tensors = [model.norm, model.lm_head]
+    for layer in model.layers:
+        tensors += [t for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def profile_step(step: Callable[[], object], rows: int = 15) -> str:
+    """The kernels of a few eager steps, by total GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def sweep_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor
+) -> list[dict[str, object]]:
+    """The paged kernel's GPU time per (splits, block_n, num_warps, num_stages), fastest first."""
+    from kvpool.workers.triton_paged import paged_decode_attention_triton
+
+    scale = q.shape[-1] ** -0.5
+    rows = []
+    for splits in (1, 2, 4, 8, 16):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+
+                    def run(s: int = splits, bn: int = block_n, w: int = warps, st: int = stages) -> None:
+                        paged_decode_attention_triton(
+                            q, k_cache, v_cache, tables, lens, scale, num_splits=s, block_n=bn, num_warps=w,
+                            num_stages=st,
+                        )  # fmt: skip
+
+                    try:
+                        ms = 1e3 * gpu_timed(run, repeat=20)
+                    except Exception as exc:  # a shape the compiler refuses (shared memory): note it, go on
+                        rows.append({"splits": splits, "block_n": block_n, "warps": warps, "stages": stages,
+                                     "error": type(exc).__name__})  # fmt: skip
+                        continue
+                    rows.append({"splits": splits, "block_n": block_n, "warps": warps, "stages": stages,
+                                 "ms": round(ms, 4)})  # fmt: skip
+    return sorted(rows, key=lambda r: float(r.get("ms", 1e9)))  # type: ignore[arg-type]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvpool.workers.bench_decode", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--order", choices=["layer_major", "block_major"], default="layer_major")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true", help="print the eager step's kernels by GPU time")
+    parser.add_argument("--sweep", action="store_true", help="time the paged kernel's tuning knobs")
+    parser.add_argument("--block-n", type=int, default=None, help="the paged kernel's tile (default: its own)")
     args = parser.parse_args(argv)
+    if args.block_n:
+        from kvpool.workers import triton_paged
+
+        triton_paged.BLOCK_N = args.block_n
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     config = PRESETS[args.preset]
     layout = layout_for(config, args.block_size, args.dtype, args.order)
-    per_seq = blocks_needed(args.context + args.steps + 8, args.block_size)
+    copy_bps = copy_bandwidth(device)
+    longest = args.context + 2 * args.steps + 16
+    per_seq = blocks_needed(longest, args.block_size)
     num_blocks = args.batch * per_seq
     caches = private_kv_caches(layout, num_blocks, device)
     for k_cache, v_cache in caches:
@@ -77,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         v_cache.normal_()
     model = LlamaModel.random(config, seed=0, device=device, dtype=dtype)
     blocks = LocalBlocks(num_blocks)
+    engine = DecodeEngine(model, caches, args.block_size, max_batch=args.batch, max_context=longest)
     gen = torch.Generator().manual_seed(0)
     seqs = [
         Seq(
@@ -90,16 +184,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
 
     def step() -> None:
+        decode_step(model, caches, seqs, blocks, args.block_size, engine)
+
+    def eager_step() -> None:
         decode_step(model, caches, seqs, blocks, args.block_size)
 
     for _ in range(3):
-        step()
+        step()  # captures the graph
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         step()  # ends in .tolist(): the host waits for every step
     elapsed = time.perf_counter() - t0
+    mean_context = sum(s.num_cached for s in seqs) / len(seqs) - args.steps / 2  # the timed steps' average
+    eager_s = timed(eager_step, device, repeat=5)
+    replay_s = None
+    if engine.graphs:
+        graph = engine.graphs[engine.bucket(args.batch)]
+        replay_s = gpu_timed(graph.replay, repeat=20)  # rewrites one slot per sequence: harmless here
 
     # attention alone, one layer, over the contexts as they now stand
     k_cache, v_cache = caches[0]
@@ -118,7 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             device,
             repeat=20,
         )
-    kv_bytes = 2 * int(lens.sum()) * config.num_key_value_heads * config.head_dim * layout.itemsize
+    kv_bytes_layer = 2 * int(lens.sum()) * config.num_key_value_heads * config.head_dim * layout.itemsize
+    step_kv_bytes = 2 * mean_context * args.batch * config.num_key_value_heads * config.head_dim * layout.itemsize
+    step_kv_bytes *= config.num_hidden_layers
+    w_bytes = weight_bytes(model)
+    floor_s = (w_bytes + step_kv_bytes) / copy_bps
+    step_s = elapsed / args.steps
+    if args.profile and device.type == "cuda":
+        print(profile_step(eager_step))
+    sweep = sweep_attention(q, k_cache, v_cache, tables, lens) if args.sweep and device.type == "cuda" else None
+    if sweep:
+        for row in sweep[:12]:
+            print(json.dumps(row))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     result = {
         "device": name,
@@ -130,11 +244,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         "block_size": args.block_size,
         "order": args.order,
         "steps": args.steps,
-        "decode_tokens_per_s": round(args.batch * args.steps / elapsed, 1),
-        "ms_per_step": round(1e3 * elapsed / args.steps, 3),
+        "block_n": args.block_n,
+        "graphs": bool(engine.graphs),
+        "decode_tokens_per_s": round(args.batch / step_s, 1),
+        "ms_per_step": round(1e3 * step_s, 3),
+        "floor_ms": round(1e3 * floor_s, 3),
+        "step_over_floor": round(step_s / floor_s, 2),
+        "weight_gb": round(w_bytes / 1e9, 3),
+        "kv_read_gb": round(step_kv_bytes / 1e9, 3),
+        "copy_gb_per_s": round(copy_bps / 1e9, 1),
+        "graph_replay_ms": None if replay_s is None else round(1e3 * replay_s, 3),
+        "eager_ms_per_step": round(1e3 * eager_s, 3),
         "attention_layer_ms": round(1e3 * attention["auto"], 4),
         "attention_layer_ms_torch_gather": round(1e3 * attention["torch"], 4),
-        "attention_kv_read_gb_per_s": round(kv_bytes / attention["auto"] / 1e9, 1),
+        "attention_kv_read_gb_per_s": round(kv_bytes_layer / attention["auto"] / 1e9, 1),
         "attention_backend": "triton" if device.type == "cuda" else "torch",
     }
     print(json.dumps(result))

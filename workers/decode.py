@@ -8,13 +8,19 @@ The loop, until ``--num-requests`` requests have finished or a stop signal (SIGI
    their claims are confirmed by the pool before the step, and one it refuses is dropped (its blocks were
    never this worker's).
 2. One step for the whole batch (:func:`workers.sequence.decode_step`): one ``alloc`` for every sequence that
-   crossed into a new block, the forward pass with paged attention through each block table (the Triton kernel
-   on CUDA), one greedy token per sequence.
+   crossed into a new block, then the engine's step (:class:`workers.engine.DecodeEngine`: on CUDA one graph
+   replay of the fused forward pass, paged attention reading each block table in place), one greedy token per
+   sequence.
 3. Finished sequences (``max_new_tokens`` reached): wait for the stream, ``free`` their blocks, print one JSON
    line with the tokens and timings.
 
-If the pool runs out of blocks mid-step, the most recently admitted sequence is dropped (its blocks freed, an
-error line printed) so the others can go on: a decode worker must not wait on blocks only it can free.
+If the pool runs out of blocks mid-step, the most recently admitted sequence is preempted, as vLLM does, until
+the rest fit: when its handoff carried the prompt's tokens (``HandoffMeta.prompt``) its blocks are freed and it
+waits to be recomputed (its prompt's committed blocks are looked up in the pool again, the rest prefilled here);
+otherwise it keeps its blocks and waits (it stops growing). Waiting sequences resume, oldest first, before any
+new request is claimed. Only when nothing can run at all, and the newest waiting sequence can neither be
+recomputed nor freed otherwise, is that one dropped (its blocks freed, an error line printed): a decode worker
+must not wait for blocks that only it can free.
 A stop signal stops the claiming; sequences already running are finished, then the worker exits.
 """
 
@@ -36,12 +42,14 @@ from kvpool.workers.cli import (
     setup,
     synchronize,
 )
+from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.model import KVCaches, LlamaModel
 from kvpool.workers.request import HandoffMeta
-from kvpool.workers.sequence import Sequence, decode_step
+from kvpool.workers.sequence import Sequence, blocks_needed, decode_step
 
 from kvpool.client import DeviceSession
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.protocol import LookupResponse
 
 
 @dataclass
@@ -49,6 +57,8 @@ class Admitted:
     meta: HandoffMeta
     claimed_at: float
     direct: bool
+    order: int = 0
+    preemptions: int = 0
 
 
 class DecodeWorker:
@@ -68,12 +78,17 @@ class DecodeWorker:
         self.max_batch = max_batch
         self.eos = frozenset(model.config.eos_token_id) if stop_at_eos else frozenset()
         self.running: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # preempted, oldest admission first
         self.admitted: dict[str, Admitted] = {}
+        self.engine = DecodeEngine(model, kv_caches, block_size, max_batch=max_batch)
+        self._order = 0
 
     def admit(self, limit: int, wait_s: float) -> list[dict[str, Any]]:
         """Claim up to ``limit`` handoffs (waiting ``wait_s`` for the first); returns records of any that end
         at once (``max_new_tokens == 1``)."""
         records: list[dict[str, Any]] = []
+        if self.waiting:  # preempted sequences come first
+            return records
         for i in range(min(limit, self.max_batch - len(self.running))):
             try:
                 claim = self.pool.claim(None, timeout_s=wait_s if i == 0 else 0.0)
@@ -88,7 +103,8 @@ class DecodeWorker:
                 max_new_tokens=meta.max_new_tokens,
                 eos_token_ids=self.eos,
             )
-            self.admitted[seq.request_id] = Admitted(meta, time.time(), claim.direct)
+            self._order += 1
+            self.admitted[seq.request_id] = Admitted(meta, time.time(), claim.direct, self._order)
             self.running.append(seq)
         try:
             self.pool.confirm()
@@ -114,25 +130,74 @@ class DecodeWorker:
         ]
 
     def step(self) -> list[dict[str, Any]]:
-        """One token for every running sequence; records of the sequences that finished."""
+        """One token for every running sequence; records of the sequences that finished (or were dropped)."""
         records: list[dict[str, Any]] = []
+        self._resume()
         while self.running:
             try:
-                decode_step(self.model, self.kv_caches, self.running, self.pool, self.block_size)
+                decode_step(self.model, self.kv_caches, self.running, self.pool, self.block_size, self.engine)
                 break
-            except PoolExhausted as exc:
-                victim = self.running.pop()
-                self.pool.free(victim.block_ids)
-                info = self.admitted.pop(victim.request_id)
-                records.append(
-                    {
-                        "request_id": victim.request_id,
-                        "error": f"dropped, the pool is full: {exc}",
-                        "tokens": victim.output,
-                        "prompt_len": info.meta.prompt_len,
-                    }
-                )
+            except PoolExhausted:
+                self._preempt(self.running.pop())
+        if not self.running and any(s.block_ids for s in self.waiting):
+            records += self._drop_stuck()
         return records + self._retire()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Stop ``seq`` until blocks free up: free its blocks when it can be recomputed, else let it keep them."""
+        info = self.admitted[seq.request_id]
+        info.preemptions += 1
+        if info.meta.prompt is not None:
+            synchronize(self.model.device)  # no kernel of ours still reads the blocks we are about to free
+            self.pool.free(seq.block_ids)
+            seq.block_ids = []
+        self.waiting.append(seq)
+        self.waiting.sort(key=lambda s: self.admitted[s.request_id].order)
+
+    def _resume(self) -> None:
+        """Bring waiting sequences back, oldest first, while the batch has room and the pool has blocks."""
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            if not seq.block_ids and not self._recompute(seq):
+                break
+            self.waiting.pop(0)
+            self.running.append(seq)
+        self.running.sort(key=lambda s: self.admitted[s.request_id].order)
+
+    def _recompute(self, seq: Sequence) -> bool:
+        """Rebuild a preempted sequence's K/V: its prompt's cached blocks from the pool, the rest computed here."""
+        prompt = self.admitted[seq.request_id].meta.prompt
+        assert prompt is not None
+        tokens = [*prompt, *seq.output[:-1]]
+        if len(tokens) > self.block_size:  # a full block to find, and at least one token left to compute
+            hit = self.pool.lookup(tokens[:-1])
+        else:
+            hit = LookupResponse(block_ids=[], num_tokens=0)
+        try:
+            fresh = self.pool.alloc(blocks_needed(len(tokens), self.block_size) - len(hit.block_ids))
+        except PoolExhausted:
+            if hit.block_ids:
+                self.pool.free(hit.block_ids)
+            return False
+        seq.block_ids = [*hit.block_ids, *fresh]
+        self.model.prefill(tokens, seq.block_ids, hit.num_tokens, self.kv_caches)
+        return True
+
+    def _drop_stuck(self) -> list[dict[str, Any]]:
+        """Nothing can run and a waiting sequence holds blocks it cannot give up: drop the newest such one."""
+        victim = next(s for s in reversed(self.waiting) if s.block_ids)
+        self.waiting.remove(victim)
+        synchronize(self.model.device)
+        self.pool.free(victim.block_ids)
+        info = self.admitted.pop(victim.request_id)
+        return [
+            {
+                "request_id": victim.request_id,
+                "error": "dropped, the pool is full and the handoff carried no prompt to recompute it from",
+                "tokens": victim.output,
+                "prompt_len": info.meta.prompt_len,
+            }
+        ]
 
     def _retire(self) -> list[dict[str, Any]]:
         done = [s for s in self.running if s.done]
@@ -161,14 +226,17 @@ class DecodeWorker:
             "decode_ms": round(1e3 * decode_s, 3),
             "ms_per_token": round(1e3 * decode_s / decoded, 3) if decoded else None,
             "e2e_ms": round(1e3 * (now - m.arrived_at), 3),
+            "preemptions": info.preemptions,
         }
 
     def close(self) -> None:
         """Give back the blocks of sequences still running (closing the session would also release them)."""
-        if self.running:
+        held = [b for s in self.running + self.waiting for b in s.block_ids]
+        if held:
             synchronize(self.model.device)
-            self.pool.free([b for s in self.running for b in s.block_ids])
-            self.running.clear()
+            self.pool.free(held)
+        self.running.clear()
+        self.waiting.clear()
 
 
 def parse_args(argv: Seq[str] | None) -> argparse.Namespace:
@@ -200,17 +268,21 @@ def main(argv: Seq[str] | None = None) -> int:
         arena = blocks.arena
         model = load_model(args, layout, arena.device)
         worker = DecodeWorker(blocks, model, arena.kv_caches(), layout.block_size, args.max_batch, args.stop_at_eos)
+        worker.engine.capture()  # before the first claim: capturing writes nothing into the arena
         try:
             while args.num_requests is None or finished < args.num_requests:
-                if stopping and not worker.running:
+                busy = len(worker.running) + len(worker.waiting)
+                if stopping and not busy:
                     break
                 records: list[dict[str, Any]] = []
                 if not stopping:
-                    left = (args.num_requests - finished - len(worker.running)) if args.num_requests else 1 << 30
-                    wait = 0.0 if worker.running else args.idle_wait_s
+                    left = (args.num_requests - finished - busy) if args.num_requests else 1 << 30
+                    wait = 0.0 if busy else args.idle_wait_s
                     records += worker.admit(left, wait)
-                if worker.running:
+                if worker.running or worker.waiting:
                     records += worker.step()
+                    if not worker.running:
+                        time.sleep(0.01)  # every sequence waits for blocks that others must free
                 for record in records:
                     emit(record)
                 finished += len(records)

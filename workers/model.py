@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from kvpool.workers.attention import paged_decode_attention, prefill_attention, write_kv
+from kvpool.workers.attention import (
+    packed_prefill_attention,
+    paged_decode_attention,
+    prefill_attention,
+    triton_available,
+    write_kv,
+)
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
@@ -139,13 +145,24 @@ class LayerWeights:
     down_bias: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class PrefillPiece:
+    """New tokens of one sequence for a prefill forward: ``tokens`` go at positions ``start ..``, after the
+    ``start`` tokens (a prefix hit, earlier chunks) whose K/V are already in ``block_table``'s blocks."""
+
+    block_table: Sequence[int]
+    start: int
+    tokens: Sequence[int]
+
+
 @dataclass
 class AttentionBatch:
     """Where the forward pass writes this step's K/V and how it attends.
 
     ``slot_blocks``/``slot_offsets`` ([N] on the device) name the cache slot of each input token. Prefill
     (``block_table`` of one sequence, ``num_cached`` tokens already in it) and decode (``block_tables``
-    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields.
+    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields; a packed
+    prefill (:meth:`packed`) sets ``q_lens`` and ``cached_lens`` per sequence beside ``block_tables``.
     """
 
     slot_blocks: torch.Tensor
@@ -155,6 +172,9 @@ class AttentionBatch:
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     max_context_len: int = 0
+    q_lens: list[int] | None = None
+    cached_lens: list[int] = field(default_factory=list)
+    packed_args: Any = None
 
     @classmethod
     def prefill(
@@ -168,6 +188,28 @@ class AttentionBatch:
             block_table=table.to(device),
             num_cached=num_cached,
         )
+
+    @classmethod
+    def packed(cls, pieces: Sequence[PrefillPiece], block_size: int, device: torch.device) -> AttentionBatch:
+        """Several sequences' new tokens in one batch (``block_tables`` [B, max_blocks], ``q_lens``)."""
+        width = max(len(p.block_table) for p in pieces)
+        tables = torch.tensor([list(p.block_table) + [0] * (width - len(p.block_table)) for p in pieces])
+        rows = torch.cat([torch.full((len(p.tokens),), i) for i, p in enumerate(pieces)])
+        pos = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces])
+        q_lens, cached = [len(p.tokens) for p in pieces], [p.start for p in pieces]
+        batch = cls(
+            slot_blocks=tables[rows, pos // block_size].to(device),
+            slot_offsets=(pos % block_size).to(device),
+            block_tables=tables.to(torch.int32).to(device),
+            q_lens=q_lens,
+            cached_lens=cached,
+        )
+        if triton_available(device):
+            from kvpool.workers.triton_prefill import prefill_tiles
+
+            cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32).to(device)
+            batch.packed_args = (cu, torch.tensor(cached, dtype=torch.int32).to(device), prefill_tiles(q_lens, device))
+        return batch
 
     @classmethod
     def decode(
@@ -298,6 +340,12 @@ class LlamaModel:
     def _attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch
     ) -> torch.Tensor:
+        if batch.q_lens is not None:
+            assert batch.block_tables is not None
+            return packed_prefill_attention(
+                q, k_cache, v_cache, batch.block_tables, batch.q_lens, batch.cached_lens, self.scale,
+                device_args=batch.packed_args,
+            )  # fmt: skip
         if batch.block_tables is not None:
             assert batch.context_lens is not None
             return paged_decode_attention(
@@ -342,17 +390,32 @@ class LlamaModel:
 
         Returns the fp32 logits ``[vocab]`` of the last token. ``block_table`` must cover ``len(token_ids)``.
         """
-        new = list(token_ids[num_cached:])
-        if not new:
-            raise ValueError("prefill needs at least one token to compute")
+        return self.prefill_batch([PrefillPiece(block_table, num_cached, token_ids[num_cached:])], kv_caches)[0]
+
+    def prefill_batch(self, pieces: Sequence[PrefillPiece], kv_caches: KVCaches) -> torch.Tensor:
+        """One forward over several sequences' new tokens, packed: ``[len(pieces), vocab]`` fp32 logits, each
+        of a piece's last token (a chunk that does not end its prompt has no use for them).
+
+        Batching is what makes a prefill worker fast: the projections and MLP of every piece run as one matmul,
+        and the attention as one kernel launch per layer, instead of one small forward per request.
+        """
+        if not pieces:
+            raise ValueError("prefill_batch needs at least one piece")
         bs = kv_caches[0][0].shape[1]
-        if len(block_table) * bs < len(token_ids):
-            raise ValueError(f"{len(block_table)} blocks of {bs} cannot hold {len(token_ids)} tokens")
-        batch = AttentionBatch.prefill(block_table, num_cached, len(new), bs, self.device)
-        ids = torch.tensor(new, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_cached, num_cached + len(new), device=self.device)
-        hidden = self.forward(ids, positions, kv_caches, batch)
-        return self.logits(hidden[-1:])[0]
+        for p in pieces:
+            if not p.tokens:
+                raise ValueError("prefill needs at least one token to compute")
+            if len(p.block_table) * bs < p.start + len(p.tokens):
+                raise ValueError(f"{len(p.block_table)} blocks of {bs} cannot hold {p.start + len(p.tokens)} tokens")
+        batch = AttentionBatch.packed(pieces, bs, self.device)
+        ids = torch.tensor([t for p in pieces for t in p.tokens], dtype=torch.long).to(self.device)
+        positions = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces]).to(self.device)
+        if batch.packed_args is not None and fused_decode_available(self.device):
+            hidden = self._prefill_fused(ids, positions, kv_caches, batch)
+        else:
+            hidden = self.forward(ids, positions, kv_caches, batch)
+        last = torch.tensor(batch.q_lens).cumsum(0).sub(1).to(self.device)
+        return self.logits(hidden[last])
 
     def decode(
         self,
@@ -364,6 +427,112 @@ class LlamaModel:
         """One step for a batch: token ``i`` sits at ``positions[i]`` of sequence ``i``. Returns [B, vocab] fp32."""
         bs = kv_caches[0][0].shape[1]
         batch = AttentionBatch.decode(block_tables, positions, bs, self.device)
+        assert batch.block_tables is not None and batch.context_lens is not None
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        return self.logits(self.forward(ids, pos, kv_caches, batch))
+        hidden = self.decode_hidden(
+            ids, pos, kv_caches, batch.slot_blocks, batch.slot_offsets, batch.block_tables, batch.context_lens,
+            max_context_len=batch.max_context_len,
+        )  # fmt: skip
+        return self.logits(hidden)
+
+    def decode_hidden(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_splits: int | None = None,
+        max_context_len: int | None = None,
+    ) -> torch.Tensor:
+        """Final hidden states ``[B, hidden]`` of one token per sequence; every argument lives on the device.
+
+        On CUDA (with Triton) the step is the fused kernels of :mod:`workers.triton_ops` around the matmuls and
+        the paged kernel: no host sync when ``num_splits`` is given, so :mod:`workers.engine` captures it in a
+        CUDA graph. There a row whose ``slot_blocks`` entry is negative and whose context length is 0 pads the
+        batch: it writes nothing and reads nothing. Elsewhere it is :meth:`forward`, unpadded.
+        """
+        if fused_decode_available(self.device):
+            return self._decode_fused(
+                input_ids, positions, kv_caches, slot_blocks, slot_offsets, block_tables, context_lens,
+                num_splits, max_context_len,
+            )  # fmt: skip
+        batch = AttentionBatch(
+            slot_blocks=slot_blocks.long(),
+            slot_offsets=slot_offsets.long(),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            max_context_len=max_context_len or int(context_lens.max()),
+        )
+        return self.forward(input_ids.long(), positions.long(), kv_caches, batch)
+
+    @torch.inference_mode()
+    def _decode_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        num_splits: int | None,
+        max_context_len: int | None,
+    ) -> torch.Tensor:
+        from kvpool.workers.triton_ops import add_rms_norm, rope_store_kv, silu_mul
+        from kvpool.workers.triton_paged import paged_decode_attention_triton
+
+        c = self.config
+        n = input_ids.shape[0]
+        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        h = F.embedding(input_ids, self.embed)
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = add_rms_norm(delta, h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = rope_store_kv(qkv, positions, self.inv_freq, k_cache, v_cache, slot_blocks, slot_offsets, hq, hkv)
+            o = paged_decode_attention_triton(
+                q, k_cache, v_cache, block_tables, context_lens, self.scale,
+                max_context_len=max_context_len, num_splits=num_splits,
+            )  # fmt: skip
+            delta = F.linear(o.view(n, hq * d), layer.o, layer.o_bias)
+            x = add_rms_norm(delta, h, layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return add_rms_norm(delta, h, self.norm, eps)
+
+    @torch.inference_mode()
+    def _prefill_fused(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv_caches: KVCaches, batch: AttentionBatch
+    ) -> torch.Tensor:
+        """:meth:`forward` for a packed prefill with the decode step's fused kernels around the matmuls: about
+        eight launches a layer instead of forty, which is most of a prefill's time when few tokens are new."""
+        from kvpool.workers.triton_ops import add_rms_norm, rope_store_kv, silu_mul
+        from kvpool.workers.triton_prefill import packed_prefill_attention_triton
+
+        c = self.config
+        n = ids.shape[0]
+        hq, hkv, d, eps = c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps
+        cu, cached, tiles = batch.packed_args
+        assert batch.block_tables is not None
+        h = F.embedding(ids, self.embed)
+        delta: torch.Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = add_rms_norm(delta, h, layer.input_norm, eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q = rope_store_kv(qkv, positions, self.inv_freq, k_cache, v_cache, batch.slot_blocks, batch.slot_offsets,
+                              hq, hkv)  # fmt: skip
+            o = packed_prefill_attention_triton(q, k_cache, v_cache, batch.block_tables, cu, cached, tiles, self.scale)
+            delta = F.linear(o.view(n, hq * d), layer.o, layer.o_bias)
+            x = add_rms_norm(delta, h, layer.post_norm, eps)
+            delta = F.linear(silu_mul(F.linear(x, layer.gate_up, layer.gate_up_bias)), layer.down, layer.down_bias)
+        return add_rms_norm(delta, h, self.norm, eps)
+
+
+def fused_decode_available(device: torch.device) -> bool:
+    """Whether the decode step can run the Triton kernels: a CUDA device and an importable ``triton``."""
+    from kvpool.workers.attention import triton_available
+
+    return triton_available(device)

@@ -52,6 +52,8 @@ class HandoffMeta:
 
     ``first_token`` was sampled from the prompt's last logits; ``arrived_at``/``handed_off_at`` are wall-clock
     seconds (``time.time()``: both workers run on one node, so their clocks agree) for end-to-end timings.
+    ``prompt``, when the prefill sends it, lets a decode worker that must preempt the request free its blocks
+    and recompute them later; without it a preempted request keeps its blocks while it waits.
     """
 
     prompt_len: int
@@ -62,6 +64,7 @@ class HandoffMeta:
     computed_tokens: int
     hit_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)
+    prompt: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from kvpool.workers.model import KVCaches, LlamaModel
+
+from kvpool.errors import PoolExhausted
+
+if TYPE_CHECKING:
+    from kvpool.workers.engine import DecodeEngine
 
 
 class BlockSource(Protocol):
@@ -53,25 +58,59 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def grow(seqs: Seq[Sequence], blocks: BlockSource, block_size: int) -> None:
-    """Give every sequence a block for the token it is about to write, with one ``alloc`` for the batch."""
+def grow(seqs: Seq[Sequence], blocks: BlockSource, block_size: int, lookahead: int | None = None) -> None:
+    """Give every sequence a block for the token it is about to write, with one ``alloc`` for the batch.
+
+    When some sequence needs a block now, every sequence that will need one within ``lookahead`` more tokens
+    (default: a block's worth, never past what its ``max_new_tokens`` can write) gets it in the same call: in a
+    batch of mixed lengths some sequence crosses a block boundary at almost every step, and a round trip to the
+    pool per step would cost more than the step's kernels. If the pool cannot spare the extra blocks, only the
+    ones needed now are asked for.
+    """
     short = [s for s in seqs if blocks_needed(s.num_cached + 1, block_size) > len(s.block_ids)]
     if not short:
         return
-    fresh = blocks.alloc(len(short))
-    for s, block in zip(short, fresh, strict=True):
-        s.block_ids.append(block)
+    ahead = block_size if lookahead is None else lookahead
+    wants = []
+    for s in seqs:
+        last = max(s.num_cached + 1, min(s.num_cached + 1 + ahead, s.prompt_len + s.max_new_tokens - 1))
+        wants.append(max(0, blocks_needed(last, block_size) - len(s.block_ids)))
+    try:
+        fresh = blocks.alloc(sum(wants)) if sum(wants) > len(short) else None
+    except (PoolExhausted, MemoryError):
+        fresh = None
+    if fresh is None:
+        needy = {id(s) for s in short}
+        wants = [1 if id(s) in needy else 0 for s in seqs]
+        fresh = blocks.alloc(len(short))
+    taken = 0
+    for s, n in zip(seqs, wants, strict=True):
+        s.block_ids.extend(fresh[taken : taken + n])
+        taken += n
 
 
 def decode_step(
-    model: LlamaModel, kv_caches: KVCaches, seqs: Seq[Sequence], blocks: BlockSource, block_size: int
+    model: LlamaModel,
+    kv_caches: KVCaches,
+    seqs: Seq[Sequence],
+    blocks: BlockSource,
+    block_size: int,
+    engine: DecodeEngine | None = None,
 ) -> None:
-    """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync)."""
+    """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync).
+
+    With an ``engine`` (built over the same model and caches) the step is its graph replay; without, an eager
+    forward pass, which is what a caller that steps a batch only once or twice wants.
+    """
     grow(seqs, blocks, block_size)
-    logits = model.decode(
-        [s.output[-1] for s in seqs], [s.num_cached for s in seqs], [s.block_ids for s in seqs], kv_caches
-    )
-    for s, token in zip(seqs, greedy(logits), strict=True):
+    if engine is not None:
+        tokens = engine.step(seqs)
+    else:
+        logits = model.decode(
+            [s.output[-1] for s in seqs], [s.num_cached for s in seqs], [s.block_ids for s in seqs], kv_caches
+        )
+        tokens = greedy(logits)
+    for s, token in zip(seqs, tokens, strict=True):
         s.output.append(token)
 
 

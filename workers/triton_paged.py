@@ -36,7 +36,6 @@ def _paged_decode_kernel(
     part_lse_ptr,
     scale,
     block_size,
-    tokens_per_split,
     num_splits,
     stride_qb,
     stride_qh,
@@ -61,8 +60,11 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + seq)
-    start = split * tokens_per_split
-    end = tl.minimum(ctx, start + tokens_per_split)
+    # each sequence cuts its own context into num_splits tile-aligned slices: nothing depends on the batch's
+    # longest context, so one launch (or one captured graph) serves every mix of lengths
+    per_split = ((ctx + num_splits - 1) // num_splits + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(ctx, start + per_split)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -135,8 +137,11 @@ def _merge_splits_kernel(
     s_mask = offs_s < num_splits
     row = (seq * num_heads + head) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    weight = tl.exp(lse - tl.max(lse, 0))
-    weight = weight / tl.sum(weight, 0)
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)  # an empty context (a padding row): every weight 0, output 0
+    weight = tl.exp(lse - top)
+    total = tl.sum(weight, 0)
+    weight = weight / tl.where(total > 0, total, 1.0)
     parts = tl.load(
         part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
         mask=s_mask[:, None] & (offs_d[None, :] < HEAD_DIM),
@@ -153,10 +158,22 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def choose_splits(batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device) -> int:
-    """Split the context until the grid fills about two waves of the GPU, keeping >= 4 tiles per split."""
+#: programs per multiprocessor that :func:`choose_splits` aims the grid at
+WAVES = 2
+#: context positions per tile; None: 64 for head dims up to 128, else 32 (``bench_decode --block-n`` sets it)
+BLOCK_N: int | None = None
+
+
+def default_block_n(head_dim: int) -> int:
+    return BLOCK_N or (64 if head_dim <= 128 else 32)
+
+
+def choose_splits(
+    batch: int, num_kv_heads: int, max_context_len: int, block_n: int, device: torch.device, waves: int = WAVES
+) -> int:
+    """Split the context until the grid fills about ``waves`` waves of the GPU, keeping >= 4 tiles per split."""
     programs = batch * num_kv_heads
-    want = -(-2 * _num_sms(device.index or 0) // programs)
+    want = -(-waves * _num_sms(device.index or 0) // programs)
     most = max(1, max_context_len // (4 * block_n))
     return int(max(1, min(want, most, 64)))
 
@@ -170,11 +187,17 @@ def paged_decode_attention_triton(
     scale: float,
     max_context_len: int | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``q`` ``[B, Hq, D]`` over paged K/V ``[num_blocks, block_size, Hkv, D]``.
 
-    ``block_tables`` ``[B, max_blocks]`` and ``context_lens`` ``[B]`` are int32 on the GPU. Pass
-    ``max_context_len`` when the caller knows it, to spare a device-to-host sync per call.
+    ``block_tables`` ``[B, max_blocks]`` and ``context_lens`` ``[B]`` are int32 on the GPU; a sequence of length
+    0 (a row that pads a captured batch) reads nothing and gets zeros. The split count is the only thing the
+    launch takes from the contexts' lengths: pass ``num_splits`` (a CUDA graph must, its launch is fixed) or
+    ``max_context_len``, else it costs a device-to-host sync. ``block_n``, ``num_warps`` and ``num_stages``
+    are tuning knobs for benchmarks.
     """
     b, hq, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
@@ -186,12 +209,12 @@ def paged_decode_attention_triton(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
-    if max_context_len is None:
-        max_context_len = int(context_lens.max())
-    block_n = 64 if d <= 128 else 32
-    splits = num_splits or choose_splits(b, hkv, max_context_len, block_n, q.device)
-    tokens_per_split = -(-max_context_len // splits)
-    tokens_per_split = -(-tokens_per_split // block_n) * block_n
+    block_n = block_n or default_block_n(d)
+    if num_splits is None:
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        num_splits = choose_splits(b, hkv, max_context_len, block_n, q.device)
+    splits = num_splits
     if splits > 1:
         part_out = torch.empty((b, hq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((b, hq, splits), dtype=torch.float32, device=q.device)
@@ -199,16 +222,17 @@ def paged_decode_attention_triton(
         part_out = part_lse = out  # unused by the kernel when it does not split
     block_d = max(16, triton.next_power_of_2(d))
     precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    extra = {} if num_stages is None else {"num_stages": num_stages}
     _paged_decode_kernel[(b, hkv, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_out, part_lse,
-        scale, block_size, tokens_per_split, splits,
+        scale, block_size, splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         HEAD_DIM=d, BLOCK_D=block_d, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, SPLIT=splits > 1, PRECISION=precision,
-        num_warps=4,
+        num_warps=num_warps, **extra,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(b, hq)](

@@ -21,7 +21,7 @@ TINY: dict[str, list[str]] = {
     "handoff": ["--sizes", "1MiB,2MiB", "--rounds", "1", "--claim-lead-ms", "2"],
     "attach": ["--sizes", "16MiB", "--rounds", "1"],
     "prefix": ["--tokens", "512", "--rounds", "1"],
-    "e2e": ["--requests", "2", "--prompt-len", "32", "--max-new-tokens", "3", "--rounds", "1"],
+    "e2e": ["--scenarios", "1,3", "--rates", "20", "--duration-s", "0.2", "--min-requests", "3", "--prompt-len", "40"],
     "copy": ["--sizes", "2MiB", "--rounds", "1"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
