@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 
 from kvpool.layout import KVLayout
 
@@ -75,7 +75,7 @@ def child(url: str, device: str) -> None:
     print(json.dumps(out), flush=True)
 
 
-def _trial(url: str, device: harness.Device) -> dict[str, int]:
+def _trial(url: str, device: machine.Device) -> dict[str, int]:
     proc = subprocess.run(
         [sys.executable, "-m", "kvpool.benchmarks.attach", url, device.torch_device],
         capture_output=True,
@@ -90,7 +90,7 @@ def _trial(url: str, device: harness.Device) -> dict[str, int]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _room(device: harness.Device) -> tuple[int, str]:
+def _room(device: machine.Device) -> tuple[int, str]:
     """Bytes that arenas may take here: free GPU memory, or free space in /dev/shm."""
     if device.is_cuda:
         import torch
@@ -101,7 +101,7 @@ def _room(device: harness.Device) -> tuple[int, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     if args.sizes:
         sizes = args.sizes
     elif args.quick:
@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         if together:
             with harness.servers(*(lambda s=s: pool_of(s) for s in sizes)) as pools:
                 for r in range(rounds + 1):
-                    for size, pool in harness.rotated(list(zip(sizes, pools, strict=True)), r):
+                    for size, pool in timings.rotated(list(zip(sizes, pools, strict=True)), r):
                         result = _trial(pool.url, device)
                         bar.update()
                         if r:
@@ -160,7 +160,7 @@ def _summarize(report: harness.Report, samples: dict[int, list[dict[str, int]]],
         trials = samples[size]
         row: dict[str, Any] = {"arena_bytes": size, "mapped_bytes": trials[0]["nbytes"]}
         for key in ("total", *PHASES, "cuda_context", "import"):
-            stats = harness.summarize_ns([t[key] for t in trials])
+            stats = timings.summarize_ns([t[key] for t in trials])
             row.update({f"{key}_{k}": v for k, v in stats.items() if k != "n"})
         row["n"] = len(trials)
         report.results.append(row)
@@ -217,7 +217,7 @@ def _plot(report: harness.Report, sizes: list[int]) -> Any:
     ax.set(title="attach: session + map + touch (p50)", xlabel="arena", ylabel="ms")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"kvpool attach ({harness.describe_device(harness.device_info(report.device))})")
+    fig.suptitle(f"kvpool attach ({machine.describe_device(machine.device_info(report.device))})")
     return fig
 
 

@@ -23,7 +23,7 @@ import time
 from array import array
 from typing import Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 
 from kvpool.layout import KVLayout
 
@@ -80,7 +80,7 @@ def _client(conn: Any, urls: dict[str, tuple[str, bool]], inproc_blocks: int) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     batches = args.batches or ([1, 64] if args.quick else [1, 16, 128, 1024])
     clients = args.clients or ([1, 2] if args.quick else [1, 4, 16])
     rounds = args.rounds or (2 if args.quick else 5)
@@ -145,7 +145,7 @@ def _measure(
     """Every (batch, clients) cell, the variants interleaved per round in a rotating order; round 0 is warm-up."""
     cells: dict[tuple[int, int, str], Cell] = {}
     plan = [
-        (b, n, r, v) for b in batches for n in clients for r in range(rounds + 1) for v in harness.rotated(VARIANTS, r)
+        (b, n, r, v) for b in batches for n in clients for r in range(rounds + 1) for v in timings.rotated(VARIANTS, r)
     ]
     with harness.progress(len(plan), "control-plane", no_progress) as bar:
         for batch, n, r, variant in plan:
@@ -178,12 +178,12 @@ def _summarize(
             "variant": variant,
             "batch": batch,
             "clients": n,
-            **harness.summarize_ns(cell["lat"]),
+            **timings.summarize_ns(cell["lat"]),
             "pairs_per_s": pairs / wall * 1e9,
             "blocks_per_s": pairs * batch / wall * 1e9,
         }
         report.results.append(row)
-        report.raw[f"{variant}/b{batch}/c{n}"] = {"pair_ns_sample": harness.thin(cell["lat"]), "chunks": cell["chunks"]}
+        report.raw[f"{variant}/b{batch}/c{n}"] = {"pair_ns_sample": timings.thin(cell["lat"]), "chunks": cell["chunks"]}
 
     def get(variant: str, batch: int, n: int, key: str) -> float:
         return next(r[key] for r in report.results if (r["variant"], r["batch"], r["clients"]) == (variant, batch, n))
@@ -266,5 +266,5 @@ def _plot(report: harness.Report, batches: list[int], clients: list[int]) -> Any
         ax.grid(True, which="major", alpha=0.3)
     for ax in axes:
         ax.legend(fontsize=8)
-    fig.suptitle(f"kvpool control plane ({harness.describe_device(harness.device_info(report.device))})")
+    fig.suptitle(f"kvpool control plane ({machine.describe_device(machine.device_info(report.device))})")
     return fig

@@ -20,7 +20,7 @@ import random
 import time
 from typing import Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 
 from kvpool.layout import KVLayout
 
@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.client import PoolClient
     from kvpool.transfer import copy_blocks
 
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     two_gpus = device.is_cuda and torch.cuda.device_count() >= 2
-    backend = harness.Device("cuda" if two_gpus else "cpu")
+    backend = machine.Device("cuda" if two_gpus else "cpu")
     sizes = args.sizes or ([4 * MIB, 16 * MIB] if args.quick else [64 * MIB, 256 * MIB, GIB, 4 * GIB])
     if not two_gpus:
         sizes = [s for s in sizes if s <= 256 * MIB]
@@ -76,8 +76,8 @@ def run(args: argparse.Namespace) -> int:
         dst_buf = torch.empty_like(src_buf, device=a1.device)
         with harness.progress(len(counts) * (rounds + 1) * len(VARIANTS), "copy", args.no_progress) as bar:
             for r in range(rounds + 1):
-                for n in harness.rotated(counts, r):
-                    for variant in harness.rotated(list(VARIANTS), r):
+                for n in timings.rotated(counts, r):
+                    for variant in timings.rotated(list(VARIANTS), r):
                         src, dst = rng.sample(src_all, n), rng.sample(dst_all, n)
                         _sync(devs)
                         t0 = time.perf_counter_ns()
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             _check(client, a0, a1, rng)
     for n, size in zip(counts, sizes, strict=True):
         for v in VARIANTS:
-            stats = harness.summarize_ns(samples[(n, v)])
+            stats = timings.summarize_ns(samples[(n, v)])
             gbps = n * per_block / (stats["p50_us"] * 1e-6) / 1e9
             report.results.append({"bytes": n * per_block, "blocks": n, "variant": v, "gb_per_s_p50": gbps, **stats})
         del size
@@ -168,5 +168,5 @@ def _plot(report: harness.Report) -> Any:
     ax.set(xscale="log", title="copy between arenas (p50)", xlabel="KV (MiB)", ylabel="GB/s")
     ax.legend()
     ax.grid(True, alpha=0.3)
-    fig.suptitle(f"kvpool copy ({harness.describe_device(harness.device_info(report.device))})")
+    fig.suptitle(f"kvpool copy ({machine.describe_device(machine.device_info(report.device))})")
     return fig

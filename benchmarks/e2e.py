@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 
 WORKLOADS = ("unique", "mixed")
 PRESETS: dict[str, dict[str, Any]] = {
@@ -280,7 +280,7 @@ class Side:
 class Env:
     """What every side is built from."""
 
-    device: harness.Device
+    device: machine.Device
     workdir: Path
     layout: Any
     model_args: list[str]
@@ -415,16 +415,16 @@ def summarize(
     if inside:
         # the prefill worker's own view: arrival to handoff, its last step's forward, requests in that step
         for i, key in enumerate(("prefill_total_ms", "prefill_step_ms", "prefill_batch")):
-            stats[f"{key}_p50"] = harness.percentile(sorted(x[i] for x in inside), 50)
+            stats[f"{key}_p50"] = timings.percentile(sorted(x[i] for x in inside), 50)
     for key, samples in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        stats |= {f"{key}_{k}": v for k, v in harness.summarize_ns(samples).items() if k != "n"}
-    return stats, {"ttft_ns": harness.thin(ttft), "tpot_ns": harness.thin(tpot), "e2e_ns": harness.thin(e2e)}
+        stats |= {f"{key}_{k}": v for k, v in timings.summarize_ns(samples).items() if k != "n"}
+    return stats, {"ttft_ns": timings.thin(ttft), "tpot_ns": timings.thin(tpot), "e2e_ns": timings.thin(e2e)}
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
 
 
-def _model(args: argparse.Namespace, device: harness.Device, dtype: str, workdir: Path) -> tuple[Any, list[str], str]:
+def _model(args: argparse.Namespace, device: machine.Device, dtype: str, workdir: Path) -> tuple[Any, list[str], str]:
     """The model config, the workers' model flags, and a name for the pool's prefix namespace."""
     from kvpool.workers.cli import TINY
     from kvpool.workers.model import LlamaConfig
@@ -441,7 +441,7 @@ def _model(args: argparse.Namespace, device: harness.Device, dtype: str, workdir
     return config, [*seed, "--model-config", str(path)], f"random-{preset}-{args.seed}"
 
 
-def _config(args: argparse.Namespace, device: harness.Device) -> dict[str, Any]:
+def _config(args: argparse.Namespace, device: machine.Device) -> dict[str, Any]:
     gpu, quick = device.is_cuda, args.quick
     scenarios = args.scenarios or "1,3"
     return {
@@ -469,7 +469,7 @@ def _config(args: argparse.Namespace, device: harness.Device) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     try:
         from kvpool.workers.kvcache import layout_for
     except ImportError as exc:
@@ -535,13 +535,13 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
         steps = len(rates) * len(WORKLOADS) * len(sides)
         with harness.progress(steps, f"e2e scenario {scenario}", args.no_progress) as bar:
             for k, rate in enumerate(rates):
-                for workload in harness.rotated(WORKLOADS, k):
+                for workload in timings.rotated(WORKLOADS, k):
                     requests = make_workload(workload, rate, cfg, vocab, args.seed * 10 + int(scenario))
                     if one_token:
                         for r in requests:
                             r.max_new_tokens = 1
                     tokens = {}
-                    for name in harness.rotated(list(sides), k):
+                    for name in timings.rotated(list(sides), k):
                         side = sides[name]
                         before = side.prefix_bytes()
                         got = drive(side, requests, args.timeout_s)
@@ -685,7 +685,7 @@ def _plot(report: harness.Report) -> Any:
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
     fig.suptitle(
-        f"kvpool e2e, {report.config['model']} ({harness.describe_device(harness.device_info(report.device))})"
+        f"kvpool e2e, {report.config['model']} ({machine.describe_device(machine.device_info(report.device))})"
     )
     fig.tight_layout()
     return fig

@@ -42,7 +42,7 @@ import uuid
 from array import array
 from typing import Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 from kvpool.benchmarks.handoff_actors import Peer
 
 TARGET_FLAT = 1.5
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.layout import KVLayout
 
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     layout = KVLayout(
         num_layers=args.num_layers,
         num_kv_heads=args.num_kv_heads,
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                     producer.call("setup", size)
                     blocks, tokens = math.ceil(size / layout.block_nbytes), max(1, size // per_token)
                     for r in range(rounds + 1):
-                        for variant in harness.rotated(variants, r):
+                        for variant in timings.rotated(variants, r):
                             marker = float(r % 1000 + 1)
                             ns, ok, parts = _trial(variant, producer, consumer, size, blocks, tokens, marker)
                             bar.update()
@@ -235,12 +235,12 @@ def _summarize(
 ) -> None:
     for (size, variant), ns in samples.items():
         row = {"variant": variant, "kv_bytes": size, "blocks": math.ceil(size / block_nbytes)}
-        row |= harness.summarize_ns(ns)
+        row |= timings.summarize_ns(ns)
         report.raw[f"{variant}/{size}"] = ns
         for part in PARTS:
             values = breakdown.get((size, variant, part))
             if values:
-                row[f"{part}_p50_us"] = harness.summarize_ns(values)["p50_us"]
+                row[f"{part}_p50_us"] = timings.summarize_ns(values)["p50_us"]
                 report.raw[f"{variant}/{size}/{part}"] = values
         report.results.append(row)
     p50 = {(r["kv_bytes"], r["variant"]): r["p50_us"] for r in report.results}
@@ -348,5 +348,5 @@ def _plot(report: harness.Report, sizes: list[int], variants: list[str]) -> Any:
         ax.minorticks_off()
         ax.grid(True, which="major", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"kvpool handoff ({harness.describe_device(harness.device_info(report.device))})")
+    fig.suptitle(f"kvpool handoff ({machine.describe_device(machine.device_info(report.device))})")
     return fig

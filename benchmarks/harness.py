@@ -12,12 +12,8 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import math
-import os
-import platform
 import shlex
 import socket
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterable, Iterator, Sequence
@@ -25,6 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvpool.benchmarks.machine import (
+    Device,
+    describe_device,
+    device_info,
+    git_revision,
+    versions,
+)
 from kvpool.server import launch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,175 +100,6 @@ def fmt_us(us: float) -> str:
     if us >= 1e3:
         return f"{us / 1e3:.2f} ms"
     return f"{us:.1f} us"
-
-
-# -- device ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Device:
-    """Where the arena lives: ``cuda`` (with its ordinal) or ``cpu``."""
-
-    kind: str
-    index: int = 0
-
-    @property
-    def backend(self) -> str:
-        return self.kind
-
-    @property
-    def torch_device(self) -> str:
-        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.kind == "cuda"
-
-
-def resolve_device(args: argparse.Namespace) -> Device:
-    """The device of this run: CUDA when present unless ``--device cpu``; a missing GPU asked for is an error."""
-    if args.device == "cpu":
-        return Device("cpu")
-    import torch
-
-    if torch.cuda.is_available():
-        if args.gpu >= torch.cuda.device_count():
-            raise SystemExit(f"--gpu {args.gpu}: only {torch.cuda.device_count()} CUDA devices are visible")
-        return Device("cuda", args.gpu)
-    if args.device == "cuda":
-        raise SystemExit("--device cuda: torch sees no CUDA device (use --device cpu)")
-    return Device("cpu")
-
-
-def device_info(device: Device) -> dict[str, Any]:
-    """What the figures were measured on: the GPU's name and memory, or the CPU's model and cores."""
-    info: dict[str, Any] = {"kind": device.kind, "cpu": cpu_model(), "cpu_count": os.cpu_count()}
-    if device.is_cuda:
-        import torch
-
-        props = torch.cuda.get_device_properties(device.index)
-        info.update(
-            index=device.index,
-            name=props.name,
-            total_memory_bytes=props.total_memory,
-            capability=f"{props.major}.{props.minor}",
-            cuda=torch.version.cuda,
-        )
-        with contextlib.suppress(OSError, subprocess.SubprocessError):
-            out = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", f"--id={device.index}"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            )
-            if out.returncode == 0:
-                info["driver"] = out.stdout.strip()
-    else:
-        info["name"] = info["cpu"]
-    return info
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def describe_device(info: dict[str, Any]) -> str:
-    if info["kind"] == "cuda":
-        return f"{info['name']} (cuda:{info['index']}), {info['cpu_count']} CPU cores"
-    return f"CPU: {info['cpu']}, {info['cpu_count']} cores"
-
-
-# -- environment ----------------------------------------------------------------------------------------------
-
-
-def git_revision() -> dict[str, Any]:
-    """The commit the figures belong to, and whether the tree had changes on top of it.
-
-    ``KVPOOL_GIT_REVISION`` wins when set: a copy of the tree run elsewhere (a container, another machine) may carry
-    no repository, or a stale one, and only the one who copied it knows what it holds.
-    """
-    given = os.environ.get("KVPOOL_GIT_REVISION")
-    if given:
-        return {"revision": given, "dirty": None}
-    try:
-        rev = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return {"revision": "unknown", "dirty": None}
-    if rev.returncode != 0:
-        return {"revision": "unknown", "dirty": None}
-    return {"revision": rev.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    import kvpool
-
-    out = {"python": platform.python_version(), "kvpool": kvpool.__version__}
-    for name in ("torch", "fastapi", "uvicorn", "pydantic", "httpx"):
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = "absent"
-    return out
-
-
-# -- statistics -----------------------------------------------------------------------------------------------
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile of already sorted values (numpy's default method)."""
-    if not sorted_values:
-        return math.nan
-    pos = (len(sorted_values) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-def summarize_ns(samples_ns: Iterable[int]) -> dict[str, float]:
-    """n, mean, min, p50, p90, p99 and max of nanosecond samples, in microseconds."""
-    values = sorted(samples_ns)
-    if not values:
-        return {"n": 0}
-    us = [v / 1e3 for v in values]
-    return {
-        "n": len(us),
-        "mean_us": sum(us) / len(us),
-        "min_us": us[0],
-        "p50_us": percentile(us, 50),
-        "p90_us": percentile(us, 90),
-        "p99_us": percentile(us, 99),
-        "max_us": us[-1],
-    }
-
-
-def thin(samples: Sequence[int], limit: int = 1000) -> list[int]:
-    """At most ``limit`` evenly strided samples (in their measured order), so the raw JSON stays small."""
-    if len(samples) <= limit:
-        return list(samples)
-    step = len(samples) / limit
-    return [samples[int(i * step)] for i in range(limit)]
-
-
-def rotated(items: Sequence[Any], k: int) -> list[Any]:
-    """Items starting at position ``k``: each round starts with another variant, so none always runs first."""
-    k %= max(1, len(items))
-    return [*items[k:], *items[:k]]
 
 
 # -- progress and the printed block ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine, timings
 
 from kvpool.layout import KVLayout
 
@@ -161,7 +161,7 @@ def _trial(target: Any, rng: random.Random, tokens: int, blocks: int) -> dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    device = harness.resolve_device(args)
+    device = machine.resolve_device(args)
     tokens = args.tokens or (4096 if args.quick else 32768)
     block_sizes = args.block_sizes or [16, 64]
     rounds = args.rounds or (3 if args.quick else 20)
@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
                 }
                 try:
                     for r in range(rounds + 1):
-                        for variant in harness.rotated(VARIANTS, r):
+                        for variant in timings.rotated(VARIANTS, r):
                             result = _trial(targets[variant], rng, tokens, blocks)
                             bar.update()
                             for op, ns in result.items():
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
                         target.close()
 
     for (bs, variant, op), ns in samples.items():
-        row = {"block_size": bs, "variant": variant, "op": op, "tokens": tokens, **harness.summarize_ns(ns)}
+        row = {"block_size": bs, "variant": variant, "op": op, "tokens": tokens, **timings.summarize_ns(ns)}
         report.results.append(row)
         report.raw[f"{variant}/{op}/bs{bs}"] = ns
     for bs in block_sizes:
@@ -255,5 +255,5 @@ def _plot(report: harness.Report, block_sizes: list[int]) -> Any:
         ax.set(title=f"block size {bs}, {report.config['tokens']} tokens (p50)", ylabel="ms")
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8, loc="best")
-    fig.suptitle(f"kvpool prefix cache ({harness.describe_device(harness.device_info(report.device))})")
+    fig.suptitle(f"kvpool prefix cache ({machine.describe_device(machine.device_info(report.device))})")
     return fig

@@ -45,7 +45,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from kvpool.benchmarks import harness
+from kvpool.benchmarks import harness, machine
 
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
@@ -512,7 +512,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(summary, indent=2))
     config = {k: getattr(args, k) for k in ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s",
                                             "sample_interval", "crash_every", "seed")}  # fmt: skip
-    report = harness.Report("soak", args, harness.Device("cpu"), config)
+    report = harness.Report("soak", args, machine.Device("cpu"), config)
     ops, rates = summary["ops"], summary["ops_per_s"]
     report.results = [{"op": k, "count": ops[k], "ops_per_s": rates[k]} for k in ops]
     report.raw = {"summary": summary, "in_use": tally.in_use}
