@@ -23,7 +23,6 @@ import time
 from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
-
 from kvpool.layout import KVLayout
 
 GIB = 1 << 30

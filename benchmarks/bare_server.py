@@ -22,8 +22,6 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from kvpool.server.fastpath import FastChannel
-from kvpool.server.main import bind_tcp, bind_unix
 
 from kvpool.protocol import (
     AllocRequest,
@@ -34,6 +32,8 @@ from kvpool.protocol import (
     SessionCreate,
     SessionInfo,
 )
+from kvpool.server.fastpath import FastChannel
+from kvpool.server.main import bind_tcp, bind_unix
 
 EPOCH = "bare"
 SESSION = f"{EPOCH}-session"

@@ -24,7 +24,6 @@ from array import array
 from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
-
 from kvpool.layout import KVLayout
 
 VARIANTS = ("pool-fast", "pool-http-unix", "pool-http-tcp", "bare-fast", "bare-http-unix", "bare-http-tcp", "inproc")
@@ -43,9 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _client(conn: Any, urls: dict[str, tuple[str, bool]], inproc_blocks: int) -> None:
     """One client process: a PoolClient per transport and a private allocator; runs timed chunks on command."""
-    from kvpool.server.allocator import BlockAllocator
-
     from kvpool.client import PoolClient
+    from kvpool.server.allocator import BlockAllocator
 
     clients = {
         name: PoolClient(url, name=f"bench-{name}", fast=fast, heartbeat=False) for name, (url, fast) in urls.items()

@@ -21,7 +21,6 @@ import time
 from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
-
 from kvpool.layout import KVLayout
 
 MIB = 1 << 20

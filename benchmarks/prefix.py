@@ -24,7 +24,6 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
-
 from kvpool.layout import KVLayout
 
 OPS = ("commit", "lookup_hit", "lookup_miss")
@@ -78,10 +77,9 @@ class _Handler:
     handler, the reply serialized; what a request costs the server apart from its transport."""
 
     def __init__(self, num_blocks: int, layout: KVLayout) -> None:
+        from kvpool.protocol import SessionCreate
         from kvpool.server.config import PoolSettings
         from kvpool.server.plane import ControlPlane
-
-        from kvpool.protocol import SessionCreate
 
         # A cpu arena whatever the run's device: the handlers never touch KV bytes.
         fields = layout.model_dump()

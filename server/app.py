@@ -14,8 +14,6 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from fastapi_offline import FastAPIOffline
-from kvpool.server.metrics import registry_for, time_operations
-from kvpool.server.plane import ControlPlane
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -40,6 +38,8 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
+from kvpool.server.metrics import registry_for, time_operations
+from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.server.plane import ControlPlane
 from pydantic import BaseModel, ValidationError
 
 from kvpool.channel import HEADER, decode, encode, frame
@@ -40,6 +39,7 @@ from kvpool.protocol import (
     LookupRequest,
     SessionRef,
 )
+from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from types import FrameType
 
 import uvicorn
+
 from kvpool.server.app import create_app
 from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, settings_from_args
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
-
 from kvpool.trust import directory_problem
 
 log = logging.getLogger("kvpool")

@@ -12,11 +12,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.server.allocator import BlockAllocator
-from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
-
 from kvpool.errors import HandoffExists, HandoffNotFound, HandoffRefused, InvalidRequest, KvpoolError, NotOwner
 from kvpool.layout import KVLayout
+from kvpool.server.allocator import BlockAllocator
+from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
 
 
 class Parking:

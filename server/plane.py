@@ -16,11 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
-from kvpool.server.config import PoolSettings
-from kvpool.server.pool import Pool
-from kvpool.server.records import Handoff, Limits, Session
-
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PoolUnavailable
 from kvpool.ids import pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, encode_delivery, seal_delivery
@@ -44,6 +39,10 @@ from kvpool.protocol import (
     SessionList,
     SessionSummary,
 )
+from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
+from kvpool.server.config import PoolSettings
+from kvpool.server.pool import Pool
+from kvpool.server.records import Handoff, Limits, Session
 
 log = logging.getLogger(__name__)
 

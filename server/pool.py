@@ -16,6 +16,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    UnknownSession,
+)
+from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.parking import Parking
 from kvpool.server.prefix import Digest, PrefixHasher, PrefixIndex
@@ -30,13 +36,6 @@ from kvpool.server.records import (
     Refusal,
     Session,
 )
-
-from kvpool.errors import (
-    InvalidRequest,
-    LimitExceeded,
-    UnknownSession,
-)
-from kvpool.layout import KVLayout
 
 
 @dataclass

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvpool.server.launch import ServerProcess, child_env, spawn
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpool.server.allocator import BlockAllocator
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+from kvpool.server.allocator import BlockAllocator
 
 
 def books(a: BlockAllocator) -> tuple[int, int, int]:

@@ -7,12 +7,12 @@ import stat
 
 import pytest
 import torch
-from kvpool.server.arenas import CpuHostArena, size_in_blocks
 
 from kvpool.arena import open_arena
 from kvpool.errors import InvalidRequest, LayoutMismatch
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
+from kvpool.server.arenas import CpuHostArena, size_in_blocks
 
 
 @pytest.fixture

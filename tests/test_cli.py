@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.server.launch import SOURCE_ROOT, ServerProcess, child_env, spawn
 
+from kvpool.server.launch import SOURCE_ROOT, ServerProcess, child_env, spawn
 from tests.conftest import free_port
 
 TOKEN = "newcomer-token"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, parse_size, settings_from_args
 from pydantic import ValidationError
+
+from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, parse_size, settings_from_args
 
 
 def parse(argv: list[str]) -> PoolSettings:

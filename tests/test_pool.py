@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from kvpool.server.pool import Pool
 
 from kvpool.errors import (
     HandoffExists,
@@ -15,6 +14,7 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.layout import KVLayout
+from kvpool.server.pool import Pool
 
 
 class Clock:

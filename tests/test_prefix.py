@@ -10,11 +10,11 @@ import xxhash
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from kvpool.server.pool import Pool
-from kvpool.server.prefix import PrefixHasher, token_bytes
 
 from kvpool.errors import InvalidRequest, PoolExhausted
 from kvpool.layout import KVLayout
+from kvpool.server.pool import Pool
+from kvpool.server.prefix import PrefixHasher, token_bytes
 
 BS = 4
 

@@ -19,11 +19,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool.errors import PoolExhausted
 from kvpool.workers.model import KVCaches, LlamaModel, PrefillPiece
 from kvpool.workers.request import GenerationRequest
 from kvpool.workers.sequence import blocks_needed, greedy
-
-from kvpool.errors import PoolExhausted
 
 
 class Hit(Protocol):

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+
 from kvpool.workers.attention import paged_decode_attention
 from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.kvcache import layout_for, private_kv_caches

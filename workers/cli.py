@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from kvpool.workers.kvcache import check_layout, kv_dtype
-from kvpool.workers.model import LlamaConfig, LlamaModel
 
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
 from kvpool.protocol import Role
+from kvpool.workers.kvcache import check_layout, kv_dtype
+from kvpool.workers.model import LlamaConfig, LlamaModel
 
 #: the random model the demo and the tests use unless told otherwise: small enough for a CPU, big enough to
 #: have several layers, grouped-query heads and a vocabulary worth sampling from.

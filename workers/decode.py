@@ -33,6 +33,9 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.client import DeviceSession
+from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.protocol import LookupResponse
 from kvpool.workers.cli import (
     add_model_arguments,
     add_pool_arguments,
@@ -46,10 +49,6 @@ from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.model import KVCaches, LlamaModel
 from kvpool.workers.request import HandoffMeta
 from kvpool.workers.sequence import Sequence, blocks_needed, decode_step
-
-from kvpool.client import DeviceSession
-from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
-from kvpool.protocol import LookupResponse
 
 
 @dataclass

@@ -23,6 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from kvpool.client import http_client
+from kvpool.layout import KVLayout
 from kvpool.server.arenas import resolve_backend
 from kvpool.server.launch import ServerProcess, child_env, spawn
 from kvpool.workers.cli import TINY
@@ -30,9 +33,6 @@ from kvpool.workers.kvcache import layout_for
 from kvpool.workers.model import LlamaConfig, LlamaModel
 from kvpool.workers.monolithic import greedy_generate
 from kvpool.workers.request import GenerationRequest
-
-from kvpool.client import http_client
-from kvpool.layout import KVLayout
 
 
 def start_pool(

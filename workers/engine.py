@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 import torch
+
 from kvpool.workers.model import KVCaches, LlamaModel, fused_decode_available
 from kvpool.workers.sequence import Sequence, blocks_needed
 

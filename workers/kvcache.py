@@ -9,10 +9,10 @@ indexing the shared one does.
 from __future__ import annotations
 
 import torch
-from kvpool.workers.model import LlamaConfig
 
 from kvpool.errors import LayoutMismatch
 from kvpool.layout import KVLayout
+from kvpool.workers.model import LlamaConfig
 
 
 class ModelDoesNotFit(LayoutMismatch, ValueError):

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from kvpool.workers.attention import (
     packed_prefill_attention,
     paged_decode_attention,

@@ -20,6 +20,9 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
+
+from kvpool.errors import PoolExhausted
+from kvpool.layout import KVLayout
 from kvpool.server.pool import LookupResult, Pool
 from kvpool.workers.batching import PrefillBatcher
 from kvpool.workers.engine import DecodeEngine
@@ -27,9 +30,6 @@ from kvpool.workers.kvcache import private_kv_caches
 from kvpool.workers.model import KVCaches, LlamaModel
 from kvpool.workers.request import GenerationRequest
 from kvpool.workers.sequence import Sequence, blocks_needed, decode_step, greedy
-
-from kvpool.errors import PoolExhausted
-from kvpool.layout import KVLayout
 
 
 class LocalBlocks:

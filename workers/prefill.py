@@ -28,6 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
+from kvpool.client import DeviceSession, PoolClient
+from kvpool.errors import KvpoolError
 from kvpool.workers.batching import PrefillBatcher, Prefilling
 from kvpool.workers.cli import (
     add_model_arguments,
@@ -41,9 +43,6 @@ from kvpool.workers.cli import (
 from kvpool.workers.model import KVCaches, LlamaModel
 from kvpool.workers.request import GenerationRequest, HandoffMeta
 from kvpool.workers.sequence import blocks_needed
-
-from kvpool.client import DeviceSession, PoolClient
-from kvpool.errors import KvpoolError
 
 
 class PrefillWorker:

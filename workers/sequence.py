@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
-from kvpool.workers.model import KVCaches, LlamaModel
 
 from kvpool.errors import PoolExhausted
+from kvpool.workers.model import KVCaches, LlamaModel
 
 if TYPE_CHECKING:
     from kvpool.workers.engine import DecodeEngine

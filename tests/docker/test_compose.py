@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from kvpool.server.config import PoolSettings
 
 from .compose import (

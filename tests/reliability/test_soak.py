@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvpool.benchmarks import soak
 
+from kvpool.benchmarks import soak, soak_client
 from tests.conftest import ROOT, SMALL_POOL, start_pool
 
 
@@ -69,7 +69,7 @@ def test_soak_accepts_local_pools(url: str) -> None:
 
 
 def test_balance_check_flags_books_that_do_not_add_up() -> None:
-    tally = soak.Tally()
+    tally = soak_client.Tally()
     soak.check_balance({"free": 10, "in_use": 5, "cached": 1, "num_blocks": 16}, tally, "sample")
     assert tally.violation_count == 0 and tally.samples == 1
     soak.check_balance({"free": 10, "in_use": 5, "cached": 2, "num_blocks": 16}, tally, "sample")

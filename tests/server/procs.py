@@ -8,7 +8,6 @@ import weakref
 from pathlib import Path
 
 from kvpool.server.launch import child_env, spawn
-
 from tests.conftest import PoolProcess
 
 SMALL_LAYOUT = (

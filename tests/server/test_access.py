@@ -16,12 +16,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvpool.server.config import PoolSettings
 
 from kvpool.address import default_socket
 from kvpool.channel import HEADER, FastConnection
 from kvpool.client import PoolClient
 from kvpool.errors import Unauthorized
+from kvpool.server.config import PoolSettings
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, free_port, start_pool
 from tests.server.books import books
 from tests.server.procs import SMALL_LAYOUT, serve

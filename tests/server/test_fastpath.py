@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.server.config import PoolSettings
-from kvpool.server.fastpath import FastChannel
-from kvpool.server.plane import ControlPlane
 
 from kvpool.channel import HEADER, decode, frame
 from kvpool.ids import unpack_ids
 from kvpool.protocol import AllocResponse, SessionCreate
+from kvpool.server.config import PoolSettings
+from kvpool.server.fastpath import FastChannel
+from kvpool.server.plane import ControlPlane
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvpool.server.config import PoolSettings
-from kvpool.server.plane import ControlPlane
 
 from kvpool.errors import HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, PoolUnavailable, UnknownSession
 from kvpool.protocol import (
@@ -20,6 +18,8 @@ from kvpool.protocol import (
     LookupRequest,
     SessionCreate,
 )
+from kvpool.server.config import PoolSettings
+from kvpool.server.plane import ControlPlane
 
 BLOCK = 4
 
@@ -116,8 +116,9 @@ def test_a_claim_times_out_with_404_and_stopping_answers_waiters(plane: ControlP
 
 
 def test_metrics_read_the_same_snapshot_as_stats(plane: ControlPlane) -> None:
-    from kvpool.server.metrics import registry_for
     from prometheus_client import generate_latest
+
+    from kvpool.server.metrics import registry_for
 
     a = session(plane)
     plane.alloc(AllocRequest(session_id=a, num_blocks=5))

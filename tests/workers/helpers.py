@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from kvpool.workers.attention import gather_context, reference_attention
-from kvpool.workers.kvcache import private_kv_caches
 
 from kvpool.layout import KVLayout
+from kvpool.workers.attention import gather_context, reference_attention
+from kvpool.workers.kvcache import private_kv_caches
 
 
 def paged_batch(

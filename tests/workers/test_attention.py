@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kvpool.layout import KVLayout
 from kvpool.workers.attention import (
     DECODE_TOLERANCE,
     gather_context,
@@ -13,8 +15,6 @@ from kvpool.workers.attention import (
     write_kv,
 )
 from kvpool.workers.kvcache import private_kv_caches
-
-from kvpool.layout import KVLayout
 from tests.workers.helpers import decode_reference, paged_batch
 
 

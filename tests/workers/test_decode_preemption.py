@@ -7,16 +7,16 @@ import time
 from array import array
 
 import pytest
+
+from kvpool.client import Claim
+from kvpool.errors import HandoffNotFound, PoolExhausted
+from kvpool.protocol import LookupResponse
 from kvpool.workers.decode import DecodeWorker
 from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaConfig, LlamaModel
 from kvpool.workers.monolithic import greedy_generate
 from kvpool.workers.request import HandoffMeta
 from kvpool.workers.sequence import blocks_needed, greedy
-
-from kvpool.client import Claim
-from kvpool.errors import HandoffNotFound, PoolExhausted
-from kvpool.protocol import LookupResponse
 
 CONFIG = LlamaConfig(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+
 from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaConfig, LlamaModel

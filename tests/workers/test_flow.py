@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from kvpool.client import http_client
 from kvpool.workers import demo
 from kvpool.workers.kvcache import layout_for
 from kvpool.workers.model import LlamaModel
 from kvpool.workers.monolithic import greedy_generate
 from kvpool.workers.request import GenerationRequest
-
-from kvpool.client import http_client
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
 
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"

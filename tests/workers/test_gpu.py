@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvpool.workers.attention import DECODE_TOLERANCE
 
+from kvpool.workers.attention import DECODE_TOLERANCE
 from tests.workers.helpers import decode_reference, paged_batch
 
 pytestmark = pytest.mark.gpu

@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
+
 from kvpool.workers.checkpoint import load_safetensors
 from kvpool.workers.kvcache import check_layout, layout_for, private_kv_caches
 from kvpool.workers.model import LlamaConfig, LlamaModel
 from kvpool.workers.monolithic import greedy_generate
-from safetensors.torch import save_file
 
 SMALL = LlamaConfig(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

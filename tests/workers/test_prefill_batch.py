@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from kvpool.layout import KVLayout
 from kvpool.workers.attention import gather_context, packed_prefill_attention, reference_attention, write_kv
 from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaConfig, LlamaModel, PrefillPiece
 from kvpool.workers.monolithic import MonolithicEngine, PrivateBlocks, greedy_generate
 from kvpool.workers.request import GenerationRequest
-
-from kvpool.layout import KVLayout
 
 SMALL = LlamaConfig(
     vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaModel
 from kvpool.workers.monolithic import greedy_generate
-
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
 
 transformers = pytest.importorskip("transformers")

@@ -1,0 +1,297 @@
+"""The soak's clients: what each does, the stamps that prove who wrote a block, and the tally of the run.
+
+Each client thread holds a session of its own and picks operations at random (alloc, free, commit, lookup,
+handoff, claim) under the weights below, checking every answer against what it knows it holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.client import PoolClient
+from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+
+OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim")
+WEIGHTS = (24, 20, 12, 18, 12, 14)
+FAMILIES = 6  # prompt families whose prefixes clients share
+FAMILY_BLOCKS = 8  # full blocks per family prompt
+MAX_REFS = 12  # a client frees before it holds more refs than this
+
+
+# -- what the run records -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """Counts shared by every thread (under one lock: the counts are tiny next to a pool round trip)."""
+
+    ops: collections.Counter[str] = field(default_factory=collections.Counter)
+    errors: collections.Counter[str] = field(default_factory=collections.Counter)
+    violations: list[str] = field(default_factory=list)
+    violation_count: int = 0
+    samples: int = 0
+    max_in_use: int = 0
+    in_use: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the start, blocks in use)
+    t0: float = field(default_factory=time.monotonic)
+    crashed: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def op(self, kind: str) -> None:
+        with self.lock:
+            self.ops[kind] += 1
+
+    def error(self, kind: str, exc: BaseException) -> None:
+        with self.lock:
+            self.errors[f"{kind} {type(exc).__name__}"] += 1
+
+    def violation(self, message: str) -> None:
+        with self.lock:
+            self.violation_count += 1
+            if len(self.violations) < 50:
+                self.violations.append(message)
+
+
+# -- the bytes: stamps that prove who wrote a block ---------------------------------------------------------
+
+
+def content_stamp(family: int, position: int) -> int:
+    """The stamp of the block at ``position`` of ``family``'s prompt: the same for every client that writes it."""
+    return (1 << 60) | (family << 20) | position
+
+
+def family_tokens(family: int, block_size: int) -> list[int]:
+    return [(family * 7919 + k * 104729) % 50000 for k in range(FAMILY_BLOCKS * block_size)]
+
+
+class Stamps:
+    """Reads and writes 8 bytes at the start of a block's first K view (its own bytes in either layout)."""
+
+    def __init__(self, arena: Any | None) -> None:
+        self.arena = arena
+
+    def _view(self, block: int) -> Any:
+        import torch
+
+        first = self.arena.block(block)[0]
+        return first.reshape(-1).view(torch.uint8)[:8].view(torch.int64)
+
+    def write(self, block: int, stamp: int) -> None:
+        if self.arena is not None:
+            self._view(block)[0] = stamp
+
+    def read(self, block: int) -> int | None:
+        return None if self.arena is None else int(self._view(block)[0])
+
+
+# -- one client ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Ref:
+    block: int
+    kind: str  # "own": allocated by this client, nobody else holds it; "content": committed, shareable;
+    # "foreign": claimed from a handoff this run did not stamp (a killed worker's): held, not checked
+    stamp: int | None
+
+
+class Client:
+    """One session doing random operations and checking what it gets back."""
+
+    def __init__(self, index: int, url: str, fast: bool, shared: Shared) -> None:
+        self.index = index
+        self.shared = shared
+        self.rng = random.Random(shared.seed * 1000 + index)
+        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast)
+        self.stamps = Stamps(self.pool.arena() if shared.verify_data else None)
+        self.refs: list[Ref] = []
+        self.seq = 0
+
+    def run(self, stop: threading.Event) -> None:
+        try:
+            while not stop.is_set():
+                kind = self.rng.choices(OPS, WEIGHTS)[0]
+                if len(self.refs) > MAX_REFS:
+                    kind = "free"
+                self.step(kind)
+            self.release_all()
+        except Exception:
+            self.shared.tally.violation(f"client {self.index} crashed: {traceback.format_exc(limit=6)}")
+        finally:
+            with contextlib.suppress(Exception):
+                self.pool.close()
+
+    def step(self, kind: str) -> None:
+        tally = self.shared.tally
+        try:
+            if getattr(self, f"do_{kind}")():  # False: nothing to do it on (no refs held, nothing parked)
+                tally.op(kind)
+        except PoolExhausted as exc:  # the contract's answer to a full pool: make room
+            tally.error(kind, exc)
+            if kind != "alloc":
+                tally.violation(f"{kind} answered pool exhausted: {exc}")
+            self.free_some()
+        except HandoffNotFound as exc:  # expired, or taken first by a claim of "the oldest"
+            tally.error(kind, exc)
+            if kind != "claim":
+                tally.violation(f"{kind} answered handoff not found: {exc}")
+        except KvpoolError as exc:  # nothing else can happen to a correct client of a correct pool
+            tally.error(kind, exc)
+            tally.violation(f"client {self.index} {kind}: {type(exc).__name__} (status {exc.status}): {exc}")
+
+    def check(self, ref: Ref, what: str) -> None:
+        if ref.stamp is None:
+            return
+        got = self.stamps.read(ref.block)
+        if got is not None and got != ref.stamp:
+            self.shared.tally.violation(
+                f"client {self.index} {what}: block {ref.block} holds stamp {got:#x}, expected {ref.stamp:#x} "
+                f"({ref.kind}): someone wrote into a block this client held"
+            )
+
+    def take(self, k: int) -> list[Ref]:
+        picked = self.rng.sample(range(len(self.refs)), min(k, len(self.refs)))
+        return [self.refs[i] for i in sorted(picked)]
+
+    def drop(self, refs: Sequence[Ref]) -> None:
+        gone = {id(r) for r in refs}
+        self.refs = [r for r in self.refs if id(r) not in gone]
+
+    # -- operations -------------------------------------------------------------------------------------
+
+    def do_alloc(self) -> bool:
+        for block in self.pool.alloc(self.rng.randint(1, 4)):
+            self.seq += 1
+            stamp = (self.index + 1) << 40 | self.seq
+            self.stamps.write(block, stamp)
+            self.refs.append(Ref(block, "own", stamp))
+        return True
+
+    def do_free(self) -> bool:
+        refs = self.take(self.rng.randint(1, 4))
+        if not refs:
+            return False
+        for ref in refs:
+            self.check(ref, "before free")
+        freed = self.pool.free([r.block for r in refs])
+        self.drop(refs)
+        if freed != len(refs):
+            self.shared.tally.violation(f"free of {len(refs)} refs answered freed={freed}")
+        return True
+
+    def do_commit(self) -> bool:
+        own = [r for r in self.refs if r.kind == "own"]  # commit only blocks this client wrote
+        if not own:
+            return False
+        family = self.rng.randrange(FAMILIES)
+        n = self.rng.randint(1, min(len(own), FAMILY_BLOCKS))
+        chain = own[:n]
+        for ref in chain:
+            self.check(ref, "before commit")
+        bs = self.shared.block_size
+        for position, ref in enumerate(chain):
+            ref.kind, ref.stamp = "content", content_stamp(family, position)
+            self.stamps.write(ref.block, ref.stamp)
+        result = self.pool.commit([r.block for r in chain], family_tokens(family, bs)[: n * bs])
+        if result.num_blocks != n or result.committed + result.duplicates != n:
+            self.shared.tally.violation(f"commit of {n} blocks answered {result}")
+        return True
+
+    def do_lookup(self) -> bool:
+        family = self.rng.randrange(FAMILIES)
+        bs = self.shared.block_size
+        length = self.rng.randint(1, FAMILY_BLOCKS * bs + bs - 1)
+        hit = self.pool.lookup(family_tokens(family, bs)[:length])
+        if hit.num_tokens != len(hit.block_ids) * bs or hit.num_tokens > length:
+            self.shared.tally.violation(f"lookup answered {hit.num_tokens} tokens for {len(hit.block_ids)} blocks")
+        for position, block in enumerate(hit.block_ids):
+            ref = Ref(block, "content", content_stamp(family, position))
+            self.check(ref, f"prefix hit of family {family} position {position}")
+            self.refs.append(ref)
+        return True
+
+    def do_handoff(self) -> bool:
+        refs = self.take(self.rng.randint(1, 3))
+        if not refs:
+            return False
+        for ref in refs:
+            self.check(ref, "before handoff")
+        self.seq += 1
+        request_id = f"soak-{self.index}-{self.seq}"
+        meta = {"refs": [[r.block, r.kind, r.stamp] for r in refs]}
+        num_tokens = self.rng.randint(0, len(refs) * self.shared.block_size)
+        to = None
+        if self.shared.addressable and self.rng.random() < 0.5:
+            to = self.rng.choice(self.shared.addressable)
+        ttl_s = self.shared.handoff_ttl_s
+        blocks = [r.block for r in refs]
+        self.pool.handoff(request_id, blocks, num_tokens, meta, ttl_s=ttl_s, to=None if to is None else f"soak-{to}")
+        self.drop(refs)
+        self.shared.park(request_id, to)
+        return True
+
+    def do_claim(self) -> bool:
+        request_id = self.shared.unpark(self.rng, self.index)
+        if request_id is None and self.rng.random() < 0.8:
+            return False
+        got = self.pool.claim(request_id, timeout_s=0.05 if request_id is None else 0.2)
+        if got.direct:  # the ids came from the producer: trust them once the pool has confirmed the claim
+            self.pool.confirm()
+            self.shared.tally.op("claim, delivered directly")
+        if "refs" not in got.meta:  # a killed worker's handoff, taken by a claim of "the oldest"
+            self.refs.extend(Ref(b, "foreign", None) for b in got.block_ids)
+            return True
+        refs = [Ref(int(b), str(k), None if s is None else int(s)) for b, k, s in got.meta["refs"]]
+        if [r.block for r in refs] != got.block_ids:
+            self.shared.tally.violation(f"claim of {got.request_id} answered blocks {got.block_ids}, parked {refs}")
+        for ref in refs:
+            self.check(ref, f"after claim of {got.request_id}")
+        self.refs.extend(refs)
+        return True
+
+    def free_some(self) -> None:
+        if self.refs:
+            self.do_free()
+
+    def release_all(self) -> None:
+        while self.refs:
+            self.do_free()
+
+
+# -- what the clients share ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Shared:
+    tally: Tally
+    block_size: int
+    handoff_ttl_s: float
+    seed: int
+    verify_data: bool
+    addressable: list[int] = field(default_factory=list)  # clients with an inbox
+    parked: list[tuple[str, int | None]] = field(default_factory=list)  # (request id, the client it is for)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def park(self, request_id: str, to: int | None) -> None:
+        with self.lock:
+            self.parked.append((request_id, to))
+
+    def unpark(self, rng: random.Random, me: int) -> str | None:
+        """A parked request this client may claim: one for anyone, or one addressed to it."""
+        with self.lock:
+            mine = [i for i, (_, to) in enumerate(self.parked) if to is None or to == me]
+            if not mine:
+                return None
+            return self.parked.pop(rng.choice(mine))[0]
+
+    def drain(self) -> list[str]:
+        with self.lock:
+            ids, self.parked = [r for r, _ in self.parked], []
+            return ids
