@@ -39,21 +39,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import queue
-import random
-import subprocess
-import sys
 import tempfile
-import threading
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
+from kvpool.benchmarks.e2e_report import body, plot, targets
+from kvpool.benchmarks.e2e_sides import Env, Side, drive, mono_side, pool_side, summarize
+from kvpool.benchmarks.e2e_workload import WORKLOADS, make_workload
 
-WORKLOADS = ("unique", "mixed")
 PRESETS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape (random weights): 16 layers, GQA 32/8, head dim 64.
     "1b": {
@@ -68,8 +63,6 @@ PRESETS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }
-#: (scenario, the side kvpool wins with, its baseline)
-SIDES = {"1": ("pool", "mono"), "2": ("pool-2gpu", "mono-x2"), "3": ("shared-2p", "private-2p")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,314 +104,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def harness_floats(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
-
-
-# -- the workload -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    at_s: float
-    request_id: str
-    prompt: list[int]
-    max_new_tokens: int
-    kind: str
-
-    def line(self) -> str:
-        return json.dumps({"request_id": self.request_id, "prompt": self.prompt, "max_new_tokens": self.max_new_tokens})
-
-
-def make_workload(workload: str, rate: float, cfg: dict[str, Any], vocab: int, seed: int) -> list[Request]:
-    """Poisson arrivals over the duration (at least ``min_requests``), prompts and output lengths drawn.
-
-    The arrival instants, output lengths and length jitters depend on ``seed`` and the rate only, so both
-    workloads at one rate offer the same load; the tokens differ with the workload.
-    """
-    n_min, length, gen = cfg["min_requests"], cfg["prompt_len"], cfg["max_new_tokens"]
-    timing = random.Random(f"{seed}-{rate}")
-    rng = random.Random(f"{seed}-{rate}-{workload}")
-    times, t = [], 0.0
-    while t < cfg["duration_s"] or len(times) < n_min:
-        times.append(t)
-        t += timing.expovariate(rate)
-
-    def toks(k: int) -> list[int]:
-        return [rng.randrange(vocab) for _ in range(max(1, k))]
-
-    jitters = [timing.uniform(0.75, 1.25) for _ in times]
-    news = [max(1, int(gen * timing.uniform(0.5, 1.5))) for _ in times]
-
-    mix = {k: float(v) for k, v in (part.split("=") for part in cfg["mix"].split(","))}
-    classes, weights = list(mix), list(mix.values())
-    systems = [toks(int(length * cfg["system_frac"])) for _ in range(cfg["num_systems"])]
-    conversations: list[list[int]] = [[] for _ in range(max(1, cfg["num_systems"] * 2))]
-    out = []
-    for i, at in enumerate(times):
-        kind = "unique" if workload == "unique" else rng.choices(classes, weights)[0]
-        new, full = news[i], max(1, int(length * jitters[i]))
-        if kind == "shared":
-            system = rng.choice(systems)
-            prompt = system + toks(full - len(system))
-        elif kind == "multiturn":
-            c = rng.randrange(len(conversations))
-            history = conversations[c]
-            if len(history) > 3 * length:
-                history = []  # a conversation that outgrew its window starts over
-            prompt = history + toks(length // 4 if history else full)
-            conversations[c] = prompt + toks(new)  # the next turn carries this answer (as tokens of its own)
-        else:
-            prompt = toks(full)
-        out.append(Request(at, f"{workload}-{rate:g}-{i}", prompt, new, kind))
-    return out
-
-
-# -- processes ------------------------------------------------------------------------------------------------------
-
-
-Line = tuple[str, int, dict[str, Any] | None]
-
-
-def _spawn(cmd: list[str], log: Path, lines: queue.Queue[Line], name: str, stdin: bool) -> subprocess.Popen[str]:
-    with log.open("w") as err:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            bufsize=1,
-            env=harness.child_env(),
-            cwd=harness.ROOT,
-        )
-
-    def pump(stream: IO[str]) -> None:
-        for line in stream:
-            if line.strip():
-                lines.put((name, time.perf_counter_ns(), json.loads(line)))
-        lines.put((name, time.perf_counter_ns(), None))
-
-    assert proc.stdout is not None
-    threading.Thread(target=pump, args=(proc.stdout,), name=f"e2e-{name}", daemon=True).start()
-    return proc
-
-
-class Side:
-    """Processes that take requests on the stdins of ``front`` (round-robin) and print first/final lines."""
-
-    def __init__(self, name: str, workdir: Path) -> None:
-        self.name = name
-        self.workdir = workdir / name
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.lines: queue.Queue[Line] = queue.Queue()
-        self.procs: dict[str, subprocess.Popen[str]] = {}
-        self.front: list[str] = []
-        self.pools: list[harness.Server] = []
-        self.block_nbytes = 0
-        self._next_front = 0
-
-    def spawn(self, name: str, cmd: list[str], front: bool) -> None:
-        self.procs[name] = _spawn(cmd, self.workdir / f"{name}.log", self.lines, name, stdin=front)
-        if front:
-            self.front.append(name)
-
-    def send(self, req: Request) -> None:
-        name = self.front[self._next_front % len(self.front)]
-        self._next_front += 1
-        stdin = self.procs[name].stdin
-        assert stdin is not None
-        stdin.write(req.line() + "\n")
-        stdin.flush()
-
-    def event(self, name: str, record: dict[str, Any]) -> tuple[str, str] | None:
-        """``("first" | "done", request_id)`` for a line, or None for lines that are neither."""
-        if record.get("ready"):
-            return None
-        if record.get("error"):
-            raise RuntimeError(f"{self.name}/{name} failed a request: {record}{self.logs()}")
-        if name.startswith("prefill"):
-            return "first", record["request_id"]
-        if name.startswith("mono") and record.get("event") == "first":
-            return "first", record["request_id"]
-        return "done", record["request_id"]
-
-    def prefix_bytes(self) -> int:
-        """Bytes of the prefix blocks the side's pools have stored so far (committed as new: a prompt's blocks
-        that an identical prefix committed before are not stored again); 0 for caches we cannot see."""
-        from kvpool.client import http_client
-
-        total = 0
-        for pool in self.pools:
-            with http_client(pool.url, None, 5.0) as http:
-                stats = http.get("/stats").json()
-            total += stats["counters"]["committed_blocks"] * self.block_nbytes
-        return total
-
-    def logs(self) -> str:
-        out = []
-        for log in sorted(self.workdir.glob("*.log")):
-            out.append(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-3000:]}")
-        return "".join(out)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(OSError):
-                if proc.stdin:
-                    proc.stdin.close()
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        for pool in self.pools:
-            pool.stop()
-
-
-@dataclass
-class Env:
-    """What every side is built from."""
-
-    device: machine.Device
-    workdir: Path
-    layout: Any
-    model_args: list[str]
-    model_name: str
-    threads: int
-    cfg: dict[str, Any]
-
-    def worker_flags(self) -> list[str]:
-        return ["--threads", str(self.threads), *self.model_args] if self.threads else list(self.model_args)
-
-
-def _pool_side(
-    env: Env, name: str, units: int, prefills_per_unit: int, devices: tuple[int, int] | None, push: bool = False
-) -> Side:
-    """``units`` pools, each with ``prefills_per_unit`` prefill workers and one decode worker."""
-    side = Side(name, env.workdir)
-    side.block_nbytes = env.layout.block_nbytes
-    py = [sys.executable, "-m"]
-    cfg = env.cfg
-    for u in range(units):
-        flags = [*harness.layout_flags(env.layout), "--num-blocks", str(cfg["cache_blocks"]), "--model", env.model_name]
-        if devices is not None:
-            flags += ["--devices", f"{devices[0]},{devices[1]}"]
-        pool = harness.start_pool(env.device, *flags)
-        side.pools.append(pool)
-        decode_name = f"{name}-decode-{u}"
-        place_p = ["--device", str(devices[0])] if devices else []
-        if devices and push:
-            place_p += ["--push-to", str(devices[1])]
-        place_d = ["--device", str(devices[1])] if devices else []
-        base = ["--pool", pool.url, *env.worker_flags()]
-        side.spawn(
-            f"decode-{u}",
-            [*py, "kvpool.workers.decode", *base, *place_d, "--name", decode_name, "--max-batch", str(cfg["max_batch"]),
-             "--idle-wait-s", "0.02"],
-            front=False,
-        )  # fmt: skip
-        for p in range(prefills_per_unit):
-            side.spawn(
-                f"prefill-{u}-{p}",
-                [*py, "kvpool.workers.prefill", *base, *place_p, "--name", f"{name}-prefill-{u}-{p}", "--handoff-to",
-                 decode_name, "--token-budget", str(cfg["token_budget"])],
-                front=True,
-            )  # fmt: skip
-    return side
-
-
-def _mono_side(env: Env, name: str, devices: list[str]) -> Side:
-    side = Side(name, env.workdir)
-    cfg = env.cfg
-    for i, dev in enumerate(devices):
-        side.spawn(
-            f"mono-{i}",
-            [sys.executable, "-m", "kvpool.workers.monolithic", *env.worker_flags(), "--device", dev,
-             "--num-blocks", str(cfg["cache_blocks"]), "--block-size", str(env.layout.block_size),
-             "--kv-dtype", env.layout.dtype, "--max-batch", str(cfg["max_batch"]),
-             "--token-budget", str(cfg["token_budget"])],
-            front=True,
-        )  # fmt: skip
-    return side
-
-
-def drive(side: Side, requests: list[Request], timeout_s: float) -> dict[str, dict[str, Any]]:
-    """Send each request at its instant, collect its first and final lines; per request: the instants (ns)."""
-    got: dict[str, dict[str, Any]] = {r.request_id: {} for r in requests}
-    pending = {r.request_id for r in requests}
-    t0 = time.perf_counter_ns()
-    deadline = time.monotonic() + max(r.at_s for r in requests) + timeout_s
-    i = 0
-    while pending:
-        now = time.perf_counter_ns()
-        while i < len(requests) and now >= t0 + int(requests[i].at_s * 1e9):
-            got[requests[i].request_id]["sent"] = time.perf_counter_ns()
-            side.send(requests[i])
-            i += 1
-        wait = (t0 + int(requests[i].at_s * 1e9) - now) / 1e9 if i < len(requests) else 0.05
-        try:
-            name, at, record = side.lines.get(timeout=max(0.0, min(wait, 0.05)))
-        except queue.Empty:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{side.name}: {len(pending)} requests unanswered{side.logs()}") from None
-            continue
-        if record is None:
-            raise RuntimeError(f"{side.name}: the {name} process exited{side.logs()}")
-        ev = side.event(name, record)
-        if ev is None or ev[1] not in got:
-            continue
-        kind, rid = ev
-        got[rid][kind] = at
-        if kind == "first":
-            got[rid]["hit_tokens"] = record.get("hit_tokens", 0)
-            if "total_ms" in record:
-                got[rid]["worker_ms"] = (record["total_ms"], record["forward_ms"], record["batch"])
-        else:
-            got[rid]["tokens"] = record["tokens"]
-            got[rid].setdefault("hit_tokens", record.get("hit_tokens", 0))
-            pending.discard(rid)
-    for r in got.values():
-        r.setdefault("first", r["done"])
-    return got
-
-
-def summarize(
-    requests: list[Request], got: dict[str, dict[str, Any]], slo_ttft_ms: float, slo_tpot_ms: float, window_s: float
-) -> tuple[dict[str, Any], dict[str, list[int]]]:
-    ttft, tpot, e2e, good, tokens, hits = [], [], [], 0, 0, 0
-    for req in requests:
-        g = got[req.request_id]
-        t_first, t_done = g["first"] - g["sent"], g["done"] - g["sent"]
-        n = len(g["tokens"])
-        ttft.append(t_first)
-        e2e.append(t_done)
-        per_token = (t_done - t_first) // (n - 1) if n > 1 else 0
-        if n > 1:
-            tpot.append(per_token)
-        good += t_first <= slo_ttft_ms * 1e6 and per_token <= slo_tpot_ms * 1e6
-        tokens += n
-        hits += g["hit_tokens"]
-    span = max(got[r.request_id]["done"] for r in requests) - min(got[r.request_id]["sent"] for r in requests)
-    arrivals = max(requests[-1].at_s, window_s)
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    stats: dict[str, Any] = {
-        "requests": len(requests),
-        "offered_rps": len(requests) / arrivals,
-        "goodput_rps": good / arrivals,
-        "slo_met": good / len(requests),
-        "output_tokens_per_s": tokens / span * 1e9,
-        "hit_rate": hits / prompt_tokens,
-        "prompt_tokens": prompt_tokens,
-    }
-    inside = [got[r.request_id]["worker_ms"] for r in requests if "worker_ms" in got[r.request_id]]
-    if inside:
-        # the prefill worker's own view: arrival to handoff, its last step's forward, requests in that step
-        for i, key in enumerate(("prefill_total_ms", "prefill_step_ms", "prefill_batch")):
-            stats[f"{key}_p50"] = timings.percentile(sorted(x[i] for x in inside), 50)
-    for key, samples in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e)):
-        stats |= {f"{key}_{k}": v for k, v in timings.summarize_ns(samples).items() if k != "n"}
-    return stats, {"ttft_ns": timings.thin(ttft), "tpot_ns": timings.thin(tpot), "e2e_ns": timings.thin(e2e)}
 
 
 # -- the run ------------------------------------------------------------------------------------------------------
@@ -491,9 +176,9 @@ def run(args: argparse.Namespace) -> int:
         report = harness.Report("e2e", args, device, cfg)
         for scenario in cfg["scenarios"]:
             _scenario(report, env, scenario, config.vocab_size)
-    _targets(report)
-    report.print_block("e2e", _body(report))
-    report.save(_plot(report))
+    targets(report)
+    report.print_block("e2e", body(report))
+    report.save(plot(report))
     return 0
 
 
@@ -503,16 +188,16 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
     gpu = env.device.torch_device
     try:
         if scenario == "1":
-            made["pool"] = _pool_side(env, "pool", 1, 1, None)
-            made["mono"] = _mono_side(env, "mono", [gpu])
+            made["pool"] = pool_side(env, "pool", 1, 1, None)
+            made["mono"] = mono_side(env, "mono", [gpu])
         elif scenario == "2":
-            made["pool-2gpu"] = _pool_side(env, "pool-2gpu", 1, 1, (0, 1))
+            made["pool-2gpu"] = pool_side(env, "pool-2gpu", 1, 1, (0, 1))
             if env.cfg["push_too"]:
-                made["pool-2gpu-push"] = _pool_side(env, "pool-2gpu-push", 1, 1, (0, 1), push=True)
-            made["mono-x2"] = _mono_side(env, "mono-x2", ["cuda:0", "cuda:1"])
+                made["pool-2gpu-push"] = pool_side(env, "pool-2gpu-push", 1, 1, (0, 1), push=True)
+            made["mono-x2"] = mono_side(env, "mono-x2", ["cuda:0", "cuda:1"])
         elif scenario == "3":
-            made["shared-2p"] = _pool_side(env, "shared-2p", 1, 2, None)
-            made["private-2p"] = _pool_side(env, "private-2p", 2, 1, None)
+            made["shared-2p"] = pool_side(env, "shared-2p", 1, 2, None)
+            made["private-2p"] = pool_side(env, "private-2p", 2, 1, None)
         else:
             raise SystemExit(f"e2e: no scenario {scenario!r} (1, 2 or 3)")
         yield made
@@ -562,130 +247,3 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
                         )
 
 
-def _rates(cfg: dict[str, Any], scenario: str) -> list[float]:
-    return cfg["prefill_rates"] if scenario == "3" else cfg["rates"]
-
-
-def _row(report: harness.Report, scenario: str, side: str, workload: str, rate: float) -> dict[str, Any] | None:
-    for r in report.results:
-        if (r["scenario"], r["side"], r["workload"], r["rate"]) == (scenario, side, workload, rate):
-            return r
-    return None
-
-
-def _targets(report: harness.Report) -> None:
-    cfg = report.config
-    scen = cfg["scenarios"]
-    differ = [n for n in report.notes if "tokens differ" in n]
-    report.targets.append(
-        harness.Target(
-            "every side produces the same tokens", "identical", "identical" if not differ else "DIFFERENT",
-            not differ, "; ".join(differ),
-        )
-    )  # fmt: skip
-    for s, side in (("1", "pool"), ("3", "shared-2p")):
-        if s not in scen:
-            continue
-        for rate in _rates(cfg, s):
-            mixed, unique = _row(report, s, side, "mixed", rate), _row(report, s, side, "unique", rate)
-            if mixed is None or unique is None:
-                continue
-            ratio = mixed["ttft_p50_us"] / unique["ttft_p50_us"]
-            report.targets.append(
-                harness.Target(
-                    f"scenario {s}, {side}: TTFT p50 with {mixed['hit_rate']:.0%} hits / unique, {rate:g} req/s",
-                    "<= 0.5x (at >= 70% hits)",
-                    f"{ratio:.2f}x",
-                    ratio <= 0.5 if mixed["hit_rate"] >= 0.7 else None,
-                    f"{mixed['ttft_p50_us'] / 1e3:.1f} ms vs {unique['ttft_p50_us'] / 1e3:.1f} ms",
-                )
-            )
-    for s in scen:
-        ours, base = SIDES[s]
-        best = None
-        for rate in _rates(cfg, s):
-            for w in WORKLOADS:
-                a, b = _row(report, s, ours, w, rate), _row(report, s, base, w, rate)
-                if a and b and (best is None or a["goodput_rps"] > best[0]["goodput_rps"]):
-                    best = (a, b)
-        if best is None:
-            continue
-        a, b = best
-        ratio = a["goodput_rps"] / b["goodput_rps"] if b["goodput_rps"] else float("inf")
-        report.targets.append(
-            harness.Target(
-                f"scenario {s}: {ours} / {base} goodput at {ours}'s best ({a['workload']}, {a['rate']:g} req/s)",
-                ">= 1.3x" if s == "2" else ">= 1x",
-                f"{ratio:.2f}x",
-                ratio >= (1.3 if s == "2" else 1.0),
-                f"{a['goodput_rps']:.2f} vs {b['goodput_rps']:.2f} req/s within SLO",
-            )
-        )
-
-
-def _body(report: harness.Report) -> str:
-    cfg = report.config
-    head = ["scen", "workload", "rate", "side", "goodput", "SLO met", "out tok/s", "TTFT p50", "TTFT p99",
-            "TPOT p50", "TPOT p99", "E2E p50", "E2E p99", "hits", "prefix mem", "pf step/batch"]  # fmt: skip
-    rows = []
-
-    def tpot(r: dict[str, Any], q: str) -> str:
-        return harness.fmt_us(r[f"tpot_{q}_us"]) if f"tpot_{q}_us" in r else "-"
-
-    for r in sorted(report.results, key=lambda r: (r["scenario"], r["workload"], r["rate"], r["side"])):
-        cached = r.get("prefix_bytes_stored")
-        rows.append(
-            [
-                r["scenario"],
-                r["workload"],
-                f"{r['rate']:g}/s",
-                r["side"],
-                f"{r['goodput_rps']:.2f}/s",
-                f"{r['slo_met']:.0%}",
-                f"{r['output_tokens_per_s']:.0f}",
-                harness.fmt_us(r["ttft_p50_us"]),
-                harness.fmt_us(r["ttft_p99_us"]),
-                tpot(r, "p50"),
-                tpot(r, "p99"),
-                harness.fmt_us(r["e2e_p50_us"]),
-                harness.fmt_us(r["e2e_p99_us"]),
-                f"{r['hit_rate']:.0%}",
-                "-" if cached is None else harness.fmt_bytes(cached),
-                f"{r['prefill_step_ms_p50']:.1f}ms/{r['prefill_batch_p50']:g}" if "prefill_step_ms_p50" in r else "-",
-            ]
-        )
-    return (
-        f"{cfg['model']}, prompts ~{cfg['prompt_len']} tokens, outputs ~{cfg['max_new_tokens']} tokens (scenario 3: "
-        f"1), {cfg['duration_s']:g} s of Poisson arrivals per rate, SLO TTFT <= {cfg['slo_ttft_ms']:g} ms and "
-        f"TPOT <= {cfg['slo_tpot_ms']:g} ms, mixed = {cfg['mix']}:\n" + harness.table(head, rows)
-    )
-
-
-def _plot(report: harness.Report) -> Any:
-    plt = harness.pyplot()
-    scen = report.config["scenarios"]
-    fig, axes = plt.subplots(2, len(scen), figsize=(6 * len(scen), 8), squeeze=False)
-    for col, s in enumerate(scen):
-        for side in sorted({r["side"] for r in report.results if r["scenario"] == s}):
-            for w, style in zip(WORKLOADS, ("--", "-"), strict=True):
-                rows = sorted((r for r in report.results if (r["scenario"], r["side"], r["workload"]) == (s, side, w)),
-                              key=lambda r: r["rate"])  # fmt: skip
-                if not rows:
-                    continue
-                rates = [r["rate"] for r in rows]
-                axes[0][col].plot(rates, [r["goodput_rps"] for r in rows], style, marker="o", label=f"{side} {w}")
-                axes[1][col].plot(rates, [r["ttft_p50_us"] / 1e3 for r in rows], style, marker="o",
-                                  label=f"{side} {w}")  # fmt: skip
-        offered = _rates(report.config, s)
-        axes[0][col].plot(offered, offered, ":", color="grey", label="offered")
-        axes[0][col].set(title=f"scenario {s}: goodput", xlabel="arrival rate (req/s)", ylabel="req/s within SLO")
-        axes[1][col].set(title=f"scenario {s}: TTFT p50", xlabel="arrival rate (req/s)", ylabel="ms")
-        axes[1][col].set_yscale("log")
-        for ax in axes[:, col]:
-            ax.grid(True, alpha=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle(
-        f"kvpool e2e, {report.config['model']} ({machine.describe_device(machine.device_info(report.device))})"
-    )
-    fig.tight_layout()
-    return fig
