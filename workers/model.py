@@ -16,12 +16,9 @@ num_kv_heads, head_dim]``, the arena's own views or a private cache with the sam
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,89 +30,10 @@ from kvpool.workers.attention import (
     triton_available,
     write_kv,
 )
+from kvpool.workers.attention_batch import AttentionBatch, PrefillPiece
+from kvpool.workers.llama_config import LlamaConfig, rope_inv_freq
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass
-class LlamaConfig:
-    """The fields of a Hugging Face ``LlamaConfig`` that the forward pass uses."""
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads, as in transformers
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    eos_token_id: list[int] = field(default_factory=list)
-    torch_dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        if not self.head_dim:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> LlamaConfig:
-        """Read a ``config.json`` of either transformers 4 (``rope_theta``) or 5 (``rope_parameters``)."""
-        if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {raw['hidden_act']!r} is not supported: Llama uses 'silu'")
-        if raw.get("pretraining_tp", 1) != 1:
-            raise ValueError("pretraining_tp > 1 checkpoints are not supported")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in raw.items() if k in known and v is not None}
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        if "rope_theta" in rope:
-            values["rope_theta"] = rope.pop("rope_theta")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        values["rope_scaling"] = None if rope_type == "default" else {**rope, "rope_type": rope_type}
-        eos = raw.get("eos_token_id")
-        values["eos_token_id"] = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        values["torch_dtype"] = str(raw.get("dtype") or raw.get("torch_dtype") or "float32")
-        return cls(**values)
-
-    @classmethod
-    def from_dir(cls, path: str | Path) -> LlamaConfig:
-        return cls.from_dict(json.loads((Path(path) / "config.json").read_text()))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
-    """Inverse frequencies of rotate-half RoPE, fp32, with the ``linear`` and ``llama3`` scalings."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    kind = scaling["rope_type"]
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_type {kind!r} is not supported (default, linear and llama3 are)")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -144,90 +62,6 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor
     down_bias: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class PrefillPiece:
-    """New tokens of one sequence for a prefill forward: ``tokens`` go at positions ``start ..``, after the
-    ``start`` tokens (a prefix hit, earlier chunks) whose K/V are already in ``block_table``'s blocks."""
-
-    block_table: Sequence[int]
-    start: int
-    tokens: Sequence[int]
-
-
-@dataclass
-class AttentionBatch:
-    """Where the forward pass writes this step's K/V and how it attends.
-
-    ``slot_blocks``/``slot_offsets`` ([N] on the device) name the cache slot of each input token. Prefill
-    (``block_table`` of one sequence, ``num_cached`` tokens already in it) and decode (``block_tables``
-    [B, max_blocks] int32, ``context_lens`` [B] int32, one token per sequence) fill the other fields; a packed
-    prefill (:meth:`packed`) sets ``q_lens`` and ``cached_lens`` per sequence beside ``block_tables``.
-    """
-
-    slot_blocks: torch.Tensor
-    slot_offsets: torch.Tensor
-    block_table: torch.Tensor | None = None
-    num_cached: int = 0
-    block_tables: torch.Tensor | None = None
-    context_lens: torch.Tensor | None = None
-    max_context_len: int = 0
-    q_lens: list[int] | None = None
-    cached_lens: list[int] = field(default_factory=list)
-    packed_args: Any = None
-
-    @classmethod
-    def prefill(
-        cls, block_table: Sequence[int], num_cached: int, num_new: int, block_size: int, device: torch.device
-    ) -> AttentionBatch:
-        table = torch.tensor(block_table, dtype=torch.long)
-        pos = torch.arange(num_cached, num_cached + num_new)
-        return cls(
-            slot_blocks=table[pos // block_size].to(device),
-            slot_offsets=(pos % block_size).to(device),
-            block_table=table.to(device),
-            num_cached=num_cached,
-        )
-
-    @classmethod
-    def packed(cls, pieces: Sequence[PrefillPiece], block_size: int, device: torch.device) -> AttentionBatch:
-        """Several sequences' new tokens in one batch (``block_tables`` [B, max_blocks], ``q_lens``)."""
-        width = max(len(p.block_table) for p in pieces)
-        tables = torch.tensor([list(p.block_table) + [0] * (width - len(p.block_table)) for p in pieces])
-        rows = torch.cat([torch.full((len(p.tokens),), i) for i, p in enumerate(pieces)])
-        pos = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces])
-        q_lens, cached = [len(p.tokens) for p in pieces], [p.start for p in pieces]
-        batch = cls(
-            slot_blocks=tables[rows, pos // block_size].to(device),
-            slot_offsets=(pos % block_size).to(device),
-            block_tables=tables.to(torch.int32).to(device),
-            q_lens=q_lens,
-            cached_lens=cached,
-        )
-        if triton_available(device):
-            from kvpool.workers.triton_prefill import prefill_tiles
-
-            cu = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32).to(device)
-            batch.packed_args = (cu, torch.tensor(cached, dtype=torch.int32).to(device), prefill_tiles(q_lens, device))
-        return batch
-
-    @classmethod
-    def decode(
-        cls, block_tables: Sequence[Sequence[int]], positions: Sequence[int], block_size: int, device: torch.device
-    ) -> AttentionBatch:
-        """One new token per sequence at ``positions[i]``; its K/V go into that sequence's table too."""
-        width = max(len(t) for t in block_tables)
-        padded = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        pos = torch.tensor(positions, dtype=torch.long)
-        rows = torch.arange(len(positions))
-        return cls(
-            slot_blocks=padded[rows, pos // block_size].long().to(device),
-            slot_offsets=(pos % block_size).to(device),
-            block_tables=padded.to(device),
-            context_lens=(pos + 1).to(torch.int32).to(device),
-            max_context_len=max(positions) + 1,
-        )
 
 
 class LlamaModel:
@@ -534,6 +368,5 @@ class LlamaModel:
 
 def fused_decode_available(device: torch.device) -> bool:
     """Whether the decode step can run the Triton kernels: a CUDA device and an importable ``triton``."""
-    from kvpool.workers.attention import triton_available
 
     return triton_available(device)
