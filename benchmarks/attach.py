@@ -80,7 +80,7 @@ def _trial(url: str, device: machine.Device) -> dict[str, int]:
         capture_output=True,
         text=True,
         env=harness.child_env(),
-        cwd=harness.ROOT,
+        cwd=machine.ROOT,
         timeout=300,
         check=False,
     )

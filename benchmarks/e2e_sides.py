@@ -33,7 +33,7 @@ def _spawn(cmd: list[str], log: Path, lines: queue.Queue[Line], name: str, stdin
             text=True,
             bufsize=1,
             env=harness.child_env(),
-            cwd=harness.ROOT,
+            cwd=machine.ROOT,
         )
 
     def pump(stream: IO[str]) -> None:

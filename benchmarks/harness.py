@@ -30,7 +30,6 @@ from kvpool.benchmarks.machine import (
 )
 from kvpool.server import launch
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULT_WIDTH = 64
 
 # -- options ------------------------------------------------------------------------------------------------

@@ -126,7 +126,7 @@ def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: T
     while not stop.wait(every):
         cmd = [sys.executable, "-m", "kvpool.benchmarks.soak", "--crash-worker", url, str(block_size), str(ttl_s)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=harness.child_env(),
-                                cwd=harness.ROOT, text=True)  # fmt: skip
+                                cwd=machine.ROOT, text=True)  # fmt: skip
         try:
             assert proc.stdout is not None
             ready = proc.stdout.readline().strip() == "ready"
