@@ -45,6 +45,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="compute dtype (default: the arena's KV dtype)",
     )
+    group.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="fixed-shape forwards on a GPU, so tokens do not depend on what shares a batch (slower; for checks)",
+    )
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,8 +82,11 @@ def load_model(args: argparse.Namespace, layout: KVLayout, device: torch.device)
         torch.cuda.set_device(device)  # kernels launch on the current device: make it the arena's, not cuda:0
     dtype = getattr(torch, args.dtype) if args.dtype else kv_dtype(layout)
     if args.model is not None:
-        return LlamaModel.from_pretrained(args.model, device=device, dtype=dtype)
-    return LlamaModel.random(config, seed=args.seed, device=device, dtype=dtype)
+        model = LlamaModel.from_pretrained(args.model, device=device, dtype=dtype)
+    else:
+        model = LlamaModel.random(config, seed=args.seed, device=device, dtype=dtype)
+    model.batch_invariant = bool(getattr(args, "batch_invariant", False))
+    return model
 
 
 def connect(args: argparse.Namespace, role: Role) -> PoolClient:

@@ -72,6 +72,8 @@ def _run(cmd: list[str], workdir: Path, name: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen(cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=child_env())
 
 
+#: sequences per decode step, the same in the decode worker and the reference (a batch-invariant step's shape)
+DEMO_MAX_BATCH = 32
 #: the demo's decode worker, to which its prefill addresses every handoff
 DECODE_NAME = "decode-0"
 
@@ -166,6 +168,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         metavar="P,D",
         help="prefill on device P, decode on device D, one pool arena each (KV moves between them by block ids)",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the workers and the reference in fixed-shape forwards, so that tokens match to the bit in any "
+        "dtype (the default; without it, bf16 may flip a near-tied token)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON summary instead of the table")
     return parser.parse_args(argv)
 
@@ -183,6 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_args = ["--random-model", "--seed", str(args.seed)]
         name = f"random-tiny-seed{args.seed}"
     layout = layout_for(config, args.block_size, args.dtype, args.order)
+    if args.batch_invariant:
+        model_args.append("--batch-invariant")
     requests = demo_prompts(config.vocab_size, args.block_size, args.max_new_tokens, args.seed)
 
     workdir = Path(tempfile.mkdtemp(prefix="kvpool-demo-"))
@@ -205,7 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 requests,
                 workdir,
                 args.timeout_s,
-                decode_args=placement["decode_args"],
+                decode_args=[*placement["decode_args"], "--max-batch", str(DEMO_MAX_BATCH)],
                 prefill_args=placement["prefill_args"],
             )
             with http_client(pool.url, None, 5.0) as http:
@@ -221,12 +232,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.model is not None
         else LlamaModel.random(config, args.seed, device, dtype)
     )
+    model.batch_invariant = args.batch_invariant
     t1 = time.perf_counter()
-    expected = greedy_generate(model, [r.prompt for r in requests], args.max_new_tokens, layout)
+    expected = greedy_generate(model, [r.prompt for r in requests], args.max_new_tokens, layout, DEMO_MAX_BATCH)
     mono_s = time.perf_counter() - t1
     got = flow.tokens()
     mismatched = [r.request_id for r, want in zip(requests, expected, strict=True) if got.get(r.request_id) != want]
     summary = _summary(requests, flow, expected, stats, pool_s, mono_s, backend)
+    summary["batch_invariant"] = args.batch_invariant
     if args.json:
         print(json.dumps(summary))
     else:

@@ -59,7 +59,8 @@ class DecodeEngine:
         self.device = model.device
         self.fused = fused_decode_available(self.device)
         self.use_graphs = self.fused if use_graphs is None else use_graphs and self.fused
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        # one shape for every step when the model must not depend on its batch (workers.invariance)
+        self.buckets = [max_batch] if model.batch_invariant else [b for b in BUCKETS if b < max_batch] + [max_batch]
         cache_tokens = kv_caches[0][0].shape[0] * block_size
         context = min(max_context or model.config.max_position_embeddings, cache_tokens)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -170,6 +171,8 @@ class DecodeEngine:
 
         c = self.model.config
         block_n = default_block_n(c.head_dim)
+        if self.model.batch_invariant:  # a sequence's split points must not depend on the table's width either
+            return choose_splits(b, c.num_key_value_heads, c.max_position_embeddings, block_n, self.device)
         return choose_splits(b, c.num_key_value_heads, self.width * self.block_size, block_n, self.device)
 
     def _graph(self, b: int) -> torch.cuda.CUDAGraph:

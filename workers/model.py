@@ -84,6 +84,8 @@ class LlamaModel:
             )
         self.inv_freq = rope_inv_freq(config).to(self.device)
         self.scale = config.head_dim**-0.5
+        #: fixed-shape forwards on the fused path (:mod:`workers.invariance`); set by ``--batch-invariant``
+        self.batch_invariant = False
 
     # construction ----------------------------------------------------------------------------------------
 
@@ -214,6 +216,12 @@ class LlamaModel:
                 raise ValueError("prefill needs at least one token to compute")
             if len(p.block_table) * bs < p.start + len(p.tokens):
                 raise ValueError(f"{len(p.block_table)} blocks of {bs} cannot hold {p.start + len(p.tokens)} tokens")
+        if self.batch_invariant and fused_decode_available(self.device):
+            from kvpool.workers.invariance import invariant_prefill
+
+            return invariant_prefill(
+                pieces, bs, self.device, lambda i, p, b: self._prefill_fused(i, p, kv_caches, b), self.logits
+            )
         batch = AttentionBatch.packed(pieces, bs, self.device)
         ids = torch.tensor([t for p in pieces for t in p.tokens], dtype=torch.long).to(self.device)
         positions = torch.cat([torch.arange(p.start, p.start + len(p.tokens)) for p in pieces]).to(self.device)
