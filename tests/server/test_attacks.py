@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -392,6 +393,7 @@ def squatted(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[Path, FakePool]]
     os.chown(directory / "kvpool.sock", OTHER_UID, OTHER_UID)
     yield directory, fake
     fake.close()
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="making files of another user needs root")
