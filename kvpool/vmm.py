@@ -22,7 +22,7 @@ CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
-CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
+GRANULARITY_RECOMMENDED = 1
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
 
@@ -125,7 +125,7 @@ def supported(device: int) -> str | None:
 def granularity(device: int) -> int:
     g = _size()
     prop = _prop(device)
-    code = driver().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+    code = driver().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), GRANULARITY_RECOMMENDED)
     _check(code, "cuMemGetAllocationGranularity")
     return g.value
 
