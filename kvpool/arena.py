@@ -192,9 +192,14 @@ def _map(descriptor: ArenaDescriptor, device: int | None, fd_source: FdSource | 
     from kvpool import cuda
 
     assert descriptor.device is not None
-    index = cuda.ordinal_of(descriptor.device.uuid)
     if descriptor.handle_kind == "vmm":
-        return _map_vmm(descriptor, index, device, fd_source)
+        if fd_source is None:
+            raise InvalidRequest(
+                "this pool's arena is a VMM allocation, handed as a file descriptor over its Unix socket to a live "
+                "session: map it with PoolClient.arena()"
+            )
+        return _map_vmm(descriptor, cuda.ordinal_of(descriptor.device.uuid), device, fd_source)
+    index = cuda.ordinal_of(descriptor.device.uuid)
     if descriptor.owner_pid == os.getpid():
         raise InvalidRequest(
             f"this process has the pool's PID ({os.getpid()}): either it is the pool itself (map the arena from a "
@@ -207,16 +212,11 @@ def _map(descriptor: ArenaDescriptor, device: int | None, fd_source: FdSource | 
     return Arena(descriptor, raw)
 
 
-def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_source: FdSource | None) -> Arena:
+def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_source: FdSource) -> Arena:
     import torch
 
     from kvpool import cuda, vmm
 
-    if fd_source is None:
-        raise InvalidRequest(
-            "this pool's arena is a VMM allocation, handed as a file descriptor over its Unix socket to a live "
-            "session: map it with PoolClient.arena()"
-        )
     with torch.cuda.device(index):
         cuda.set_device(index)
         access = vmm.peers(index, torch.cuda.device_count())
