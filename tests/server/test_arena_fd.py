@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,6 @@ from kvpool.channel import FastConnection
 from kvpool.errors import InvalidRequest, Unauthorized, UnknownSession
 from kvpool.protocol import ArenaFdRequest, SessionCreate
 from kvpool.server.arenas import HostArena
-from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 from kvpool.transport import Transport
@@ -43,18 +42,6 @@ class MemfdArena(HostArena):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    settings = PoolSettings(
-        backend="cpu", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
-        socket=tmp_path / "kvpool.sock", port=0, shm_dir=tmp_path / "shm", token="s3cret",
-    )  # fmt: skip
-    p = ControlPlane(settings)
-    p.start()
-    yield p
-    p.close()
 
 
 @pytest.fixture
