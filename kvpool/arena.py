@@ -17,7 +17,7 @@ import base64
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import ArenaClosed, InvalidRequest
@@ -150,10 +150,20 @@ _mapped: dict[tuple[str, str], Arena] = {}
 _map_lock = threading.Lock()
 
 
-def open_arena(descriptor: ArenaDescriptor, layout: KVLayout | None = None, device: int | None = None) -> Arena:
+#: gets a VMM arena's file descriptor from the pool, for the device as the pool names it (None: the first)
+FdSource = Callable[[int | None], int]
+
+
+def open_arena(
+    descriptor: ArenaDescriptor,
+    layout: KVLayout | None = None,
+    device: int | None = None,
+    fd_source: FdSource | None = None,
+) -> Arena:
     """Map the arena the descriptor names, once per process; later calls return the same :class:`Arena`.
 
     ``device`` picks one arena of a multi-device pool (as the pool names the device); None takes the first.
+    ``fd_source`` fetches the fd of a VMM arena (:meth:`kvpool.client.PoolClient.arena` passes its own).
     """
     try:
         descriptor = descriptor.part(device)
@@ -164,12 +174,12 @@ def open_arena(descriptor: ArenaDescriptor, layout: KVLayout | None = None, devi
     with _map_lock:
         arena = _mapped.get(key)
         if arena is None or arena.closed:
-            arena = _map(descriptor)
+            arena = _map(descriptor, device, fd_source)
             _mapped[key] = arena
         return arena
 
 
-def _map(descriptor: ArenaDescriptor) -> Arena:
+def _map(descriptor: ArenaDescriptor, device: int | None, fd_source: FdSource | None) -> Arena:
     import torch
 
     if descriptor.backend == "cpu":
@@ -182,6 +192,13 @@ def _map(descriptor: ArenaDescriptor) -> Arena:
     from kvpool import cuda
 
     assert descriptor.device is not None
+    if descriptor.handle_kind == "vmm":
+        if fd_source is None:
+            raise InvalidRequest(
+                "this pool's arena is a VMM allocation, handed as a file descriptor over its Unix socket to a live "
+                "session: map it with PoolClient.arena()"
+            )
+        return _map_vmm(descriptor, cuda.ordinal_of(descriptor.device.uuid), device, fd_source)
     index = cuda.ordinal_of(descriptor.device.uuid)
     if descriptor.owner_pid == os.getpid():
         raise InvalidRequest(
@@ -192,6 +209,20 @@ def _map(descriptor: ArenaDescriptor) -> Arena:
     with torch.cuda.device(index):
         ptr = cuda.ipc_open(base64.b64decode(descriptor.handle))
         raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
+    return Arena(descriptor, raw)
+
+
+def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_source: FdSource) -> Arena:
+    import torch
+
+    from kvpool import cuda, vmm
+
+    with torch.cuda.device(index):
+        cuda.set_device(index)
+        access = vmm.peers(index, torch.cuda.device_count())
+        ptr = vmm.import_map(fd_source(device), descriptor.nbytes, index, access)
+        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
+    log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", descriptor.nbytes, index, ptr)
     return Arena(descriptor, raw)
 
 

@@ -86,6 +86,22 @@ class FastConnection:
             self.close()
             raise
 
+    def call_fd(self, op: bytes, body: bytes) -> tuple[int, bytes, int | None]:
+        """Send a request whose answer may carry a file descriptor; returns it too (the caller closes it)."""
+        from kvpool.fdpass import recv_frame_with_fd
+
+        self.settle()
+        if self.closed:
+            raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
+        try:
+            self.sock.sendall(frame(op, body))
+            payload, fd = recv_frame_with_fd(self.sock)
+        except BaseException:
+            self.close()
+            raise
+        status, _, reply = payload.partition(b"\n")
+        return int(status), reply, fd
+
     def send(self, op: bytes, body: bytes, label: str) -> None:
         """Write a request and return at once; ``label`` names it if the pool refuses it."""
         self.settle()

@@ -30,6 +30,7 @@ from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
+    ArenaFdRequest,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -181,10 +182,24 @@ class PoolClient:
             descriptor = self.descriptor()
             if descriptor.epoch != self.epoch:  # restarted, and nothing noticed yet: never map it for an old session
                 self.session.restarted(descriptor.epoch)
-            arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device)
+            arena = self._arenas[device] = open_arena(
+                descriptor, layout or self.layout, device, lambda d: self._arena_fd(descriptor, d)
+            )
         elif layout is not None:
             open_arena(arena.descriptor, layout)
         return arena
+
+    def _arena_fd(self, descriptor: ArenaDescriptor, device: int | None) -> int:
+        """A VMM arena's fd, from the pool's fast channel: never over TCP or HTTP, and only for this session."""
+        path = descriptor.fast_socket
+        if not path or not os.path.exists(path):
+            raise InvalidRequest(
+                f"the pool's arena is a VMM allocation handed over its Unix socket ({path or 'none'}), which this "
+                "process cannot reach: run beside the pool with its socket directory mounted, or start the pool "
+                "with --arena-handle legacy"
+            )
+        req = ArenaFdRequest(session_id=self.session_id, device=device)
+        return self.transport.call_fd(b"arena_fd", req, path)
 
     # -- blocks -----------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvpool.layout import KVLayout
 
@@ -44,6 +44,19 @@ class SessionRef(_Request):
 
 class Hello(_Request):
     token: str | None = Field(None, max_length=4096)
+
+
+class ArenaFdRequest(_Request):
+    """Ask the fast channel for a VMM arena's file descriptor (it comes back attached, SCM_RIGHTS)."""
+
+    session_id: SessionId = Field(max_length=64)
+    device: int | None = Field(None, description="the arena's device as the pool names it; null: the first")
+
+
+class ArenaFdResponse(BaseModel):
+    epoch: str
+    index: int
+    nbytes: int
 
 
 class SessionInfo(BaseModel):
@@ -171,15 +184,24 @@ class DeviceInfo(BaseModel):
     name: str = ""
 
 
+HandleKind = Literal["cuda_ipc", "vmm", "shm"]
+HANDLE_DOC = (
+    "base64 CUDA IPC handle (cuda_ipc), the shared-memory file's path (shm), or, for vmm, a name only: the "
+    "allocation is a file descriptor handed over the fast channel's Unix socket (op arena_fd) to a live session"
+)
+KIND_DOC = "how the arena is shared: cuda_ipc (legacy 64-byte handle), vmm (POSIX fd), shm (/dev/shm file)"
+
+
 class ArenaPart(BaseModel):
     """One device's arena: its blocks are the global ids ``first_block .. first_block + num_blocks - 1``."""
 
     index: int = Field(description="the device as the pool names it (its --devices entry)")
     device: DeviceInfo | None
-    handle: str = Field(description="base64 CUDA IPC handle (cuda) or the shared-memory file's path (cpu)")
+    handle: str = Field(description=HANDLE_DOC)
     nbytes: int
     num_blocks: int
     first_block: int = 0
+    handle_kind: HandleKind | None = Field(None, description=KIND_DOC)
 
 
 class ArenaDescriptor(BaseModel):
@@ -189,7 +211,8 @@ class ArenaDescriptor(BaseModel):
     epoch: str
     backend: Literal["cuda", "cpu"]
     device: DeviceInfo | None
-    handle: str = Field(description="base64 CUDA IPC handle (cuda) or the shared-memory file's path (cpu)")
+    handle: str = Field(description=HANDLE_DOC)
+    handle_kind: HandleKind = Field(description=KIND_DOC)
     nbytes: int
     num_blocks: int
     block_nbytes: int
@@ -200,6 +223,14 @@ class ArenaDescriptor(BaseModel):
     first_block: int = 0
     arenas: list[ArenaPart] = Field(default_factory=list)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _kind(cls, data: Any) -> Any:
+        """A pool from before handle kinds shared its CUDA arena by legacy handle and its CPU arena by file."""
+        if isinstance(data, dict) and data.get("handle_kind") is None:
+            data = {**data, "handle_kind": "shm" if data.get("backend") == "cpu" else "cuda_ipc"}
+        return data
+
     def part(self, device: int | None) -> ArenaDescriptor:
         """The descriptor of one device's arena (``device`` as the pool names it; None: the first)."""
         if device is None or not self.arenas:
@@ -207,7 +238,7 @@ class ArenaDescriptor(BaseModel):
         for part in self.arenas:
             if part.index == device:
                 fields = {k: getattr(part, k) for k in ("device", "handle", "nbytes", "num_blocks", "first_block")}
-                return self.model_copy(update=fields)
+                return self.model_copy(update={**fields, "handle_kind": part.handle_kind or self.handle_kind})
         raise ValueError(f"the pool has no arena on device {device}; it has {[p.index for p in self.arenas]}")
 
     def device_of(self, block_id: int) -> int | None:

@@ -9,6 +9,7 @@ callers never depend on which one carried their request.
 from __future__ import annotations
 
 import json
+import os
 import threading
 from array import array
 from collections.abc import Callable
@@ -119,20 +120,45 @@ class Transport:
             conn = None
         if conn is None:
             assert self.fast_path is not None
-            check_socket(self.fast_path)  # the pool named it, but whoever answers hello gets the token
-            try:
-                conn = FastConnection(self.fast_path)
-            except OSError as exc:
-                raise PoolUnavailable(f"cannot reach the pool's fast channel at {self.fast_path}: {exc}") from exc
-            body = json.dumps({"token": self.token} if self.token else {}).encode()
-            status, reply = conn.call(b"hello", body)
-            if status != 200:
-                conn.close()
-                raise_for(status, reply)
+            conn = self._open(self.fast_path)
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)
         return conn
+
+    def _open(self, path: str) -> FastConnection:
+        """A fast-channel connection that said hello (with the token, if any) and was answered 200."""
+        check_socket(path)  # the pool named it, but whoever answers hello gets the token
+        try:
+            conn = FastConnection(path)
+        except OSError as exc:
+            raise PoolUnavailable(f"cannot reach the pool's fast channel at {path}: {exc}") from exc
+        body = json.dumps({"token": self.token} if self.token else {}).encode()
+        status, reply = conn.call(b"hello", body)
+        if status != 200:
+            conn.close()
+            raise_for(status, reply)
+        return conn
+
+    def call_fd(self, op: bytes, req: BaseModel, path: str) -> int:
+        """A fast-channel call answered with a file descriptor; over a connection of its own when the client
+        does not use the fast channel for its other calls."""
+        body = req.model_dump_json().encode()
+        if self.fast_path is not None:
+            status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body))
+        else:
+            conn = self._open(path)
+            try:
+                status, reply, fd = conn.call_fd(op, body)
+            finally:
+                conn.close()
+        if status != 200:
+            if fd is not None:
+                os.close(fd)
+            raise_for(status, reply)
+        if fd is None:
+            raise PoolUnavailable(f"the pool answered {op.decode()} without a file descriptor: is it a kvpool pool?")
+        return fd
 
     def reset(self) -> None:
         """Close every thread's fast connection; each opens a new one on its next call."""

@@ -13,12 +13,13 @@ from typing import Literal
 
 from kvpool.errors import InvalidRequest
 from kvpool.layout import KVLayout
-from kvpool.protocol import ArenaDescriptor, ArenaPart, DeviceInfo
+from kvpool.protocol import ArenaDescriptor, ArenaPart, DeviceInfo, HandleKind
 
 log = logging.getLogger(__name__)
 
 CUDA_ALIGN = 2 << 20
 SHM_PREFIX = "kvpool-"
+ArenaHandle = Literal["auto", "vmm", "legacy"]
 
 
 def cuda_available() -> bool:
@@ -66,9 +67,12 @@ class HostArena:
     """The pool's side of the arena: owns the allocation and describes it; never builds views."""
 
     backend: Literal["cuda", "cpu"]
+    handle_kind: HandleKind
     handle: str
     nbytes: int
     device: DeviceInfo | None = None
+    #: the exported file descriptor of a VMM arena, handed to authenticated sessions over the fast channel
+    fd: int | None = None
 
     def close(self) -> None:
         raise NotImplementedError
@@ -76,6 +80,7 @@ class HostArena:
 
 class CpuHostArena(HostArena):
     backend = "cpu"
+    handle_kind = "shm"
 
     def __init__(self, nbytes: int, shm_dir: Path, epoch: str) -> None:
         shm_dir.mkdir(parents=True, exist_ok=True)
@@ -119,6 +124,7 @@ def remove_stale_arenas(shm_dir: Path) -> None:
 
 class CudaHostArena(HostArena):
     backend = "cuda"
+    handle_kind = "cuda_ipc"
 
     def __init__(self, nbytes: int, device: int) -> None:
         import torch
@@ -141,9 +147,14 @@ class CudaHostArena(HostArena):
 
 
 def create_host_arena(
-    backend: Literal["cuda", "cpu"], nbytes: int, *, device: int, shm_dir: Path, epoch: str
-) -> HostArena:
+    backend: Literal["cuda", "cpu"], nbytes: int, *, device: int, shm_dir: Path, epoch: str,
+    arena_handle: ArenaHandle = "legacy", fd_passing: bool = False,
+) -> HostArena:  # fmt: skip
     if backend == "cuda":
+        from kvpool.server.vmm_arena import VmmHostArena, resolve_handle
+
+        if resolve_handle(arena_handle, device, fd_passing) == "vmm":
+            return VmmHostArena(nbytes, device)
         return CudaHostArena(nbytes, device)
     return CpuHostArena(nbytes, shm_dir, epoch)
 
@@ -158,6 +169,8 @@ def create_arenas(
     arena_bytes: int | None,
     gpu_memory_fraction: float | None,
     shm_dir: Path,
+    arena_handle: ArenaHandle = "legacy",
+    fd_passing: bool = False,
 ) -> tuple[list[HostArena], list[int]]:
     """One arena per device, each sized one way, and their sizes in blocks; on a failure none is left behind."""
     arenas: list[HostArena] = []
@@ -179,7 +192,8 @@ def create_arenas(
             )
             part_epoch = epoch if len(devices) == 1 else f"{epoch}-{d}"
             nbytes = n * layout.block_nbytes
-            arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=shm_dir, epoch=part_epoch))
+            arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=shm_dir, epoch=part_epoch,
+                                            arena_handle=arena_handle, fd_passing=fd_passing))  # fmt: skip
             sizes.append(n)
     except BaseException:
         for arena in arenas:
@@ -201,7 +215,7 @@ def describe(
     parts, first = [], 0
     for d, arena, n in zip(devices, arenas, sizes, strict=True):
         parts.append(ArenaPart(index=d, device=arena.device, handle=arena.handle, nbytes=arena.nbytes,
-                               num_blocks=n, first_block=first))  # fmt: skip
+                               num_blocks=n, first_block=first, handle_kind=arena.handle_kind))  # fmt: skip
         first += n
     head = parts[0]
     return ArenaDescriptor(
@@ -209,6 +223,7 @@ def describe(
         backend=arenas[0].backend,
         device=head.device,
         handle=head.handle,
+        handle_kind=head.handle_kind,
         nbytes=head.nbytes,
         num_blocks=head.num_blocks,
         block_nbytes=layout.block_nbytes,

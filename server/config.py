@@ -46,6 +46,10 @@ class PoolSettings(BaseSettings):
     arena_bytes: ByteSize | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
     shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
+    arena_handle: Literal["auto", "vmm", "legacy"] = Field(
+        "auto", description="how workers map the CUDA arena: vmm (an fd over the fast channel's Unix socket), "
+        "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible)"
+    )
 
     # the default layout is the one the workers' default --random-model needs
     num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
@@ -109,6 +113,11 @@ class PoolSettings(BaseSettings):
             raise ValueError(f"give the arena size one way only, not {flags}")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
+        if self.arena_handle == "vmm" and self.fast_socket is None:
+            raise ValueError(
+                "--arena-handle vmm passes the arena's fd over the fast channel's Unix socket: give --socket and "
+                "keep --fast-channel on, or use --arena-handle legacy (or auto)"
+            )
         return self
 
     @property

@@ -9,7 +9,8 @@ soon as the handoff is parked.
 Frame: a 4-byte little-endian length, then ``op\\n`` and a JSON body, with block ids attached packed (see
 :mod:`kvpool.channel`). Reply: the same framing, with ``status\\n``. The first frame of a connection is ``hello``
 (with the token, if the pool has one). ``accept`` is ``claim`` for a claimer that already holds the ids (its
-producer delivered them to its inbox): the answer leaves them out.
+producer delivered them to its inbox): the answer leaves them out. ``arena_fd`` answers a live session that said
+hello with a VMM arena's file descriptor attached to the reply (SCM_RIGHTS).
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ from pydantic import BaseModel, ValidationError
 
 from kvpool.channel import HEADER, decode, encode, frame
 from kvpool.errors import KvpoolError, LimitExceeded, PayloadTooLarge, Unauthorized, body_for, error_body
+from kvpool.fdpass import send_with_fd
 from kvpool.ids import pack_ids
 from kvpool.protocol import (
     AllocRequest,
+    ArenaFdRequest,
     ClaimRequest,
     CommitRequest,
     FreeRequest,
@@ -142,6 +145,9 @@ class FastChannel:
                     authorized = reply[HEADER.size : HEADER.size + 3] == b"200"
                 elif not authorized:
                     reply = _error(Unauthorized("say hello first (with the pool's token, if it has one)"))
+                elif op == b"arena_fd":
+                    await self._arena_fd(body, writer)
+                    continue
                 else:
                     reply = await self._call(op, body, watch if op in WAITS else None)
                 writer.write(reply)
@@ -153,6 +159,19 @@ class FastChannel:
             if head is not None and not head.done():
                 head.cancel()
             writer.close()
+
+    async def _arena_fd(self, body: bytes, writer: asyncio.StreamWriter) -> None:
+        """Answer with the arena's fd attached (SCM_RIGHTS): only here, after hello, and for a live session."""
+        try:
+            req = ArenaFdRequest.model_validate_json(body)
+            result, fd = self.plane.arena_fd(req)
+        except ValidationError as exc:
+            writer.write(_encode(422, _validation(exc)))
+        except KvpoolError as exc:
+            writer.write(_error(exc))
+        else:
+            await send_with_fd(writer, _encode(200, result.model_dump_json().encode()), fd)
+        await writer.drain()
 
     async def _frame(self, raw: bytes, limit: int, reader: asyncio.StreamReader) -> bytes | None:
         (size,) = HEADER.unpack(raw)

@@ -24,6 +24,8 @@ from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
+    ArenaFdRequest,
+    ArenaFdResponse,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -84,7 +86,7 @@ class ControlPlane:
             arenas, sizes = create_arenas(
                 resolve_backend(s.backend), devices, layout, self.epoch,
                 num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
-                shm_dir=s.shm_dir,
+                shm_dir=s.shm_dir, arena_handle=s.arena_handle, fd_passing=s.fast_socket is not None,
             )  # fmt: skip
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
@@ -200,6 +202,19 @@ class ControlPlane:
     def heartbeat(self, session_id: str) -> SessionInfo:
         self.pool.heartbeat(session_id)
         return SessionInfo(session_id=session_id, lease_ttl_s=self.pool.lease_ttl_s, epoch=self.epoch)
+
+    def arena_fd(self, req: ArenaFdRequest) -> tuple[ArenaFdResponse, int]:
+        """A VMM arena's fd, for a live session only: the fast channel attaches it to the reply."""
+        self.pool.heartbeat(req.session_id)
+        i = self.arena_index(req.device)
+        arena = self.host_arenas[i]
+        if arena.fd is None:
+            raise InvalidRequest(
+                f"this pool's arena is shared by {arena.handle_kind}, not by file descriptor: map it from the "
+                "descriptor's handle (PoolClient.arena() does)"
+            )
+        part = self.descriptor.arenas[i]
+        return ArenaFdResponse(epoch=self.epoch, index=part.index, nbytes=arena.nbytes), arena.fd
 
     def close_session(self, session_id: str) -> dict[str, int]:
         return {"released": self.pool.close_session(session_id)}

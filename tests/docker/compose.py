@@ -24,6 +24,7 @@ SCHEMA = HERE / "compose-spec.json"
 
 GPU_FILES = ("compose.yaml",)
 CPU_FILES = ("compose.yaml", "compose.cpu.yaml")
+LEGACY_FILES = ("compose.yaml", "compose.legacy.yaml")
 
 
 def tool(name: str) -> str | None:

@@ -1,9 +1,11 @@
-"""docker/compose.yaml: valid Compose, and the settings that CUDA IPC between containers depends on.
+"""docker/compose.yaml: valid Compose, and the settings that sharing the arena between containers depends on.
 
-Legacy CUDA IPC handles fail with "invalid device context" when exporter and importer have the same
-namespace-local PID, so the workers share the pool's PID namespace; the CPU arena and IPC events need the
-pool's /dev/shm, so they share its IPC namespace; every container reserves the arena's GPU. These tests keep
-all of that, the socket volume, the health check and the start order from being dropped by accident.
+The default VMM arena goes to the workers as an fd over the pool's Unix socket, so they keep PID namespaces of
+their own; legacy CUDA IPC handles (compose.legacy.yaml) fail with "invalid device context" when exporter and
+importer have the same namespace-local PID, so there the workers share the pool's PID namespace. The CPU arena
+and IPC events need the pool's /dev/shm, so the workers share its IPC namespace; every container reserves the
+arena's GPU. These tests keep all of that, the socket volume, the health check and the start order from being
+dropped by accident.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .compose import (
     CPU_FILES,
     DOCKER,
     GPU_FILES,
+    LEGACY_FILES,
     ROOT,
     model,
     read,
@@ -45,7 +48,9 @@ ENV_EXAMPLE = DOCKER / ".env.example"
 FIXED = {"KVPOOL_SOCKET", "KVPOOL_URL"}
 NOT_PASSED = {"shm_dir": "the arena file must be in the /dev/shm the workers share"}
 
-FILE_SETS = pytest.mark.parametrize("files", [GPU_FILES, CPU_FILES], ids=["compose", "compose+cpu"])
+FILE_SETS = pytest.mark.parametrize(
+    "files", [GPU_FILES, CPU_FILES, LEGACY_FILES], ids=["compose", "compose+cpu", "compose+legacy"]
+)
 ENVS = {"defaults": {}, "env-example": read_dotenv(ENV_EXAMPLE)}
 
 
@@ -90,7 +95,7 @@ def test_valid_compose_spec(files: tuple[str, ...], env: dict[str, str]) -> None
     assert schema_errors(model(files, env)) == []
 
 
-@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml"])
+@pytest.mark.parametrize("name", ["compose.yaml", "compose.cpu.yaml", "compose.legacy.yaml"])
 def test_each_file_valid_on_its_own(name: str) -> None:
     assert schema_errors(strip_tags(read(name))) == []
 
@@ -117,20 +122,36 @@ def test_services(files: tuple[str, ...]) -> None:
 
 
 @FILE_SETS
-def test_workers_share_the_pools_pid_and_ipc_namespaces(files: tuple[str, ...]) -> None:
+def test_workers_share_the_pools_ipc_namespace(files: tuple[str, ...]) -> None:
     services = model(files)["services"]
     pool = services[POOL]
     for worker in WORKERS:
-        pid, ipc = services[worker].get("pid"), services[worker].get("ipc")
-        assert pid in (f"service:{POOL}", "host"), f"{worker}: same-PID CUDA IPC fails without a shared PID namespace"
+        ipc = services[worker].get("ipc")
         assert ipc in (f"service:{POOL}", "host"), f"{worker}: the arena's /dev/shm is the pool's"
+        assert pool.get("ipc") == ("host" if ipc == "host" else "shareable")
+    if pool.get("ipc") == "shareable":
+        assert pool.get("shm_size"), "the CPU arena lives in the pool's /dev/shm: size it"
+
+
+@pytest.mark.parametrize("files", [GPU_FILES, CPU_FILES], ids=["compose", "compose+cpu"])
+def test_with_the_default_handle_workers_keep_their_own_pid_namespaces(files: tuple[str, ...]) -> None:
+    services = model(files, ENVS["env-example"])["services"]
+    for name in SERVICES:
+        assert services[name].get("pid") is None, f"{name}: the VMM arena needs no shared PID namespace"
+        assert resolved_env(services[name], ENVS["env-example"]).get("KVPOOL_ARENA_HANDLE", "auto") == "auto"
+
+
+def test_legacy_handles_put_the_workers_in_the_pools_pid_namespace() -> None:
+    services = model(LEGACY_FILES)["services"]
+    pool = services[POOL]
+    assert env_of(pool)["KVPOOL_ARENA_HANDLE"] == "legacy"
+    for worker in WORKERS:
+        pid = services[worker].get("pid")
+        assert pid in (f"service:{POOL}", "host"), f"{worker}: same-PID CUDA IPC fails without a shared PID namespace"
         if pid == "host":
             assert pool.get("pid") == "host"
         else:
             assert pool.get("pid") is None, "the pool keeps the namespace the workers join"
-        assert pool.get("ipc") == ("host" if ipc == "host" else "shareable")
-    if pool.get("ipc") == "shareable":
-        assert pool.get("shm_size"), "the CPU arena lives in the pool's /dev/shm: size it"
 
 
 @pytest.mark.parametrize("env", [{}, {"KVPOOL_GPUS": "GPU-5c3a9e8e-0000-4000-8000-000000000000"}], ids=["0", "uuid"])

@@ -4,29 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
-
-import pytest
 
 from kvpool.channel import HEADER, decode, frame
 from kvpool.ids import unpack_ids
 from kvpool.protocol import AllocResponse, SessionCreate
-from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
-
-
-@pytest.fixture
-def plane(tmp_path: Path) -> Iterator[ControlPlane]:
-    settings = PoolSettings(
-        backend="cpu", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
-        socket=tmp_path / "kvpool.sock", port=0, shm_dir=tmp_path / "shm", token="s3cret",
-    )  # fmt: skip
-    p = ControlPlane(settings)
-    p.start()
-    yield p
-    p.close()
 
 
 async def exchange(path: Path, *frames: bytes) -> list[tuple[int, bytes]]:

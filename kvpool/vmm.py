@@ -1,0 +1,210 @@
+"""The arena as one CUDA VMM allocation, shared as a POSIX file descriptor: the driver calls, through ctypes.
+
+A legacy IPC handle is 64 bytes that anyone who learns them can open, and it fails between processes with the
+same PID in separate PID namespaces. A ``cuMemCreate`` allocation exported as a file descriptor is a kernel
+object: only a process that was handed the fd (SCM_RIGHTS on the pool's Unix socket) can import it, and PIDs
+play no part. The pool creates and exports; each worker imports, reserves an address range, maps and grants
+access once, and keeps the mapping for the life of the process.
+
+The driver API is reached through ``libcuda.so.1`` directly: it is present wherever a GPU is, and the calls are
+few enough not to need a binding package.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from kvpool.cuda import CudaError
+
+CU_MEM_ALLOCATION_TYPE_PINNED = 1
+CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
+CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
+GRANULARITY_RECOMMENDED = 1
+CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
+CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
+
+
+class MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class AllocFlags(ctypes.Structure):
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
+
+
+class AllocationProp(ctypes.Structure):
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", MemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", AllocFlags),
+    ]
+
+
+class AccessDesc(ctypes.Structure):
+    _fields_ = [("location", MemLocation), ("flags", ctypes.c_int)]
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_u64, _size, _p = ctypes.c_ulonglong, ctypes.c_size_t, ctypes.POINTER
+
+
+def driver() -> ctypes.CDLL:
+    global _lib
+    with _lock:
+        if _lib is None:
+            try:
+                lib = ctypes.CDLL("libcuda.so.1")
+            except OSError as exc:
+                raise CudaError(f"the CUDA driver (libcuda.so.1) cannot be loaded: {exc}") from None
+            lib.cuGetErrorString.argtypes = [ctypes.c_int, _p(ctypes.c_char_p)]
+            lib.cuDeviceGetAttribute.argtypes = [_p(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+            lib.cuDeviceCanAccessPeer.argtypes = [_p(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+            lib.cuMemGetAllocationGranularity.argtypes = [_p(_size), _p(AllocationProp), ctypes.c_int]
+            lib.cuMemCreate.argtypes = [_p(_u64), _size, _p(AllocationProp), _u64]
+            lib.cuMemExportToShareableHandle.argtypes = [ctypes.c_void_p, _u64, ctypes.c_int, _u64]
+            lib.cuMemImportFromShareableHandle.argtypes = [_p(_u64), ctypes.c_void_p, ctypes.c_int]
+            lib.cuMemAddressReserve.argtypes = [_p(_u64), _size, _size, _u64, _u64]
+            lib.cuMemMap.argtypes = [_u64, _size, _size, _u64, _u64]
+            lib.cuMemSetAccess.argtypes = [_u64, _size, _p(AccessDesc), _size]
+            lib.cuMemUnmap.argtypes = [_u64, _size]
+            lib.cuMemAddressFree.argtypes = [_u64, _size]
+            lib.cuMemRelease.argtypes = [_u64]
+            _check_with(lib, lib.cuInit(0), "cuInit")
+            _lib = lib
+        return _lib
+
+
+def _check_with(lib: ctypes.CDLL, code: int, what: str) -> None:
+    if code != 0:
+        text = ctypes.c_char_p()
+        lib.cuGetErrorString(code, ctypes.byref(text))
+        message = text.value.decode() if text.value else "unknown error"
+        raise CudaError(f"{what} failed: {message} (CUresult {code})")
+
+
+def _check(code: int, what: str) -> None:
+    _check_with(driver(), code, what)
+
+
+def _prop(device: int) -> AllocationProp:
+    prop = AllocationProp()
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    prop.location = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, device)
+    return prop
+
+
+def supported(device: int) -> str | None:
+    """None if ``device`` can export VMM memory as a POSIX fd; otherwise why not, in words."""
+    try:
+        lib = driver()
+    except CudaError as exc:
+        return str(exc)
+    for attr, what in (
+        (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, "virtual memory management"),
+        (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, "POSIX file descriptor handles"),
+    ):
+        value = ctypes.c_int()
+        code = lib.cuDeviceGetAttribute(ctypes.byref(value), attr, device)
+        if code != 0 or not value.value:
+            return f"device {device} does not support {what}"
+    return None
+
+
+def granularity(device: int) -> int:
+    g = _size()
+    prop = _prop(device)
+    code = driver().cuMemGetAllocationGranularity(ctypes.byref(g), ctypes.byref(prop), GRANULARITY_RECOMMENDED)
+    _check(code, "cuMemGetAllocationGranularity")
+    return g.value
+
+
+def round_up(nbytes: int, device: int) -> int:
+    g = granularity(device)
+    return (nbytes + g - 1) // g * g
+
+
+def create(nbytes: int, device: int) -> int:
+    """A physical allocation of ``nbytes`` (a multiple of the granularity) on ``device``; unmapped."""
+    handle = _u64()
+    prop = _prop(device)
+    _check(driver().cuMemCreate(ctypes.byref(handle), nbytes, ctypes.byref(prop), 0), f"cuMemCreate({nbytes})")
+    return handle.value
+
+
+def export_fd(handle: int) -> int:
+    fd = ctypes.c_int(-1)
+    _check(
+        driver().cuMemExportToShareableHandle(ctypes.byref(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+        "cuMemExportToShareableHandle",
+    )
+    return fd.value
+
+
+def release(handle: int) -> None:
+    _check(driver().cuMemRelease(handle), "cuMemRelease")
+
+
+def peers(device: int, count: int) -> list[int]:
+    """``device`` and every device that can reach it as a peer: all may then read and write the mapping."""
+    lib, out = driver(), [device]
+    for other in range(count):
+        ok = ctypes.c_int()
+        if other != device and lib.cuDeviceCanAccessPeer(ctypes.byref(ok), other, device) == 0 and ok.value:
+            out.append(other)
+    return out
+
+
+def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = None) -> int:
+    """Import the allocation behind ``fd`` and map all ``nbytes`` of it; returns the device pointer.
+
+    ``fd`` is consumed (closed). The imported handle is released once mapped: the mapping holds the memory, and
+    :func:`unmap` (or the process's exit) lets it go.
+    """
+    handle = _u64()
+    try:
+        lib = driver()
+        _check(
+            lib.cuMemImportFromShareableHandle(
+                ctypes.byref(handle), ctypes.c_void_p(fd), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            ),
+            "cuMemImportFromShareableHandle",
+        )
+    finally:
+        os.close(fd)
+    ptr = _u64()
+    try:
+        _check(lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, granularity(device), 0, 0), "cuMemAddressReserve")
+        try:
+            _check(lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0), "cuMemMap")
+            devices = access or [device]
+            descs = (AccessDesc * len(devices))(
+                *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                  for d in devices)
+            )  # fmt: skip
+            code = lib.cuMemSetAccess(ptr.value, nbytes, descs, len(devices))
+            if code != 0:
+                lib.cuMemUnmap(ptr.value, nbytes)
+                _check(code, "cuMemSetAccess")
+        except BaseException:
+            lib.cuMemAddressFree(ptr.value, nbytes)
+            raise
+    finally:
+        lib.cuMemRelease(handle.value)
+    return ptr.value
+
+
+def unmap(ptr: int, nbytes: int) -> None:
+    _check(driver().cuMemUnmap(ptr, nbytes), "cuMemUnmap")
+    _check(driver().cuMemAddressFree(ptr, nbytes), "cuMemAddressFree")
