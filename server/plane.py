@@ -41,6 +41,7 @@ from kvpool.protocol import (
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
+from kvpool.server.feed import KVEventsFeed, index_listing
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -72,6 +73,7 @@ class ControlPlane:
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
         self._waiting: Counter[str] = Counter()  # claims waiting, by session
         self._outbox: Outbox | None = None
+        self.kv_events: KVEventsFeed | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -95,6 +97,8 @@ class ControlPlane:
         fast = str(s.fast_socket) if s.fast_socket is not None else None
         self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
         parts = self._descriptor.arenas
+        if s.kv_events_endpoint is not None:
+            self.kv_events = KVEventsFeed(s, sizes, arenas[0].backend)
         self._pool = Pool(
             sizes,
             layout,
@@ -105,6 +109,7 @@ class ControlPlane:
             on_handoff=self._wake,
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
+            index_listener=self.kv_events.listener if self.kv_events is not None else None,
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -140,6 +145,8 @@ class ControlPlane:
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
@@ -345,4 +352,8 @@ class ControlPlane:
                     fut.set_result(None)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pool.stats(), "claims_waiting": self._waiting.total()}
+        events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events}
+
+    def prefix_blocks(self, limit: int) -> dict[str, Any]:
+        return index_listing(self.pool.index, self.descriptor, self.settings.kv_events_hashes, limit)

@@ -1,0 +1,189 @@
+"""The KV-event publisher: a ZeroMQ PUB socket and a ROUTER replay socket, served from a thread of their own.
+
+It speaks vLLM's protocol (``ZmqEventPublisher``): each batch goes out as three frames ``[topic, seq, payload]``,
+``seq`` an 8-byte big-endian counter that starts at 0 with each pool process, ``payload`` the msgpack batch
+(:mod:`kvpool.server.kvevents`). The last ``buffer_steps`` batches are kept: a subscriber that sees a gap in
+``seq`` sends the first sequence number it missed (8 bytes, big-endian) to the replay socket and gets back every
+kept batch from there, as ``[b"", topic, seq, payload]`` each, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
+
+The pool's event loop only puts raw events on a bounded queue and never waits: encoding and sending happen on the
+thread. A full queue drops the event and counts it (``kvpool_kv_events_dropped``): a router's view of the pool is
+stale from then on until the pool restarts, so size the queue for bursts (``--kv-events-queue-size``).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvpool.errors import InvalidRequest
+from kvpool.server.kvevents import EventForm, HashForm, RawEvent, encode_batch, encode_event
+
+log = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: events one batch carries at most; a burst goes out as several batches
+MAX_BATCH_EVENTS = 256
+POLL_S = 0.05
+LINGER_MS = 500
+
+
+class EventPublisher:
+    """Publishes raw events (:meth:`put`, from the event loop) as vLLM-format batches, from its own thread."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        queue_size: int = 100_000,
+        hwm: int = 100_000,
+        hashes: HashForm = "int",
+        form: EventForm = "map",
+    ) -> None:
+        self.topic = topic.encode()
+        self.hashes, self.form = hashes, form
+        self._queue: queue.Queue[tuple[int, RawEvent]] = queue.Queue(maxsize=queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._replay: zmq.Socket[bytes] | None = None
+        try:
+            self._pub.set_hwm(hwm)
+            self._pub.setsockopt(zmq.LINGER, LINGER_MS)
+            self.endpoint = self._bind(self._pub, endpoint, "--kv-events-endpoint")
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 1)  # one whole replay per peer, no more
+                self.replay_endpoint = self._bind(self._replay, replay_endpoint, "--kv-events-replay-endpoint")
+        except BaseException:
+            self._close_sockets()
+            raise
+        self.next_seq = 0
+        self.batches = 0
+        self.accepted = 0
+        self.events = 0
+        self.dropped = 0  # by the event loop (the queue was full)
+        self.failed = 0  # by the thread (a batch could not be sent)
+        self.replay_requests = 0
+        self._dropping = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _bind(sock: zmq.Socket[bytes], endpoint: str, flag: str) -> str:
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            raise InvalidRequest(f"cannot bind {flag} {endpoint!r}: {exc}: pick a free address") from None
+        return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    # -- the event loop's side --------------------------------------------------------------------------
+
+    def put(self, rank: int, event: RawEvent) -> None:
+        """Queue one event for data-parallel rank ``rank``; never blocks (a full queue drops it, counted)."""
+        try:
+            self._queue.put_nowait((rank, event))
+        except queue.Full:
+            self.dropped += 1
+            if not self._dropping:
+                log.warning("KV events queue full (%d): events are dropped, routers' view of this pool is stale; "
+                            "raise --kv-events-queue-size", self._queue.maxsize)  # fmt: skip
+            self._dropping = True
+        else:
+            self.accepted += 1
+            self._dropping = False
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "next_seq": self.next_seq,
+            "batches": self.batches,
+            "published": self.events,
+            "dropped": self.dropped + self.failed,
+            "pending": self.accepted - self.events - self.failed,  # queued, or taken by the thread and not yet sent
+            "replay_requests": self.replay_requests,
+        }
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (for up to ``timeout_s``), then close the sockets."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("KV events publisher did not drain in %.1fs: %d events unsent", timeout_s, self._queue.qsize())
+            return  # the thread still uses the sockets; the process is ending anyway
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close()
+        if self._replay is not None:
+            self._replay.close()
+        self._ctx.term()
+
+    # -- the thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while not (self._stop.is_set() and self._queue.empty()):
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    try:
+                        self._serve_replay()
+                    except Exception:
+                        log.exception("KV events replay failed")
+            try:
+                items = [self._queue.get(timeout=POLL_S)]
+            except queue.Empty:
+                continue
+            while len(items) < MAX_BATCH_EVENTS:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            start = 0
+            for i in range(1, len(items) + 1):  # one batch per run of events of one rank
+                if i == len(items) or items[i][0] != items[start][0]:
+                    try:
+                        self._send(encoder, items[start][0], [raw for _, raw in items[start:i]])
+                    except Exception:
+                        self.failed += i - start
+                        log.exception("KV events batch could not be sent")
+                    start = i
+
+    def _send(self, encoder: msgspec.msgpack.Encoder, rank: int, raws: list[RawEvent]) -> None:
+        events = [encode_event(raw, self.hashes, self.form) for raw in raws]
+        payload = encoder.encode(encode_batch(events, rank))
+        seq = self.next_seq
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+        self._buffer.append((seq, payload))
+        self.next_seq = seq + 1
+        self.batches += 1
+        self.events += len(raws)
+
+    def _serve_replay(self) -> None:
+        assert self._replay is not None
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            log.warning("ignored a KV events replay request of %d frames (send [b'', start seq])", len(frames))
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        self.replay_requests += 1
+        for seq, payload in self._buffer:
+            if seq >= first:
+                self._replay.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
