@@ -10,7 +10,6 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.protocol import ArenaDescriptor
 from kvpool.server.config import PoolSettings
 from kvpool.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, HashForm, IndexEvents, external_hash, rank_of
 from kvpool.server.prefix import PrefixIndex
@@ -50,10 +49,13 @@ class KVEventsFeed:
         self.publisher.close()
 
 
-def index_listing(index: PrefixIndex, arenas: ArenaDescriptor, hashes: HashForm, limit: int) -> dict[str, Any]:
-    """The findable blocks as events name them (hash, parent hash, rank, medium), ``limit`` at most."""
-    starts = [part.first_block for part in arenas.arenas]
-    media = media_of(arenas.backend, len(starts))
+def index_listing(
+    index: PrefixIndex, starts: Sequence[int], media: Sequence[str], hashes: HashForm, limit: int
+) -> dict[str, Any]:
+    """The findable blocks as events name them (hash, parent hash, rank, medium), ``limit`` at most.
+
+    ``starts`` are the arenas' first block ids, ``media`` their media, as :class:`IndexEvents` takes them.
+    """
 
     def named(key: bytes) -> int | str:
         value = external_hash(key, hashes)

@@ -41,7 +41,7 @@ from kvpool.protocol import (
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
-from kvpool.server.feed import KVEventsFeed, index_listing
+from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -356,4 +356,6 @@ class ControlPlane:
         return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events}
 
     def prefix_blocks(self, limit: int) -> dict[str, Any]:
-        return index_listing(self.pool.index, self.descriptor, self.settings.kv_events_hashes, limit)
+        d = self.descriptor
+        starts, media = [part.first_block for part in d.arenas], media_of(d.backend, len(d.arenas))
+        return index_listing(self.pool.index, starts, media, self.settings.kv_events_hashes, limit)
