@@ -132,6 +132,18 @@ def assert_rebuilt(sub: Subscriber, pool: ServerProcess, form: str) -> int:
     return whole
 
 
+def assert_metrics(pool: ServerProcess) -> None:
+    """/metrics says what /stats says of the feed (nothing moves between the two reads: the pool is idle)."""
+    with pool.http() as h:
+        text = h.get("/metrics").text
+    events = pool.stats()["kv_events"]
+    for name, field in [("kvpool_kv_events_published_total", "published"), ("kvpool_kv_events_dropped_total",
+                        "dropped"), ("kvpool_kv_event_replay_requests_total", "replay_requests"),
+                        ("kvpool_kv_event_batches_published_total", "batches"), ("kvpool_kv_events_pending", "pending")]:  # fmt: skip
+        assert f"\n{name} {float(events[field])}\n" in text, name
+    assert events["published"] > 0 and events["replay_requests"] > 0
+
+
 @pytest.fixture
 def ports() -> Iterator[tuple[int, int]]:
     yield free_port(), free_port()
@@ -173,6 +185,7 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
             work.release(sid, [])
         assert_rebuilt(sub, pool, hashes)
         assert len(sub.index.blocks) > 0
+        assert_metrics(pool)
         work.close()
 
         pool.stop(signal.SIGTERM)  # a new pool on the same addresses: its first batch clears what routers hold
