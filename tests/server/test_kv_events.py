@@ -137,9 +137,14 @@ def assert_metrics(pool: ServerProcess) -> None:
     with pool.http() as h:
         text = h.get("/metrics").text
     events = pool.stats()["kv_events"]
-    for name, field in [("kvpool_kv_events_published_total", "published"), ("kvpool_kv_events_dropped_total",
-                        "dropped"), ("kvpool_kv_event_replay_requests_total", "replay_requests"),
-                        ("kvpool_kv_event_batches_published_total", "batches"), ("kvpool_kv_events_pending", "pending")]:  # fmt: skip
+    names = {
+        "kvpool_kv_events_published_total": "published",
+        "kvpool_kv_events_dropped_total": "dropped",
+        "kvpool_kv_event_replay_requests_total": "replay_requests",
+        "kvpool_kv_event_batches_published_total": "batches",
+        "kvpool_kv_events_pending": "pending",
+    }
+    for name, field in names.items():
         assert f"\n{name} {float(events[field])}\n" in text, name
     assert events["published"] > 0 and events["replay_requests"] > 0
 
