@@ -74,8 +74,12 @@ class PoolSettings(BaseSettings):
 
     # KV events in vLLM's format, for KV-aware routers (docs/kv-events.md)
     kv_events_endpoint: str | None = Field(
-        None, description="ZeroMQ PUB address the pool binds to publish KV events (tcp://127.0.0.1:5557, "
-        "ipc:///run/kvpool/events); none: off"
+        None, description="ZeroMQ address of the pool's KV events PUB socket (tcp://*:5557, "
+        "ipc:///run/kvpool/events; see --kv-events-mode); none: off"
+    )
+    kv_events_mode: Literal["auto", "bind", "connect"] = Field(
+        "auto", description="bind the KV events endpoint, or connect to a subscriber that binds (llm-d's central "
+        "indexer); auto, as vLLM does: bind a wildcard host (tcp://*:5557), ipc:// or inproc://, else connect"
     )
     kv_events_replay_endpoint: str | None = Field(
         None, description="ZeroMQ ROUTER address the pool binds to replay missed KV event batches; none: off"

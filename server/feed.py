@@ -35,6 +35,7 @@ class KVEventsFeed:
             hwm=settings.kv_events_hwm,
             hashes=settings.kv_events_hashes,
             form=settings.kv_events_form,
+            mode=settings.kv_events_mode,
         )
         starts = list(itertools.accumulate(sizes, initial=0))[:-1]
         self.listener = IndexEvents(self.publisher.put, settings.block_size, starts, media_of(backend, len(sizes)))

@@ -6,9 +6,11 @@ It speaks vLLM's protocol (``ZmqEventPublisher``): each batch goes out as three 
 ``seq`` sends the first sequence number it missed (8 bytes, big-endian) to the replay socket and gets back every
 kept batch from there, as ``[b"", topic, seq, payload]`` each, then ``[b"", b"", -1 (8 bytes, signed), b""]``.
 
-The pool's event loop only puts raw events on a bounded queue and never waits: encoding and sending happen on the
-thread. A full queue drops the event and counts it (``kvpool_kv_events_dropped``): a router's view of the pool is
-stale from then on until the pool restarts, so size the queue for bursts (``--kv-events-queue-size``).
+The PUB socket binds its address, or connects to a subscriber that binds one (llm-d's central indexer does);
+the replay socket always binds. The pool's event loop only puts raw events on a bounded queue and never waits:
+encoding and sending happen on the thread. A full queue drops the event and counts it (``kvpool_kv_events_dropped``):
+a router's view of the pool is stale from then on until the pool restarts, so size the queue for bursts
+(``--kv-events-queue-size``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,13 @@ POLL_S = 0.05
 LINGER_MS = 500
 
 
+def binds(endpoint: str, mode: str) -> bool:
+    """Whether the PUB socket binds ``endpoint`` or connects to it; ``auto`` is vLLM's rule."""
+    if mode != "auto":
+        return mode == "bind"
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class EventPublisher:
     """Publishes raw events (:meth:`put`, from the event loop) as vLLM-format batches, from its own thread."""
 
@@ -48,6 +57,7 @@ class EventPublisher:
         hwm: int = 100_000,
         hashes: HashForm = "int",
         form: EventForm = "map",
+        mode: str = "bind",
     ) -> None:
         self.topic = topic.encode()
         self.hashes, self.form = hashes, form
@@ -59,7 +69,11 @@ class EventPublisher:
         try:
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, LINGER_MS)
-            self.endpoint = self._bind(self._pub, endpoint, "--kv-events-endpoint")
+            if binds(endpoint, mode):
+                self.endpoint = self._bind(self._pub, endpoint, "--kv-events-endpoint")
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)

@@ -158,7 +158,7 @@ def ports() -> Iterator[tuple[int, int]]:
 def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[int, int]) -> None:
     hashes, shape = form
     events, replay = (f"tcp://127.0.0.1:{p}" for p in ports)
-    flags = ["--num-blocks", str(NUM_BLOCKS), *LAYOUT, "--kv-events-endpoint", events,
+    flags = ["--num-blocks", str(NUM_BLOCKS), *LAYOUT, "--kv-events-endpoint", events, "--kv-events-mode", "bind",
              "--kv-events-replay-endpoint", replay, "--kv-events-topic", "kvpool",
              "--kv-events-hashes", hashes, "--kv-events-form", shape, "--kv-events-buffer-steps", "100000"]  # fmt: skip
     pool = start_pool(*flags)

@@ -18,7 +18,7 @@ from kvpool.server.config import PoolSettings
 from kvpool.server.feed import index_listing, media_of
 from kvpool.server.kvevents import IndexEvents, RawEvent, encode_batch, encode_event, external_hash
 from kvpool.server.pool import Pool
-from kvpool.server.publisher import EventPublisher
+from kvpool.server.publisher import EventPublisher, binds
 from tests.server.kv_router import END_SEQ, RouterIndex, decode_batch
 
 BS = 2
@@ -239,6 +239,28 @@ def test_publisher_replays_and_counts() -> None:
         dealer.close(linger=0)
         ctx.term()
         pub.close()
+
+
+def test_connects_to_a_subscriber_that_binds() -> None:
+    """llm-d's central indexer binds one SUB socket and every publisher connects to it."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind("tcp://127.0.0.1:*")
+    endpoint = sub.getsockopt_string(zmq.LAST_ENDPOINT)
+    assert not binds(endpoint, "auto") and binds("tcp://*:5557", "auto") and binds("ipc:///tmp/x", "auto")
+    pub = EventPublisher(endpoint, mode="auto")
+    try:
+        for _ in range(100):  # what is sent before the connection is up is lost, as with any PUB socket
+            pub.put(0, CLEARED)
+            if sub.poll(100):
+                break
+        payload = sub.recv_multipart()[2]
+        assert decode_batch(payload)[1][0][0] == "AllBlocksCleared"
+    finally:
+        pub.close()
+        sub.close(linger=0)
+        ctx.term()
 
 
 def test_full_queue_drops_and_counts() -> None:
