@@ -88,17 +88,17 @@ class ControlPlane:
                 num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
                 shm_dir=s.shm_dir,
             )  # fmt: skip
+            self.host_arenas = arenas
+            if s.kv_events_endpoint is not None:
+                self.kv_events = KVEventsFeed(s, sizes, arenas[0].backend)
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("arena allocation failed: %s", self.startup_error)
+            log.error("%s failed: %s", "KV events" if self.host_arenas else "arena allocation", self.startup_error)
             raise
-        self.host_arenas = arenas
         self.arena_of = {d: i for i, d in enumerate(devices)}
         fast = str(s.fast_socket) if s.fast_socket is not None else None
         self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
         parts = self._descriptor.arenas
-        if s.kv_events_endpoint is not None:
-            self.kv_events = KVEventsFeed(s, sizes, arenas[0].backend)
         self._pool = Pool(
             sizes,
             layout,

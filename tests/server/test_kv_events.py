@@ -12,17 +12,20 @@ import random
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import xxhash
+import zmq
 
 from kvpool.server.launch import ServerProcess
 from tests.conftest import free_port, start_pool
 from tests.server.books import assert_balanced
 from tests.server.kv_router import Subscriber
 from tests.server.procs import serve
+from tests.test_cli import kvpool
 
 BS = 4
 NUM_BLOCKS = 48
@@ -211,3 +214,18 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
         if sub is not None:
             sub.close()
         pool.stop()
+
+
+def test_an_endpoint_in_use_stops_the_pool_saying_which(tmp_path: Path) -> None:
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        done = kvpool("serve", "--backend", "cpu", "--port", "0", "--socket", str(tmp_path / "s.sock"),
+                      "--shm-dir", str(tmp_path), "--num-blocks", "8", "--log-level", "warning",
+                      "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-mode", "bind")  # fmt: skip
+    finally:
+        taken.close(linger=0)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvpool: could not start: ") and "--kv-events-endpoint" in last, done.stderr
+    assert not list(tmp_path.glob("kvpool-*")), "the arena file was left behind"
