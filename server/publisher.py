@@ -16,7 +16,6 @@ a router's view of the pool is stale from then on until the pool restarts, so si
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections import deque
 from typing import Any
@@ -61,7 +60,8 @@ class EventPublisher:
     ) -> None:
         self.topic = topic.encode()
         self.hashes, self.form = hashes, form
-        self._queue: queue.Queue[tuple[int, RawEvent]] = queue.Queue(maxsize=queue_size)
+        self._queue: deque[tuple[int, RawEvent]] = deque()  # appends and pops are atomic: no lock on the loop
+        self._queue_size = queue_size
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -92,6 +92,7 @@ class EventPublisher:
         self.replay_requests = 0
         self._dropping = False
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-kv-events", daemon=True)
         self._thread.start()
 
@@ -107,17 +108,18 @@ class EventPublisher:
 
     def put(self, rank: int, event: RawEvent) -> None:
         """Queue one event for data-parallel rank ``rank``; never blocks (a full queue drops it, counted)."""
-        try:
-            self._queue.put_nowait((rank, event))
-        except queue.Full:
+        if len(self._queue) >= self._queue_size:
             self.dropped += 1
             if not self._dropping:
                 log.warning("KV events queue full (%d): events are dropped, routers' view of this pool is stale; "
-                            "raise --kv-events-queue-size", self._queue.maxsize)  # fmt: skip
+                            "raise --kv-events-queue-size", self._queue_size)  # fmt: skip
             self._dropping = True
-        else:
-            self.accepted += 1
-            self._dropping = False
+            return
+        self._queue.append((rank, event))
+        self.accepted += 1
+        self._dropping = False
+        if not self._wake.is_set():
+            self._wake.set()
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -136,9 +138,10 @@ class EventPublisher:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            log.warning("KV events publisher did not drain in %.1fs: %d events unsent", timeout_s, self._queue.qsize())
+            log.warning("KV events publisher did not drain in %.1fs: %d events unsent", timeout_s, len(self._queue))
             return  # the thread still uses the sockets; the process is ending anyway
         self._close_sockets()
 
@@ -152,22 +155,23 @@ class EventPublisher:
 
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
-        while not (self._stop.is_set() and self._queue.empty()):
+        pending = self._queue
+        while True:
             if self._replay is not None:
                 while self._replay.poll(0):
                     try:
                         self._serve_replay()
                     except Exception:
                         log.exception("KV events replay failed")
-            try:
-                items = [self._queue.get(timeout=POLL_S)]
-            except queue.Empty:
+            if not pending:
+                if self._stop.is_set():
+                    return
+                self._wake.wait(POLL_S)
+                self._wake.clear()  # the queue is looked at again before the next wait
                 continue
-            while len(items) < MAX_BATCH_EVENTS:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+            items = []
+            while pending and len(items) < MAX_BATCH_EVENTS:
+                items.append(pending.popleft())
             start = 0
             for i in range(1, len(items) + 1):  # one batch per run of events of one rank
                 if i == len(items) or items[i][0] != items[start][0]:
