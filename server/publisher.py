@@ -69,17 +69,13 @@ class EventPublisher:
         try:
             self._pub.set_hwm(hwm)
             self._pub.setsockopt(zmq.LINGER, LINGER_MS)
-            if binds(endpoint, mode):
-                self.endpoint = self._bind(self._pub, endpoint, "--kv-events-endpoint")
-            else:
-                self._pub.connect(endpoint)
-                self.endpoint = endpoint
+            self.endpoint = self._open(self._pub, endpoint, "--kv-events-endpoint", binds(endpoint, mode))
             self.replay_endpoint = None
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.LINGER, 0)
                 self._replay.setsockopt(zmq.SNDHWM, buffer_steps + 1)  # one whole replay per peer, no more
-                self.replay_endpoint = self._bind(self._replay, replay_endpoint, "--kv-events-replay-endpoint")
+                self.replay_endpoint = self._open(self._replay, replay_endpoint, "--kv-events-replay-endpoint")
         except BaseException:
             self._close_sockets()
             raise
@@ -97,11 +93,16 @@ class EventPublisher:
         self._thread.start()
 
     @staticmethod
-    def _bind(sock: zmq.Socket[bytes], endpoint: str, flag: str) -> str:
+    def _open(sock: zmq.Socket[bytes], endpoint: str, flag: str, bind: bool = True) -> str:
+        """Bind (the address actually bound, a ``:*`` port resolved) or connect ``sock``, or say what to fix."""
         try:
+            if not bind:
+                sock.connect(endpoint)
+                return endpoint
             sock.bind(endpoint)
         except zmq.ZMQError as exc:
-            raise InvalidRequest(f"cannot bind {flag} {endpoint!r}: {exc}: pick a free address") from None
+            how, fix = ("bind", "pick a free address") if bind else ("connect", "check the address")
+            raise InvalidRequest(f"cannot {how} {flag} {endpoint!r}: {exc}: {fix}") from None
         return str(sock.getsockopt_string(zmq.LAST_ENDPOINT))
 
     # -- the event loop's side --------------------------------------------------------------------------
