@@ -297,6 +297,11 @@ def create_app(plane: ControlPlane) -> FastAPI:
         """The books (free, in use, cached), sessions, handoffs, hit rate and counters, per arena too."""
         return plane.stats()
 
+    @api.get("/prefix/blocks")
+    async def prefix_blocks(limit: int = Query(10_000, ge=1, le=100_000)) -> dict[str, Any]:
+        """The findable prefix blocks as KV events name them: what a router that missed no event holds."""
+        return plane.prefix_blocks(limit)
+
     @api.get("/metrics", response_class=Response)
     async def metrics(request: Request) -> Response:
         """Prometheus metrics, names ``kvpool_*``: the books, counters and per-operation latency histograms.

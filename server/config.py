@@ -76,6 +76,29 @@ class PoolSettings(BaseSettings):
     hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
+    # KV events in vLLM's format, for KV-aware routers (docs/kv-events.md)
+    kv_events_endpoint: str | None = Field(
+        None, description="ZeroMQ address of the pool's KV events PUB socket (tcp://*:5557, "
+        "ipc:///run/kvpool/events; see --kv-events-mode); none: off"
+    )
+    kv_events_mode: Literal["auto", "bind", "connect"] = Field(
+        "auto", description="bind the KV events endpoint, or connect to a subscriber that binds (llm-d's central "
+        "indexer); auto, as vLLM does: bind a wildcard host (tcp://*:5557), ipc:// or inproc://, else connect"
+    )
+    kv_events_replay_endpoint: str | None = Field(
+        None, description="ZeroMQ ROUTER address the pool binds to replay missed KV event batches; none: off"
+    )
+    kv_events_topic: str = Field("", max_length=256, description="topic frame of every KV events message")
+    kv_events_buffer_steps: int = Field(10_000, ge=1, description="KV event batches kept for replay")
+    kv_events_queue_size: int = Field(100_000, ge=1, description="KV events waiting to be sent; more are dropped")
+    kv_events_hwm: int = Field(100_000, ge=0, description="ZeroMQ high-water mark of the PUB socket, in messages")
+    kv_events_hashes: Literal["int", "bytes"] = Field(
+        "int", description="block hashes in events: int, a key's last 8 bytes (vLLM's default), or the whole key"
+    )
+    kv_events_form: Literal["map", "array"] = Field(
+        "map", description="events as tagged maps (vLLM 0.26) or tagged arrays (earlier vLLM releases)"
+    )
+
     @field_validator("socket_mode", mode="before")
     @classmethod
     def _octal(cls, value: Any) -> Any:
@@ -85,6 +108,15 @@ class PoolSettings(BaseSettings):
     @classmethod
     def _no_socket(cls, value: Any) -> Any:
         return None if isinstance(value, str) and value.lower() in {"", "none", "off"} else value
+
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint", mode="before")
+    @classmethod
+    def _endpoint(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() in {"", "none", "off"}:
+            return None
+        if isinstance(value, str) and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"a ZeroMQ address starts with tcp://, ipc:// or inproc://, got {value!r}")
+        return value
 
     @field_validator("devices")
     @classmethod
@@ -111,6 +143,11 @@ class PoolSettings(BaseSettings):
         if len(given) > 1:
             flags = " and ".join("--" + n.replace("_", "-") for n in given)
             raise ValueError(f"give the arena size one way only, not {flags}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint: replay serves what it publishes")
+        events, replay = self.kv_events_endpoint, self.kv_events_replay_endpoint
+        if events is not None and events == replay and not events.endswith(":*"):  # :* binds a free port
+            raise ValueError("--kv-events-endpoint and --kv-events-replay-endpoint must be different addresses")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         if self.arena_handle == "vmm" and self.fast_socket is None:

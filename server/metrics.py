@@ -32,6 +32,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_reclaimed": ("kvpool_blocks_reclaimed", "blocks released from expired sessions and handoffs"),
 }
 
+#: the KV-event feed's counters (present when --kv-events-endpoint is set)
+KV_EVENTS: dict[str, tuple[str, str]] = {
+    "published": ("kvpool_kv_events_published", "KV events sent to subscribers"),
+    "batches": ("kvpool_kv_event_batches_published", "KV event batches sent (each one sequence number)"),
+    "dropped": ("kvpool_kv_events_dropped", "KV events dropped because the queue was full"),
+    "replay_requests": ("kvpool_kv_event_replay_requests", "replay requests served"),
+}
+
 
 class PoolCollector(Collector):
     """Reads the same snapshot as ``GET /stats`` (the plane's), so the two never disagree."""
@@ -59,6 +67,11 @@ class PoolCollector(Collector):
         for limit, count in sorted(s["limits_exceeded"].items()):
             refused.add_metric([limit], count)
         yield refused
+        events = s.get("kv_events")
+        if events is not None:
+            for field, (name, doc) in KV_EVENTS.items():
+                yield CounterMetricFamily(name, doc, value=events[field])
+            yield GaugeMetricFamily("kvpool_kv_events_pending", "KV events not sent yet", value=events["pending"])
 
 
 #: the control plane's operations whose latency is measured, over HTTP and the fast channel alike

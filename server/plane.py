@@ -43,6 +43,7 @@ from kvpool.protocol import (
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
+from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -74,6 +75,7 @@ class ControlPlane:
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
         self._waiting: Counter[str] = Counter()  # claims waiting, by session
         self._outbox: Outbox | None = None
+        self.kv_events: KVEventsFeed | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -88,11 +90,13 @@ class ControlPlane:
                 num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
                 shm_dir=s.shm_dir, arena_handle=s.arena_handle, fd_passing=s.fast_socket is not None,
             )  # fmt: skip
+            self.host_arenas = arenas
+            if s.kv_events_endpoint is not None:
+                self.kv_events = KVEventsFeed(s, sizes, arenas[0].backend)
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("arena allocation failed: %s", self.startup_error)
+            log.error("%s failed: %s", "KV events" if self.host_arenas else "arena allocation", self.startup_error)
             raise
-        self.host_arenas = arenas
         self.arena_of = {d: i for i, d in enumerate(devices)}
         fast = str(s.fast_socket) if s.fast_socket is not None else None
         self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
@@ -107,6 +111,7 @@ class ControlPlane:
             on_handoff=self._wake,
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
+            index_listener=self.kv_events.listener if self.kv_events is not None else None,
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -142,6 +147,8 @@ class ControlPlane:
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
+        if self.kv_events is not None:
+            self.kv_events.close()
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
@@ -360,4 +367,10 @@ class ControlPlane:
                     fut.set_result(None)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pool.stats(), "claims_waiting": self._waiting.total()}
+        events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events}
+
+    def prefix_blocks(self, limit: int) -> dict[str, Any]:
+        d = self.descriptor
+        starts, media = [part.first_block for part in d.arenas], media_of(d.backend, len(d.arenas))
+        return index_listing(self.pool.index, starts, media, self.settings.kv_events_hashes, limit)

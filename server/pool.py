@@ -24,7 +24,7 @@ from kvpool.errors import (
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.parking import Parking
-from kvpool.server.prefix import Digest, PrefixHasher, PrefixIndex
+from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
     SESSION_ID,
     Clock,
@@ -57,9 +57,10 @@ class Pool(Parking):
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
     limits: Limits = field(default_factory=Limits)
+    index_listener: IndexListener | None = None  # told what the index finds (KV events)
 
     def __post_init__(self) -> None:
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(self.index_listener)
         self.allocator = BlockAllocator(self.num_blocks, on_evict=self.index.remove_block)
         self.arena_sizes = self.allocator.sizes
         self.total_blocks = self.allocator.num_blocks

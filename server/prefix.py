@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol
 
 import xxhash
 
@@ -68,15 +69,30 @@ class _Node:
         self.parent = parent
 
 
+class IndexListener(Protocol):
+    """Told of every change to which keys the index finds (what a router mirrors: see server/kvevents.py)."""
+
+    def stored(self, nodes: Sequence[_Node]) -> None:
+        """``nodes`` became findable: one chain, each node's parent the one before it (the first's may be None)."""
+
+    def removed(self, node: _Node) -> None:
+        """``node``'s key is findable no more."""
+
+
 class PrefixIndex:
     """Maps block keys to cached blocks, verified against token ids and parent identity."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: IndexListener | None = None) -> None:
         self._nodes: dict[bytes, _Node] = {}
         self._by_block: dict[int, _Node] = {}
+        self.listener = listener
 
     def __len__(self) -> int:
         return len(self._by_block)
+
+    def findable(self) -> Iterator[_Node]:
+        """The nodes a key finds (a node whose key another took over is cached but no longer findable)."""
+        return iter(self._nodes.values())
 
     def match(self, blocks: Iterable[tuple[bytes, bytes]]) -> list[int]:
         """Blocks of the longest verified prefix of ``blocks`` ((key, token bytes) pairs, in order)."""
@@ -132,8 +148,12 @@ class PrefixIndex:
         for node in new:
             self._nodes[node.key] = node
             self._by_block[node.block] = node
+        if new and self.listener is not None:
+            self.listener.stored(new)
 
     def remove_block(self, block: int) -> None:
         node = self._by_block.pop(block, None)
         if node is not None and self._nodes.get(node.key) is node:
             del self._nodes[node.key]
+            if self.listener is not None:
+                self.listener.removed(node)
