@@ -46,6 +46,10 @@ class PoolSettings(BaseSettings):
     arena_bytes: ByteSize | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
     shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
+    host_blocks: int | None = Field(
+        None, ge=1, description="host tier size in blocks: evicted prefix blocks are kept in host memory (off: none)"
+    )
+    host_bytes: ByteSize | None = Field(None, ge=1, description="host tier size in bytes (64GiB, ...)")
 
     # the default layout is the one the workers' default --random-model needs
     num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
@@ -107,6 +111,8 @@ class PoolSettings(BaseSettings):
         if len(given) > 1:
             flags = " and ".join("--" + n.replace("_", "-") for n in given)
             raise ValueError(f"give the arena size one way only, not {flags}")
+        if self.host_blocks is not None and self.host_bytes is not None:
+            raise ValueError("give the host tier's size one way only, not --host-blocks and --host-bytes")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         return self

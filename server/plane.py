@@ -41,6 +41,7 @@ from kvpool.protocol import (
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
+from kvpool.server.hostarena import HostTierMemory, open_host_tier
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -66,6 +67,7 @@ class ControlPlane:
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
         self.host_arenas: list[HostArena] = []
+        self.host_tier: HostTierMemory | None = None
         self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
         self._stopping = False
@@ -95,6 +97,12 @@ class ControlPlane:
         fast = str(s.fast_socket) if s.fast_socket is not None else None
         self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
         parts = self._descriptor.arenas
+        try:
+            self.host_tier = open_host_tier(s, layout, self.epoch, self._descriptor, arenas)
+        except Exception as exc:
+            self.startup_error = f"host tier: {type(exc).__name__}: {exc}"
+            self.close()
+            raise
         self._pool = Pool(
             sizes,
             layout,
@@ -105,6 +113,7 @@ class ControlPlane:
             on_handoff=self._wake,
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
+            host_tier=self.host_tier.tier if self.host_tier is not None else None,
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -137,6 +146,9 @@ class ControlPlane:
             for fut in futures:
                 if not fut.done():
                     fut.cancel()
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
