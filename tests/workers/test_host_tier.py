@@ -68,7 +68,8 @@ def test_tokens_equal_whether_the_prefix_was_computed_or_came_from_either_tier(w
     assert tiers[3]["gpu"]["hit_blocks"] - tiers[2]["gpu"]["hit_blocks"] == 5
     tokens = [r[1][f"run{i}-0"] for i, r in zip((0, 2, 3), (computed, from_host, from_gpu), strict=True)]
     assert tokens[0] == tokens[1] == tokens[2]
-    reference = greedy_generate(LlamaModel.random(TINY, seed=0, device=torch.device(BACKEND)), [prompt], max_new, layout)
+    model = LlamaModel.random(TINY, seed=0, device=torch.device(BACKEND))
+    reference = greedy_generate(model, [prompt], max_new, layout)
     assert tokens[0] == reference[0]
     for t in tiers[-1].values():
         assert t["free"] + t["in_use"] + t["cached"] == t["num_blocks"] and t["in_use"] == 0
