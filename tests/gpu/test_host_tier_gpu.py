@@ -47,7 +47,8 @@ def test_blocks_cross_to_page_locked_host_memory_and_back_unchanged(order: str, 
 def test_a_cuda_pool_restores_a_prefix_from_its_host_tier() -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
     pool = start_pool("--backend", "cuda", "--num-blocks", "16", "--host-blocks", "64", "--num-layers", "4",
-                      "--num-kv-heads", "2", "--head-dim", "64", "--block-size", "16", "--dtype", "bfloat16")  # fmt: skip
+                      "--num-kv-heads", "2", "--head-dim", "64", "--block-size", "16",
+                      "--dtype", "bfloat16")  # fmt: skip
     try:
         with PoolClient(pool.url, name="gpu-tier", role="prefill", layout=layout) as client:
             arena = client.arena()
