@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from kvpool.arena import Arena, torch_dtype
 from kvpool.errors import InvalidRequest
 from kvpool.layout import KVLayout
-from kvpool.protocol import ArenaDescriptor
+from kvpool.protocol import ArenaDescriptor, HostTierPart
 from kvpool.server.arenas import CpuHostArena, CudaHostArena, HostArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.hosttier import HostTier
@@ -84,6 +84,11 @@ class HostTierMemory:
             "host tier ready: %d blocks (%.1f MiB) in %s%s", num_blocks, self.file.nbytes / 2**20, self.file.handle,
             ", page-locked" if self.registered else "",
         )  # fmt: skip
+
+    def describe(self, descriptor: ArenaDescriptor) -> ArenaDescriptor:
+        """The arena descriptor with the host tier in it, for workers that map the tier themselves."""
+        part = HostTierPart(handle=self.file.handle, nbytes=self.file.nbytes, num_blocks=self.tier.num_blocks)
+        return descriptor.model_copy(update={"host_tier": part})
 
     def close(self) -> None:
         if self.registered:

@@ -103,6 +103,8 @@ class ControlPlane:
             self.startup_error = f"host tier: {type(exc).__name__}: {exc}"
             self.close()
             raise
+        if self.host_tier is not None:
+            self._descriptor = self.host_tier.describe(self._descriptor)
         self._pool = Pool(
             sizes,
             layout,

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import PoolClient
+from kvpool.hosttier import open_host_tier
 from kvpool.layout import KVLayout
 from tests.conftest import start_pool
 from tests.server.test_metrics import promtool_problems
@@ -24,13 +25,18 @@ def test_a_prefix_evicted_to_the_host_comes_back_with_the_kv_the_worker_wrote() 
                 ids = client.alloc(4)
                 for i, b in enumerate(ids):
                     for t in arena.block(b):
-                        t.fill_(p * 10 + i)
+                        t.fill_(p * 10 + i + 1)
                 client.commit(ids, tokens)
                 client.free(ids)
+            host = open_host_tier(arena.descriptor, pin=False)  # what a worker maps, as the pool does
+            assert host.shape == (24, 2 * LAYOUT.num_layers, LAYOUT.block_layer_elems)
+            firsts = {float(host[b, 0, 0]) for b in range(24)}
+            assert firsts <= {0.0} | {p * 10 + i + 1 for p in range(4) for i in range(4)} and len(firsts) > 8
             for p, tokens in enumerate(prompts):
                 hit = client.lookup(tokens)
                 assert hit.num_tokens == 16
-                assert [float(arena.block(b)[0].flatten()[0]) for b in hit.block_ids] == [p * 10 + i for i in range(4)]
+                got = [float(arena.block(b)[0].flatten()[0]) for b in hit.block_ids]
+                assert got == [p * 10 + i + 1 for i in range(4)]
                 client.free(hit.block_ids)
         with pool.http() as http:
             stats = http.get("/stats").json()
