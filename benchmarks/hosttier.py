@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     sizes = args.sizes or ([4 * MIB, 16 * MIB] if args.quick else [64 * MIB, 256 * MIB, GIB])
     per_block = layout.block_nbytes
     counts = [max(1, s // per_block) for s in sizes]
-    num_blocks = 2 * max(counts)
+    num_blocks = max(16, 2 * max(counts))
     rounds = args.rounds or (2 if args.quick else 10)
     report = harness.Report("host-tier", args, device, {})
     report.config.update(sizes=sizes, blocks=counts, rounds=rounds, warmup_rounds=1, layout=layout.model_dump(),

@@ -42,10 +42,27 @@ def open_host_tier(descriptor: ArenaDescriptor, pin: bool = True) -> torch.Tenso
             raise ArenaClosed(f"host tier file {tier.handle} is gone: the pool stopped or restarted")
         raw = torch.from_file(tier.handle, shared=True, size=tier.nbytes, dtype=torch.uint8)
         if pin and torch.cuda.is_available():
-            err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 1))
-            if err:
-                raise InvalidRequest(f"cannot page-lock the host tier (cudaError {err}): raise ulimit -l, or pin=False")
+            page_lock(raw.data_ptr(), raw.numel(), "the host tier")
         lay = descriptor.layout
         view = raw.view(torch_dtype(lay.dtype)).view(tier.num_blocks, 2 * lay.num_layers, lay.block_layer_elems)
         _mapped[key] = view
         return view
+
+
+def page_lock(ptr: int, nbytes: int, what: str) -> None:
+    """``cudaHostRegister`` a mapping (portable: every device sees it as pinned), or say why it cannot be.
+
+    A refused registration leaves its error as the thread's last CUDA error, which torch would report at its next
+    kernel launch as that kernel's: it is cleared here, so that only this call fails.
+    """
+    import torch
+
+    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # 1: cudaHostRegisterPortable
+    if err:
+        from kvpool import cuda
+
+        cuda.cudart().cudaGetLastError()
+        raise InvalidRequest(
+            f"cannot page-lock {what}'s {nbytes} bytes (cudaError {err}): put it on a tmpfs such as /dev/shm "
+            "(--shm-dir), make it smaller, or raise the memlock limit (ulimit -l; docker: --ulimit memlock=-1)"
+        )

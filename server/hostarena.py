@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.arena import Arena, torch_dtype
 from kvpool.errors import InvalidRequest
+from kvpool.hosttier import page_lock
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, HostTierPart
 from kvpool.server.arenas import CpuHostArena, CudaHostArena, HostArena
@@ -64,12 +65,7 @@ class HostTierMemory:
         try:
             raw = torch.from_file(self.file.handle, shared=True, size=self.file.nbytes, dtype=torch.uint8)
             if any(isinstance(a, CudaHostArena) for a in arenas):
-                err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), 1))  # 1: portable
-                if err:
-                    raise InvalidRequest(
-                        f"cannot page-lock the host tier's {raw.numel()} bytes (cudaError {err}): lower --host-blocks, "
-                        "or raise the pool's memlock limit (ulimit -l; docker: --ulimit memlock=-1)"
-                    )
+                page_lock(raw.data_ptr(), raw.numel(), "the host tier (--host-blocks)")
                 self.registered = raw.data_ptr()
             typed = raw.view(torch_dtype(layout.dtype))
             self.host = typed.view(num_blocks, 2 * layout.num_layers, layout.block_layer_elems)
@@ -79,6 +75,7 @@ class HostTierMemory:
             self.close()
             raise
         self.tier = HostTier(num_blocks, TierCopier(views, self.host))
+        self.tier.copier.warm()
         self.raw = raw
         log.info(
             "host tier ready: %d blocks (%.1f MiB) in %s%s", num_blocks, self.file.nbytes / 2**20, self.file.handle,

@@ -83,6 +83,17 @@ class TierCopier:
                 self._streams[arena] = torch.cuda.Stream(device=view.device)
         return view, dim, staging, self._streams.get(arena)
 
+    def warm(self) -> None:
+        """Copy one block each way per arena and forget it: before the pool serves, while every block is free.
+
+        The first copy pays for the stream, the staging buffer and the kernels' loading (tenths of a second on a
+        GPU): a pool start, not the first request to evict or hit, should pay it. It also proves the path works.
+        """
+        for arena in range(len(self.arenas)):
+            self.offload(arena, [0], [0])
+            self.restore(arena, [0], [0])
+        self.totals = CopyTotals()
+
     def offload(self, arena: int, device_ids: Sequence[int], host_ids: Sequence[int]) -> None:
         """Copy the arena's blocks ``device_ids`` into the host tier's blocks ``host_ids`` (pairwise)."""
         self._copy(arena, device_ids, host_ids, to_host=True)

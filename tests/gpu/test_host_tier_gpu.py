@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +20,20 @@ from tests.conftest import start_pool
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A directory on /dev/shm: page-locking a mapping needs a tmpfs (a disk-backed /tmp may refuse it)."""
+    path = Path(tempfile.mkdtemp(prefix="kvp-tier-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.parametrize("order", ["layer_major", "block_major"])
-def test_blocks_cross_to_page_locked_host_memory_and_back_unchanged(order: str, tmp_path: Path) -> None:
+def test_blocks_cross_to_page_locked_host_memory_and_back_unchanged(order: str, shm_dir: Path) -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", order=order)
     epoch, n = secrets.token_hex(8), 64
-    arena = create_host_arena("cuda", n * layout.block_nbytes, device=0, shm_dir=tmp_path, epoch=epoch)
-    memory = HostTierMemory(n, layout, tmp_path, epoch, describe(epoch, [0], [arena], [n], layout, "", None), [arena])
+    arena = create_host_arena("cuda", n * layout.block_nbytes, device=0, shm_dir=shm_dir, epoch=epoch)
+    memory = HostTierMemory(n, layout, shm_dir, epoch, describe(epoch, [0], [arena], [n], layout, "", None), [arena])
     try:
         assert memory.registered, "the host tier must be page-locked on CUDA"
         copier = memory.tier.copier
