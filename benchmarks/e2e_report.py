@@ -139,7 +139,7 @@ def plot(report: harness.Report) -> Any:
     fig, axes = plt.subplots(2, len(scen), figsize=(6 * len(scen), 8), squeeze=False)
     for col, s in enumerate(scen):
         for side in sorted({r["side"] for r in report.results if r["scenario"] == s}):
-            for w, style in zip(WORKLOADS, ("--", "-"), strict=True):
+            for w, style in zip((*WORKLOADS, "revisit"), ("--", "-", "-."), strict=True):
                 rows = sorted((r for r in report.results if (r["scenario"], r["side"], r["workload"]) == (s, side, w)),
                               key=lambda r: r["rate"])  # fmt: skip
                 if not rows:
