@@ -18,6 +18,10 @@ Scenarios (``--scenarios``):
   3  two prefill workers sharing one pool's prefix cache vs the same two each with a pool of its own (a private
      cache); requests ask for one token, so this measures prefill: hit rate, TTFT, and the memory the cached
      prefix blocks take at the end of each rate (a shared prefix is stored once, not once per worker)
+  4  a host tier: one pool with ``--host-blocks`` against the same pool without, both with a small arena
+     (``--host-arena-blocks``), on distinct prompts that take ``--host-factor`` x that arena, each sent
+     ``--host-passes`` times (the ``revisit`` workload; one token each, so this measures prefill): hit rate, TTFT,
+     and the pool's own figures of what it offloaded and restored, with its copy bandwidth
 
 Workloads: ``unique`` (random prompts) and ``mixed`` (``--mix``: prompts opening with one of a few shared system
 prompts, turns of multi-turn conversations whose prompt is the previous turn's prompt and answer plus a new
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,8 +51,9 @@ from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
 from kvpool.benchmarks.e2e_report import body, plot, targets
+from kvpool.benchmarks.e2e_report import rates as report_rates
 from kvpool.benchmarks.e2e_sides import Env, Side, drive, mono_side, pool_side, summarize
-from kvpool.benchmarks.e2e_workload import WORKLOADS, make_workload
+from kvpool.benchmarks.e2e_workload import WORKLOADS, make_revisits, make_workload
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Llama-3.2-1B's shape (random weights): 16 layers, GQA 32/8, head dim 64.
@@ -100,6 +106,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="scenario 2: also run the pool with the prefill copying the KV to GPU 1 (--push-to) (pool-2gpu-push)",
     )
     parser.add_argument("--timeout-s", type=float, default=300.0, help="longest one rate may take to drain")
+    parser.add_argument("--host-arena-blocks", type=int, default=None, help="scenario 4's arena [CPU 128, GPU 1024]")
+    parser.add_argument("--host-factor", type=float, default=5.0, help="scenario 4's distinct prompts / arena [5]")
+    parser.add_argument("--host-passes", type=int, default=3, help="times scenario 4 sends each prompt [3]")
+    parser.add_argument("--host-rates", type=harness_floats, default=None, help="scenario 4's rates [CPU 4, GPU 32]")
 
 
 def harness_floats(text: str) -> list[float]:
@@ -150,6 +160,10 @@ def _config(args: argparse.Namespace, device: machine.Device) -> dict[str, Any]:
         "cache_blocks": args.cache_blocks or (16384 if gpu else 2048),
         "warmup_requests": 8,
         "push_too": args.push_too,
+        "host_arena_blocks": args.host_arena_blocks or (1024 if gpu else 48 if quick else 128),
+        "host_factor": args.host_factor,
+        "host_passes": args.host_passes,
+        "host_rates": args.host_rates or ([32.0] if gpu else [4.0]),
     }
 
 
@@ -198,8 +212,13 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
         elif scenario == "3":
             made["shared-2p"] = pool_side(env, "shared-2p", 1, 2, None)
             made["private-2p"] = pool_side(env, "private-2p", 2, 1, None)
+        elif scenario == "4":
+            arena = env.cfg["host_arena_blocks"]
+            host = math.ceil((env.cfg["host_factor"] + 1) * arena)  # every distinct prompt, and room to spare
+            made["pool-host"] = pool_side(env, "pool-host", 1, 1, None, num_blocks=arena, host_blocks=host)
+            made["pool-nohost"] = pool_side(env, "pool-nohost", 1, 1, None, num_blocks=arena)
         else:
-            raise SystemExit(f"e2e: no scenario {scenario!r} (1, 2 or 3)")
+            raise SystemExit(f"e2e: no scenario {scenario!r} (1, 2, 3 or 4)")
         yield made
     finally:
         for side in made.values():
@@ -208,8 +227,9 @@ def _sides(env: Env, scenario: str) -> Iterator[dict[str, Side]]:
 
 def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> None:
     cfg, args = env.cfg, report.args
-    one_token = scenario == "3"
-    rates = cfg["prefill_rates"] if one_token else cfg["rates"]
+    one_token = scenario in ("3", "4")
+    rates = report_rates(cfg, scenario)
+    workloads = ("revisit",) if scenario == "4" else WORKLOADS
     with _sides(env, scenario) as sides:
         warmup = {**cfg, "duration_s": 0, "min_requests": cfg["warmup_requests"]}
         warm = make_workload("unique", 1000.0, warmup, vocab, -1)
@@ -217,11 +237,15 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
             for r in warm:
                 r.request_id = f"warm-{side.name}-{r.request_id}"
             drive(side, warm, args.timeout_s)
-        steps = len(rates) * len(WORKLOADS) * len(sides)
+        steps = len(rates) * len(workloads) * len(sides)
         with harness.progress(steps, f"e2e scenario {scenario}", args.no_progress) as bar:
             for k, rate in enumerate(rates):
-                for workload in timings.rotated(WORKLOADS, k):
-                    requests = make_workload(workload, rate, cfg, vocab, args.seed * 10 + int(scenario))
+                for workload in timings.rotated(workloads, k):
+                    seed = args.seed * 10 + int(scenario)
+                    if workload == "revisit":
+                        requests = make_revisits(rate, cfg, vocab, seed)
+                    else:
+                        requests = make_workload(workload, rate, cfg, vocab, seed)
                     if one_token:
                         for r in requests:
                             r.max_new_tokens = 1
@@ -234,6 +258,7 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
                         stats |= {"scenario": scenario, "side": name, "workload": workload, "rate": rate}
                         if side.pools:
                             stats["prefix_bytes_stored"] = side.prefix_bytes() - before
+                            stats["tiers"] = side.pools[0].stats()["tiers"]  # cumulative, warm-up included
                         report.results.append(stats)
                         report.raw[f"{scenario}/{name}/{workload}/{rate:g}"] = raw
                         tokens[name] = [got[r.request_id]["tokens"] for r in requests]

@@ -8,11 +8,12 @@ from kvpool.benchmarks import harness, machine
 from kvpool.benchmarks.e2e_workload import WORKLOADS
 
 #: (scenario, the side kvpool wins with, its baseline)
-SIDES = {"1": ("pool", "mono"), "2": ("pool-2gpu", "mono-x2"), "3": ("shared-2p", "private-2p")}
+SIDES = {"1": ("pool", "mono"), "2": ("pool-2gpu", "mono-x2"), "3": ("shared-2p", "private-2p"),
+         "4": ("pool-host", "pool-nohost")}  # fmt: skip
 
 
 def rates(cfg: dict[str, Any], scenario: str) -> list[float]:
-    return cfg["prefill_rates"] if scenario == "3" else cfg["rates"]
+    return {"3": cfg["prefill_rates"], "4": cfg["host_rates"]}.get(scenario, cfg["rates"])
 
 
 def row(report: harness.Report, scenario: str, side: str, workload: str, rate: float) -> dict[str, Any] | None:
@@ -49,6 +50,8 @@ def targets(report: harness.Report) -> None:
                     f"{mixed['ttft_p50_us'] / 1e3:.1f} ms vs {unique['ttft_p50_us'] / 1e3:.1f} ms",
                 )
             )
+    if "4" in scen:
+        host_targets(report)
     for s in scen:
         ours, base = SIDES[s]
         best = None
@@ -70,6 +73,26 @@ def targets(report: harness.Report) -> None:
                 f"{a['goodput_rps']:.2f} vs {b['goodput_rps']:.2f} req/s within SLO",
             )
         )
+
+
+def host_targets(report: harness.Report) -> None:
+    """Scenario 4: hit rate and TTFT with the host tier against without, and the restores' bandwidth."""
+    for rate in rates(report.config, "4"):
+        a, b = row(report, "4", "pool-host", "revisit", rate), row(report, "4", "pool-nohost", "revisit", rate)
+        if a is None or b is None:
+            continue
+        ratio = a["ttft_p50_us"] / b["ttft_p50_us"]
+        host = a["tiers"]["host"]
+        report.targets.append(
+            harness.Target(
+                f"scenario 4: TTFT p50 with the host tier / without, {rate:g} req/s",
+                "compare", f"{ratio:.2f}x", None,
+                f"{a['ttft_p50_us'] / 1e3:.1f} ms vs {b['ttft_p50_us'] / 1e3:.1f} ms; hits {a['hit_rate']:.0%} vs "
+                f"{b['hit_rate']:.0%}; restored {harness.fmt_bytes(host['restored_bytes'])} at "
+                f"{host['restore_bytes_per_s'] / 1e9:.1f} GB/s, offloaded {harness.fmt_bytes(host['offloaded_bytes'])} "
+                f"at {host['offload_bytes_per_s'] / 1e9:.1f} GB/s (the pool's own figures, copies end to end)",
+            )
+        )  # fmt: skip
 
 
 def body(report: harness.Report) -> str:
@@ -116,7 +139,7 @@ def plot(report: harness.Report) -> Any:
     fig, axes = plt.subplots(2, len(scen), figsize=(6 * len(scen), 8), squeeze=False)
     for col, s in enumerate(scen):
         for side in sorted({r["side"] for r in report.results if r["scenario"] == s}):
-            for w, style in zip(WORKLOADS, ("--", "-"), strict=True):
+            for w, style in zip((*WORKLOADS, "revisit"), ("--", "-", "-."), strict=True):
                 rows = sorted((r for r in report.results if (r["scenario"], r["side"], r["workload"]) == (s, side, w)),
                               key=lambda r: r["rate"])  # fmt: skip
                 if not rows:

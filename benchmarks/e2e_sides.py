@@ -138,15 +138,19 @@ class Env:
 
 
 def pool_side(
-    env: Env, name: str, units: int, prefills_per_unit: int, devices: tuple[int, int] | None, push: bool = False
-) -> Side:
+    env: Env, name: str, units: int, prefills_per_unit: int, devices: tuple[int, int] | None, push: bool = False,
+    num_blocks: int | None = None, host_blocks: int = 0,
+) -> Side:  # fmt: skip
     """``units`` pools, each with ``prefills_per_unit`` prefill workers and one decode worker."""
     side = Side(name, env.workdir)
     side.block_nbytes = env.layout.block_nbytes
     py = [sys.executable, "-m"]
     cfg = env.cfg
+    arena = str(num_blocks or cfg["cache_blocks"])
     for u in range(units):
-        flags = [*harness.layout_flags(env.layout), "--num-blocks", str(cfg["cache_blocks"]), "--model", env.model_name]
+        flags = [*harness.layout_flags(env.layout), "--num-blocks", arena, "--model", env.model_name]
+        if host_blocks:
+            flags += ["--host-blocks", str(host_blocks)]
         if devices is not None:
             flags += ["--devices", f"{devices[0]},{devices[1]}"]
         pool = harness.start_pool(env.device, *flags)

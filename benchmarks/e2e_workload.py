@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -63,4 +64,27 @@ def make_workload(workload: str, rate: float, cfg: dict[str, Any], vocab: int, s
         else:
             prompt = toks(full)
         out.append(Request(at, f"{workload}-{rate:g}-{i}", prompt, new, kind))
+    return out
+
+
+def make_revisits(rate: float, cfg: dict[str, Any], vocab: int, seed: int) -> list[Request]:
+    """Distinct prompts whose blocks take ``host_factor`` x the arena, each sent ``host_passes`` times.
+
+    The first pass sends them in order, every later pass in a new shuffled order, at Poisson instants: a prompt
+    comes back only after the others have pushed it out of an arena of ``host_arena_blocks``, so an LRU arena alone
+    hits nearly nothing and a host tier that holds them all hits everything after the first pass.
+    """
+    length, arena = cfg["prompt_len"], cfg["host_arena_blocks"] * cfg["block_size"]
+    rng = random.Random(f"{seed}-{rate}-revisit")
+    count = max(2, math.ceil(cfg["host_factor"] * arena / length))
+    prompts = [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+    order = list(range(count))
+    for _ in range(cfg["host_passes"] - 1):
+        again = list(range(count))
+        rng.shuffle(again)
+        order += again
+    out, t = [], 0.0
+    for i, k in enumerate(order):
+        out.append(Request(t, f"revisit-{rate:g}-{i}", prompts[k], 1, "first" if i < count else "revisit"))
+        t += rng.expovariate(rate)
     return out

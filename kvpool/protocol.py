@@ -204,6 +204,15 @@ class ArenaPart(BaseModel):
     handle_kind: HandleKind | None = Field(None, description=KIND_DOC)
 
 
+class HostTierPart(BaseModel):
+    """The pool's host tier: a shared-memory file of ``num_blocks`` blocks, each one contiguous run of bytes
+    (``[2 * num_layers, block_size * num_kv_heads * head_dim]``, K then V per layer), whatever the arena's order."""
+
+    handle: str = Field(description="the host tier file's path (map it shared; page-lock it to copy on CUDA)")
+    nbytes: int
+    num_blocks: int
+
+
 class ArenaDescriptor(BaseModel):
     """The arena a client maps. The top-level fields describe one arena (the first, or the one asked for);
     ``arenas`` lists every device's when the pool serves several."""
@@ -222,6 +231,7 @@ class ArenaDescriptor(BaseModel):
     fast_socket: str | None = Field(None, description="Unix socket of the binary fast channel, if served")
     first_block: int = 0
     arenas: list[ArenaPart] = Field(default_factory=list)
+    host_tier: HostTierPart | None = Field(None, description="where evicted prefix blocks go, if the pool has one")
 
     @model_validator(mode="before")
     @classmethod

@@ -50,6 +50,10 @@ class PoolSettings(BaseSettings):
         "auto", description="how workers map the CUDA arena: vmm (an fd over the fast channel's Unix socket), "
         "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible)"
     )
+    host_blocks: int | None = Field(
+        None, ge=1, description="host tier size in blocks: evicted prefix blocks are kept in host memory (off: none)"
+    )
+    host_bytes: ByteSize | None = Field(None, ge=1, description="host tier size in bytes (64GiB, ...)")
 
     # the default layout is the one the workers' default --random-model needs
     num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
@@ -148,6 +152,8 @@ class PoolSettings(BaseSettings):
         events, replay = self.kv_events_endpoint, self.kv_events_replay_endpoint
         if events is not None and events == replay and not events.endswith(":*"):  # :* binds a free port
             raise ValueError("--kv-events-endpoint and --kv-events-replay-endpoint must be different addresses")
+        if self.host_blocks is not None and self.host_bytes is not None:
+            raise ValueError("give the host tier's size one way only, not --host-blocks and --host-bytes")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         if self.arena_handle == "vmm" and self.fast_socket is None:

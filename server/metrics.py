@@ -72,6 +72,37 @@ class PoolCollector(Collector):
             for field, (name, doc) in KV_EVENTS.items():
                 yield CounterMetricFamily(name, doc, value=events[field])
             yield GaugeMetricFamily("kvpool_kv_events_pending", "KV events not sent yet", value=events["pending"])
+        yield from tier_metrics(s["tiers"])
+
+
+def tier_metrics(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    """Per tier ("gpu": the arenas, "host": the host tier if the pool has one): blocks, hits, bytes copied."""
+    blocks = GaugeMetricFamily("kvpool_tier_blocks", "blocks by tier and state", labels=["tier", "state"])
+    hits = CounterMetricFamily("kvpool_tier_hit_blocks", "blocks found by lookups, by the tier they were in",
+                               labels=["tier"])  # fmt: skip
+    for tier, t in tiers.items():
+        for state in ("free", "in_use", "cached"):
+            blocks.add_metric([tier, state], t[state])
+        hits.add_metric([tier], t["hit_blocks"])
+    yield blocks
+    yield hits
+    host = tiers.get("host")
+    if host is None:
+        return
+    moved = CounterMetricFamily("kvpool_host_tier_copied_bytes", "bytes copied to (offload) and from (restore) the "
+                                "host tier", labels=["direction"])  # fmt: skip
+    took = CounterMetricFamily("kvpool_host_tier_copy_seconds", "seconds the host tier's copies took",
+                               labels=["direction"])  # fmt: skip
+    rate = GaugeMetricFamily("kvpool_host_tier_copy_bytes_per_second", "bytes per second over every copy so far",
+                             labels=["direction"])  # fmt: skip
+    for direction, done in (("offload", "offloaded"), ("restore", "restored")):
+        moved.add_metric([direction], host[f"{done}_bytes"])
+        took.add_metric([direction], host[f"{direction}_seconds"])
+        rate.add_metric([direction], host[f"{direction}_bytes_per_s"])
+    yield moved
+    yield took
+    yield rate
+    yield CounterMetricFamily("kvpool_host_tier_evictions", "host blocks evicted for room", value=host["evictions"])
 
 
 #: the control plane's operations whose latency is measured, over HTTP and the fast channel alike

@@ -44,6 +44,7 @@ from kvpool.protocol import (
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
+from kvpool.server.hostarena import HostTierMemory, open_host_tier
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -69,6 +70,7 @@ class ControlPlane:
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
         self.host_arenas: list[HostArena] = []
+        self.host_tier: HostTierMemory | None = None
         self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
         self._stopping = False
@@ -101,6 +103,14 @@ class ControlPlane:
         fast = str(s.fast_socket) if s.fast_socket is not None else None
         self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
         parts = self._descriptor.arenas
+        try:
+            self.host_tier = open_host_tier(s, layout, self.epoch, self._descriptor, arenas)
+        except Exception as exc:
+            self.startup_error = f"host tier: {type(exc).__name__}: {exc}"
+            self.close()
+            raise
+        if self.host_tier is not None:
+            self._descriptor = self.host_tier.describe(self._descriptor)
         self._pool = Pool(
             sizes,
             layout,
@@ -112,6 +122,7 @@ class ControlPlane:
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
+            host_tier=self.host_tier.tier if self.host_tier is not None else None,
         )
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
@@ -144,6 +155,9 @@ class ControlPlane:
             for fut in futures:
                 if not fut.done():
                     fut.cancel()
+        if self.host_tier is not None:
+            self.host_tier.close()
+            self.host_tier = None
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []

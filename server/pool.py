@@ -23,6 +23,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
+from kvpool.server.hosttier import HostTier
 from kvpool.server.parking import Parking
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
@@ -58,10 +59,14 @@ class Pool(Parking):
     on_session_end: Callable[[Session], None] | None = None
     limits: Limits = field(default_factory=Limits)
     index_listener: IndexListener | None = None  # told what the index finds (KV events)
+    host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.index_listener)
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=self.index.remove_block)
+        tier = self.host_tier
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block)
+        if tier is not None:
+            tier.bind(self.index, self.allocator)
         self.arena_sizes = self.allocator.sizes
         self.total_blocks = self.allocator.num_blocks
         hasher_args = {} if self.digest is None else {"digest": self.digest}
@@ -177,6 +182,8 @@ class Pool(Parking):
         except Exception:
             self.counters.alloc_exhausted += 1
             raise
+        if self.host_tier is not None:
+            self.host_tier.flush()
         self.counters.alloc_blocks += num_blocks
         return ids
 
@@ -224,8 +231,12 @@ class Pool(Parking):
         holder = self.session(session_id).holder
         if not 0 <= arena < len(self.hashers):
             raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        ids = self.index.match(self.hashers[arena].blocks(token_ids))
-        self.allocator.acquire(holder, ids)
+        blocks = self.hashers[arena].blocks(token_ids)
+        if self.host_tier is not None:
+            ids, _ = self.host_tier.lookup(holder, blocks, arena)
+        else:
+            ids = self.index.match(blocks)
+            self.allocator.acquire(holder, ids)
         c = self.counters
         c.lookup_requests += 1
         c.lookup_blocks += len(token_ids) // self.layout.block_size
@@ -314,4 +325,14 @@ class Pool(Parking):
             "arenas": [
                 dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
             ],
+            "tiers": self._tiers(),
         }
+
+    def _tiers(self) -> dict[str, dict[str, Any]]:
+        """Each tier's books and hits: the arenas together ("gpu", also on the cpu backend), and the host tier."""
+        a, hits = self.allocator, self.counters.hit_blocks
+        gpu = {"num_blocks": a.num_blocks, "free": a.num_free, "in_use": a.num_in_use, "cached": a.num_cached}
+        if self.host_tier is None:
+            return {"gpu": {**gpu, "hit_blocks": hits}}
+        host = self.host_tier.stats()
+        return {"gpu": {**gpu, "hit_blocks": hits - host["hit_blocks"]}, "host": host}

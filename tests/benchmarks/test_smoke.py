@@ -16,13 +16,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
+E2E = ["--scenarios", "1,3,4", "--rates", "20", "--duration-s", "0.2", "--min-requests", "3", "--prompt-len", "40"]
 TINY: dict[str, list[str]] = {
     "control-plane": ["--batches", "1,8", "--clients", "1,2", "--rounds", "1", "--chunk-s", "0.02"],
     "handoff": ["--sizes", "1MiB,2MiB", "--rounds", "1", "--claim-lead-ms", "2"],
     "attach": ["--sizes", "16MiB", "--rounds", "1"],
     "prefix": ["--tokens", "512", "--rounds", "1"],
-    "e2e": ["--scenarios", "1,3", "--rates", "20", "--duration-s", "0.2", "--min-requests", "3", "--prompt-len", "40"],
+    "e2e": [*E2E, "--host-factor", "2", "--host-passes", "2", "--host-rates", "40"],
     "copy": ["--sizes", "2MiB", "--rounds", "1"],
+    "host-tier": ["--sizes", "2MiB", "--rounds", "1", "--layout", "1b"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
 

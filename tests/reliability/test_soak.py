@@ -45,6 +45,20 @@ def test_short_soak_passes_with_16_clients() -> None:
     assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
 
 
+def test_short_soak_with_a_host_tier_balances_both_tiers() -> None:
+    """An arena too small for the clients' prefixes: evictions go to the host tier and lookups restore them, while
+    workers are killed (some while the pool restores a prefix for them); every block's bytes are checked."""
+    proc, s = run_soak("--duration", "8", "--clients", "12", "--crash-every", "1", "--num-blocks", "48",
+                       "--host-blocks", "96")  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert s["violations"] == 0, s["violation_messages"]
+    assert s["verify_data"] and s["crashed_workers"] >= 1
+    host = s["host_tier"]
+    assert host["num_blocks"] == 96 and host["offloaded_blocks"] > 0 and host["restored_blocks"] > 0, host
+    assert host["hit_blocks"] == host["restored_blocks"]
+    assert s["end"]["in_use"] == 0 and s["end"]["sessions"] == 0
+
+
 def test_soak_against_a_given_pool() -> None:
     pool = start_pool(*SMALL_POOL, "--lease-ttl-s", "2")
     try:
