@@ -170,3 +170,28 @@ def test_random_workload_never_hands_back_other_kv_and_the_books_balance() -> No
         pool.free(sid, got.block_ids)
         balanced(pool, tier)
     assert hits["gpu"] > 0 and hits["host"] > 0, hits
+
+
+def test_kv_events_keep_a_router_exact_while_prefixes_move_to_the_host_and_leave_it() -> None:
+    """A block offloaded to the host stays findable on the node, so it stays announced; when the host tier
+    drops it, the key finds nothing and a router must hear BlockRemoved."""
+    pytest.importorskip("msgspec")
+    from kvpool.server.feed import media_of
+    from kvpool.server.kvevents import IndexEvents
+    from tests.server.test_kv_events_wire import Recorder, assert_mirrors
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype="float32", order="layer_major")
+    _, arena, tier = make(gpu_blocks=4, host_blocks=6)
+    recorder = Recorder()
+    listener = IndexEvents(recorder.put, BS, [0], media_of("cuda", 1))
+    pool = Pool(4, layout, host_tier=tier, index_listener=listener)
+    sid = pool.open_session("w", "prefill").session_id
+    a, b, c = prompt(1, 3), prompt(2, 3), prompt(3, 3)
+    for tokens in (a, b, c):
+        store(pool, arena, sid, tokens)
+        assert_mirrors(pool, recorder, [0])
+    assert len(recorder.router.blocks) == 9  # a and b on the host, c in the arena: all findable
+    pool.free(sid, pool.alloc(sid, 4))  # a leaves the host for c
+    assert_mirrors(pool, recorder, [0])
+    assert len(recorder.router.blocks) == 6
+    balanced(pool, tier)
