@@ -23,8 +23,8 @@ class Load:
 
 @dataclass
 class Save:
-    """After this step's forward, copy a prompt's blocks into the pool: its full blocks are committed, and a
-    prefill for a decode engine (``park`` set) also carries the partial last block and is parked under ``park``."""
+    """After this step's forward, copy a prompt's full blocks into the pool and commit them; a prefill for a
+    decode engine (``park`` set) also parks them under ``park``."""
 
     req_id: str
     token_ids: list[int]

@@ -1,10 +1,13 @@
 """The connector's scheduler side: how much of a prompt the pool can give, and each step's plan for the worker.
 
 Prefix hits come from the pool's own chain over token ids (``lookup``), so engines share prefixes whatever their
-hash seeds. A hit is capped one token short of the prompt, as vLLM's own cache does, so that a token is always
-computed. The refs that a lookup or a claim takes stay with this side's session until the request is finished
-and ``free_delay_steps`` more steps have been planned, long after the worker's copy out of those blocks ran:
-a block an engine loads can never be evicted and rewritten while it is being read.
+hash seeds. A hit, and a handoff's load too, covers full blocks short of the prompt's last token, exactly what
+vLLM's own prefix cache would give: the engine then computes the same tokens in the same batches as with its own
+cache, so the tokens it samples are the same bits.
+
+The refs that a lookup or a claim takes stay with this side's session until the request is finished and
+``free_delay_steps`` more steps have been planned, long after the worker's copy out of those blocks ran: a block
+an engine loads can never be evicted and rewritten while it is being read.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class SchedulerSide:
         params = params or {}
         if params.get("do_remote_decode"):
             t.park = f"{self.engine_id}:{req_id}"
-        usable = len(prompt) - 1
+        usable = (len(prompt) - 1) // self.block_size * self.block_size
         if usable <= num_computed:
             return 0
         if params.get(HANDOFF_KEY):
@@ -89,7 +92,8 @@ class SchedulerSide:
         got, self.epoch = claim
         ids = list(got.block_ids)
         want = params.get(DIGEST_KEY) or got.meta.get("digest")
-        if got.num_tokens != len(prompt) or got.meta.get("digest") != want or want != prompt_digest(prompt):
+        full = len(prompt) // self.block_size * self.block_size
+        if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
             log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
             self._release(ids, now=True)
             return []
@@ -136,8 +140,9 @@ class SchedulerSide:
         t.saved = True
         if t.park is None and (not self.settings.save or n < self.block_size):
             return None
-        need = blocks_for(n, self.block_size) if t.park else n // self.block_size
-        if len(t.blocks) < need:
+        need = n // self.block_size
+        if len(t.blocks) < need or need == 0:
+            t.park = None
             return None
         return Save(s.req_id, t.prompt, t.blocks[:need], t.park, prompt_digest(t.prompt) if t.park else "")
 

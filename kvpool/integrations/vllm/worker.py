@@ -16,7 +16,7 @@ import torch
 from kvpool.arena import Arena
 from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
 from kvpool.integrations.vllm.link import PoolLink, log
-from kvpool.integrations.vllm.plan import Save, StepPlan, blocks_for
+from kvpool.integrations.vllm.plan import Save, StepPlan
 from kvpool.integrations.vllm.settings import check_engine
 from kvpool.layout import KVLayout
 
@@ -115,7 +115,7 @@ class WorkerSide:
         """The blocks the pool has already (refs taken) and new ones for the rest; None if the pool said no."""
         bs = self.layout.block_size
         full = len(s.token_ids) // bs
-        total = blocks_for(len(s.token_ids), bs) if s.park else full
+        total = full
         hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: full * bs]).block_ids), None)
         if hit is None:
             return None
@@ -135,11 +135,11 @@ class WorkerSide:
             self.link.call("commit", lambda c: c.commit(ids, s.token_ids[: full * bs]), None)
         if s.park:
             meta = {"digest": s.digest}
-            parked = self.link.call("handoff", lambda c: c.handoff(s.park, array("i", ids), len(s.token_ids), meta),
-                                    None)  # fmt: skip
+            parked = self.link.call("handoff", lambda c: c.handoff(s.park, array("i", ids), full * bs, meta), None)
             if parked is not None:
                 self.stats["parked"] += 1
                 return
+            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", s.park)
         self.link.call("free", lambda c: c.free(ids), 0)
 
     def close(self) -> None:
