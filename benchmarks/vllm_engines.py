@@ -31,6 +31,7 @@ from kvpool.client import PoolClient
 from kvpool.server.launch import spawn
 
 N_REQ, PROMPT, PREFIX, NEW, BS = 32, 1024, 768, 64, 16
+SINGLES = 8  # requests served one at a time for the token comparison: no batch composition in play
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
     head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096,
@@ -70,7 +71,7 @@ def engine(model: Path, pool_url: str | None, util: float) -> Any:
     if pool_url:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"url": pool_url},
+            kv_load_failure_policy="recompute", kv_connector_extra_config={"url": pool_url, "reserve_blocks": 4096},
         )  # fmt: skip
     return LLM(
         model=str(model), skip_tokenizer_init=True, attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
@@ -140,6 +141,16 @@ def plain_phase(model: Path, rounds: list[dict], out: dict) -> None:
         out["plain"].append(res)
         print(f"plain round {r}: B cold TTFT p50 {p50(res['B_cold']['ttft_ms'])} ms, own cache "
               f"{p50(res['B_own_cache']['ttft_ms'])} ms", flush=True)  # fmt: skip
+    singles = prompts(500)
+    for i in range(SINGLES):
+        llm.reset_prefix_cache()
+        run(llm, singles["A"][i : i + 1])
+        out["plain_single"].setdefault("B", []).append(run(llm, singles["B"][i : i + 1])["tokens"][0])
+        llm.reset_prefix_cache()
+        out["plain_single"].setdefault("B_cold", []).append(run(llm, singles["B"][i : i + 1])["tokens"][0])
+        llm.reset_prefix_cache()
+        run(llm, singles["P"][i : i + 1], max_tokens=1)
+        out["plain_single"].setdefault("P", []).append(run(llm, singles["P"][i : i + 1])["tokens"][0])
     close(llm)
 
 
@@ -156,13 +167,22 @@ def pool_phase(model: Path, url: str, rounds: list[dict], out: dict) -> None:
             s1 = probe.stats()
             res["B_engine2"] = run(e2, ps["B"])
             s2 = probe.stats()
-            res["pool"] = {"indexed_by_A": s1["indexed"] - s0["indexed"], "indexed_by_B": s2["indexed"] - s1["indexed"],
-                           "hit_blocks_B": s2["counters"]["hit_blocks"] - s1["counters"]["hit_blocks"]}  # fmt: skip
+            c0, c1, c2 = (x["counters"] for x in (s0, s1, s2))
+            res["pool"] = {"committed_by_A": c1["committed_blocks"] - c0["committed_blocks"],
+                           "committed_by_B": c2["committed_blocks"] - c1["committed_blocks"],
+                           "hit_blocks_B": c2["hit_blocks"] - c1["hit_blocks"]}  # fmt: skip
             pre = run(e1, ps["P"], max_tokens=1, params=[{"do_remote_decode": True}] * N_REQ)
             res["P_prefill"] = pre
             res["P_decode"] = run(e2, ps["P"], params=pre["kv_transfer_params"])
             out["pool"].append(res)
             print(f"pool round {r}: B TTFT p50 {p50(res['B_engine2']['ttft_ms'])} ms, pool {res['pool']}", flush=True)
+        singles = prompts(500)
+        for i in range(SINGLES):
+            run(e1, singles["A"][i : i + 1])
+            out["pool_single"].setdefault("B", []).append(run(e2, singles["B"][i : i + 1])["tokens"][0])
+            pre = run(e1, singles["P"][i : i + 1], max_tokens=1, params=[{"do_remote_decode": True}])
+            dec = run(e2, singles["P"][i : i + 1], params=pre["kv_transfer_params"])
+            out["pool_single"].setdefault("P", []).append(dec["tokens"][0])
         out["pool_stats"] = probe.stats()
         close(e1)
         close(e2)
@@ -200,6 +220,12 @@ def summary(out: dict) -> dict:
         "P_handoff_vs_cold": agree("P_decode", "P_cold"),
         "P_own_cache_vs_cold": agree("P_own_cache", "P_cold", pl),
     }
+    ps, ss = out["plain_single"], out["pool_single"]
+    s["identical_single_requests"] = {
+        "B_pool_vs_own_cache": f"{same(ss['B'], ps['B'])}/{len(ps['B'])}",
+        "P_handoff_vs_own_cache": f"{same(ss['P'], ps['P'])}/{len(ps['P'])}",
+        "B_own_cache_vs_cold": f"{same(ps['B'], ps['B_cold'])}/{len(ps['B'])}",
+    }
     s["pool_per_round"] = [r["pool"] for r in po]
     return s
 
@@ -208,7 +234,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--pool-blocks", type=int, default=12288)
+    ap.add_argument("--pool-blocks", type=int, default=20480)
     ap.add_argument("--skip-plain", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -218,7 +244,8 @@ def main() -> None:
     build_model(model)
     print(f"model built in {time.perf_counter() - t:.1f}s on {torch.cuda.get_device_name()}", flush=True)
     rounds = [prompts(r) for r in range(args.rounds)]
-    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "plain": [], "pool": []}
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(), "plain": [], "pool": [],
+                           "plain_single": {}, "pool_single": {}}  # fmt: skip
     if not args.skip_plain:
         plain_phase(model, rounds, out)
     sock = work / "kvpool.sock"

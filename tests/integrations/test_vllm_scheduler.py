@@ -70,7 +70,7 @@ def pool() -> Iterator[PoolProcess]:
 def config(model_dir: Path, url: str, block_size: int = BS) -> VllmConfig:
     transfer = KVTransferConfig(
         kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
-        kv_load_failure_policy="recompute", kv_connector_extra_config={"url": url},
+        kv_load_failure_policy="recompute", kv_connector_extra_config={"url": url, "reserve_blocks": 16},
     )  # fmt: skip
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
@@ -117,6 +117,7 @@ class Engine:
                     v[r.block_ids[0][pos // BS], pos % BS] = torch.randn(HEADS, HEAD_DIM)
             seen[r.req_id] = (list(r.block_ids[0]), r.num_computed_tokens, n)
         self.worker.wait_for_save()
+        self.worker.flush()
         self.worker.clear_connector_metadata()
         return seen
 

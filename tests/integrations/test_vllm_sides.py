@@ -28,7 +28,7 @@ class Engine:
     def __init__(self, url: str, name: str, **settings: object) -> None:
         self.settings = ConnectorSettings(url=url, **settings)
         self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name)
-        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT)
+        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8)
         shape = (ENGINE_BLOCKS, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_dim)
         self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(LAYOUT.num_layers)}
         self.worker.register(self.caches, lambda n: int(n.split(".")[2]))
@@ -47,6 +47,7 @@ class Engine:
             for pos in range(computed, computed + scheduled):
                 cache[blocks[pos // BS], :, pos % BS] = torch.randn_like(cache[0, :, 0])
         self.worker.save(plan)
+        self.worker.flush()
 
     def kv(self, blocks: list[int], num_tokens: int) -> list[torch.Tensor]:
         """K and V of the first ``num_tokens`` tokens held in ``blocks``, every layer."""
@@ -94,14 +95,14 @@ def test_second_engine_loads_the_prefix_the_first_computed(pool: PoolProcess) ->
         pa, pb = shared + prompt_of(2, 5), shared + prompt_of(3, 6)
         blocks_a, ext_a = serve(a, "r1", pa)
         assert ext_a == 0
-        assert a.worker.stats["saved_blocks"] == len(pa) // BS
+        assert a.worker.saver.stats["saved_blocks"] == len(pa) // BS
         blocks_b, ext_b = serve(b, "r1", pb)
         assert ext_b == len(shared)
         assert b.worker.stats["loaded_blocks"] == len(shared) // BS
         for ka, kb in zip(a.kv(blocks_a, len(shared)), b.kv(blocks_b, len(shared)), strict=True):
             assert torch.equal(ka, kb)
         # b committed only its new full block; the shared prefix is held once
-        assert b.worker.stats["saved_blocks"] == len(pb) // BS - len(shared) // BS
+        assert b.worker.saver.stats["saved_blocks"] == len(pb) // BS - len(shared) // BS
         assert stats(pool)["indexed"] - indexed == len(pa) // BS + 1
     finally:
         a.close()
@@ -175,7 +176,7 @@ def test_an_unreachable_pool_means_no_hits_and_no_saves(tmp_path) -> None:
     e = Engine(f"unix://{tmp_path}/none.sock", "z")
     prompt = prompt_of(8, 9)
     _blocks, ext = serve(e, "r", prompt)
-    assert ext == 0 and e.worker.stats["saved_blocks"] == 0
+    assert ext == 0 and e.worker.saver is not None and e.worker.saver.stats["saved_blocks"] == 0
     assert e.sched.finished("r") is None
     e.close()
 

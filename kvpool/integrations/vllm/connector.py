@@ -83,7 +83,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._check_pool(link, vllm_config)
             self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
         else:
-            self._worker = WorkerSide(link, self.layout)
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks)
 
     def _check_pool(self, link: PoolLink, config: VllmConfig) -> None:
         """Refuse at start-up an engine that does not fit the pool; a pool not there is only warned about."""
@@ -164,6 +164,11 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed() if self._worker is not None else set()
+
+    def flush(self) -> None:
+        """Wait until this engine's saves reached the pool (tests and benchmarks; serving never needs to)."""
+        if self._worker is not None:
+            self._worker.flush()
 
     def shutdown(self) -> None:
         for side in (self._sched, self._worker):

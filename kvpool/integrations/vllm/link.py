@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -40,6 +41,7 @@ class PoolLink:
         self.client: PoolClient | None = None
         self._next_try = 0.0
         self._warned = False
+        self._lock = threading.RLock()  # the engine's thread and the saver's share the session
 
     def open(self) -> PoolClient:
         """The session, opened now; errors propagate (for start-up, where a missing pool should be said)."""
@@ -49,6 +51,10 @@ class PoolLink:
 
     def call(self, what: str, fn: Callable[[PoolClient], T], default: T) -> T:
         """``fn(client)``, or ``default`` when the pool cannot answer (logged, and the session dropped)."""
+        with self._lock:
+            return self._call(what, fn, default)
+
+    def _call(self, what: str, fn: Callable[[PoolClient], T], default: T) -> T:
         now = time.monotonic()
         if self.client is None:
             if now < self._next_try:

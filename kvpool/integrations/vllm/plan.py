@@ -31,6 +31,7 @@ class Save:
     engine_ids: list[int]
     park: str | None = None
     digest: str = ""
+    skip: int = 0  # leading blocks the pool held when the request was matched: not copied again
 
 
 @dataclass
@@ -63,3 +64,4 @@ class Tracked:
     blocks: list[int] = field(default_factory=list)  # vLLM's blocks of the request
     park: str | None = None  # handoff key, for a prefill whose decode runs elsewhere
     saved: bool = False
+    pool_blocks: int = 0  # leading blocks the pool held at the match

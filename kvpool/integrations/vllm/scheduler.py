@@ -72,6 +72,7 @@ class SchedulerSide:
             usable = min(usable, tokens)
         else:
             ids = []
+        t.pool_blocks = len(ids)
         if not ids or usable <= num_computed:
             self._release(ids, now=True)
             return 0
@@ -144,7 +145,8 @@ class SchedulerSide:
         if len(t.blocks) < need or need == 0:
             t.park = None
             return None
-        return Save(s.req_id, t.prompt, t.blocks[:need], t.park, prompt_digest(t.prompt) if t.park else "")
+        digest = prompt_digest(t.prompt) if t.park else ""
+        return Save(s.req_id, t.prompt, t.blocks[:need], t.park, digest, min(t.pool_blocks, need))
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Let go of the request; a parked prefill answers with what its decode engine needs to claim it."""

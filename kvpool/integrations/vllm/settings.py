@@ -36,6 +36,9 @@ class ConnectorSettings(BaseModel):
     free_delay_steps: int = Field(
         3, ge=1, le=64, description="scheduler steps a loaded request's pool refs outlive it (async scheduling)"
     )
+    reserve_blocks: int = Field(
+        1024, ge=0, le=1 << 20, description="arena blocks the worker keeps allocated to copy finished prompts into"
+    )
     name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
 
     @classmethod

@@ -1,14 +1,14 @@
 """The connector's worker side: copies between vLLM's paged cache and the arena, and the pool calls for saves.
 
-Loads run on the forward's stream before the forward, so attention reads loaded KV without a wait. Saves run
-after the forward on the same stream; the stream is synchronized before the blocks are committed or parked,
-since a commit makes them readable by every engine on the node. A load that cannot run (pool restarted, arena
-gone, a copy failing) reports its vLLM blocks as failed, and vLLM recomputes those tokens.
+Loads run on the forward's stream before the forward, so attention reads loaded KV without a wait. Saves are
+copied after the forward on the same stream into blocks of a reserve, and committed (or parked) by the saver's
+thread once an event says the copies ran (:mod:`.saver`): the engine's thread makes no pool call in a step. A
+load that cannot run (pool restarted, arena gone, a copy failing) reports its vLLM blocks as failed, and vLLM
+recomputes those tokens.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
 
 import torch
@@ -16,25 +16,30 @@ import torch
 from kvpool.arena import Arena
 from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
 from kvpool.integrations.vllm.link import PoolLink, log
-from kvpool.integrations.vllm.plan import Save, StepPlan
+from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.saver import Job, Saver
 from kvpool.integrations.vllm.settings import check_engine
 from kvpool.layout import KVLayout
 
 
 class WorkerSide:
-    def __init__(self, link: PoolLink, layout: KVLayout) -> None:
+    def __init__(self, link: PoolLink, layout: KVLayout, reserve: int = 1024) -> None:
         self.link, self.layout = link, layout
         self.copier: BlockCopier | None = None
         self.arena: Arena | None = None
         self._engine: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.failed: set[int] = set()
-        self.stats = {"loaded_blocks": 0, "saved_blocks": 0, "parked": 0, "load_failures": 0}
+        self.saver: Saver | None = None
+        self.reserve = reserve
+        self.stats = {"loaded_blocks": 0, "load_failures": 0}
 
     def register(self, caches: dict[str, torch.Tensor], layer_of: Callable[[str], int]) -> None:
         """Take vLLM's per-layer caches (refused at start-up if the arena cannot hold them) and map the arena."""
         names = sorted(caches, key=layer_of)
         self._engine = [kv_views(caches[n], self.layout, n) for n in names]
         self._bind()
+        self.saver = Saver(self.link, self.layout.block_size, self.reserve)
+        self.saver.refill()
 
     def _bind(self) -> bool:
         client = self.link.call("arena", lambda c: c, None)
@@ -90,57 +95,41 @@ class WorkerSide:
     # -- saves --------------------------------------------------------------------------------------------
 
     def save(self, plan: StepPlan) -> None:
-        if not plan.saves or not self._ready(""):
+        """Copy the step's finished prompts into reserve blocks; the saver commits them once the copies ran."""
+        if not plan.saves or self.saver is None or not self._ready(""):
             return
-        jobs = [job for job in (self._prepare(s) for s in plan.saves) if job is not None]
+        bs, src, dst, jobs = self.layout.block_size, [], [], []
+        for s in plan.saves:
+            full = len(s.token_ids) // bs
+            skip = min(s.skip, full)
+            if skip == full and not s.park:
+                continue
+            new = self.saver.take(full - skip)
+            if new is None:
+                continue
+            src += s.engine_ids[skip:full]
+            dst += new
+            jobs.append(Job(s, skip, new))
         if not jobs:
             return
-        src = [b for s, hit, new in jobs for b in s.engine_ids[len(hit) :]]
-        dst = [b for _, _, new in jobs for b in new]
         assert self.copier is not None
         try:
             self.copier.save(src, dst)
-            if self.copier.device.type == "cuda":
-                torch.cuda.current_stream(self.copier.device).synchronize()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - nothing is committed: the pool never sees half-written blocks
             log.warning("kvpool: saving %d blocks failed (%s)", len(dst), exc)
-            held = [b for _, hit, new in jobs for b in hit + new]
-            self.link.call("free", lambda c: c.free(held), 0)
+            self.link.call("free", lambda c: c.free(dst), 0)
             return
-        self.stats["saved_blocks"] += len(dst)
-        for s, hit, new in jobs:
-            self._finish(s, hit + new)
+        done = None
+        if self.copier.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.copier.device))
+        self.saver.submit(done, jobs)
 
-    def _prepare(self, s: Save) -> tuple[Save, list[int], list[int]] | None:
-        """The blocks the pool has already (refs taken) and new ones for the rest; None if the pool said no."""
-        bs = self.layout.block_size
-        full = len(s.token_ids) // bs
-        total = full
-        hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: full * bs]).block_ids), None)
-        if hit is None:
-            return None
-        if len(hit) == total and not s.park:
-            self.link.call("free", lambda c: c.free(hit), 0)
-            return None
-        new = self.link.call("alloc", lambda c: c.alloc(total - len(hit)), None)
-        if new is None:
-            self.link.call("free", lambda c: c.free(hit), 0)
-            return None
-        return s, hit, new
-
-    def _finish(self, s: Save, ids: list[int]) -> None:
-        bs = self.layout.block_size
-        full = len(s.token_ids) // bs
-        if full:
-            self.link.call("commit", lambda c: c.commit(ids, s.token_ids[: full * bs]), None)
-        if s.park:
-            meta = {"digest": s.digest}
-            parked = self.link.call("handoff", lambda c: c.handoff(s.park, array("i", ids), full * bs, meta), None)
-            if parked is not None:
-                self.stats["parked"] += 1
-                return
-            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", s.park)
-        self.link.call("free", lambda c: c.free(ids), 0)
+    def flush(self) -> None:
+        if self.saver is not None:
+            self.saver.flush()
 
     def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
         self.link.close()
