@@ -115,7 +115,7 @@ class WorkerSide:
         assert self.copier is not None
         try:
             self.copier.save(src, dst)
-        except Exception as exc:  # noqa: BLE001 - nothing is committed: the pool never sees half-written blocks
+        except Exception as exc:  # nothing is committed: the pool never sees half-written blocks
             log.warning("kvpool: saving %d blocks failed (%s)", len(dst), exc)
             self.link.call("free", lambda c: c.free(dst), 0)
             return
