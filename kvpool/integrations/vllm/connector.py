@@ -109,6 +109,12 @@ class KvpoolConnector(KVConnectorBase_V1):
             return 0, False
         return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params), False
 
+    def on_new_request(self, request: Request) -> None:
+        assert self._sched is not None
+        prompt = request.prompt_token_ids
+        if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
+            self._sched.prefetch(request.request_id, list(prompt), request.kv_transfer_params)
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
         self._sched.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,8 @@ class SchedulerSide:
         self.reqs: dict[str, Tracked] = {}
         self._loads: list[Load] = []
         self._frees: deque[list[int]] = deque([[] for _ in range(settings.free_delay_steps)])
+        self._ahead: dict[str, Future[tuple[list[int], int]]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
         self.epoch = ""
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -62,22 +65,32 @@ class SchedulerSide:
         params = params or {}
         if params.get("do_remote_decode"):
             t.park = f"{self.engine_id}:{req_id}"
-        usable = (len(prompt) - 1) // self.block_size * self.block_size
-        if usable <= num_computed:
-            return 0
-        if params.get(HANDOFF_KEY):
-            ids = self._claim(params, prompt)
-        elif self.settings.load:
-            ids, tokens = self.link.call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
-            usable = min(usable, tokens)
-        else:
-            ids = []
+        ahead = self._ahead.pop(req_id, None)
+        ids, tokens = ahead.result() if ahead is not None else self._find(prompt, params)
+        usable = min((len(prompt) - 1) // self.block_size * self.block_size, tokens)
         t.pool_blocks = len(ids)
         if not ids or usable <= num_computed:
             self._release(ids, now=True)
             return 0
         t.held, t.first_block, t.external = ids, num_computed // self.block_size, usable - num_computed
         return t.external
+
+    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+        """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
+        calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in."""
+        if len(prompt) > self.block_size and req_id not in self._ahead:
+            self._ahead[req_id] = self._pool.submit(self._find, list(prompt), dict(params or {}))
+
+    def _find(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], int]:
+        """The pool's blocks for the prompt's loadable prefix (refs taken) and the tokens they hold."""
+        usable = (len(prompt) - 1) // self.block_size * self.block_size
+        if usable <= 0:
+            return [], 0
+        if params.get(HANDOFF_KEY):
+            return self._claim(params, prompt), usable
+        if self.settings.load:
+            return self.link.call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
+        return [], 0
 
     def _lookup(self, client: Any, tokens: list[int]) -> tuple[list[int], int]:
         hit = client.lookup(tokens)
@@ -150,6 +163,9 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Let go of the request; a parked prefill answers with what its decode engine needs to claim it."""
+        ahead = self._ahead.pop(req_id, None)
+        if ahead is not None:  # finished before vLLM asked: the refs the answer took go back when it comes
+            ahead.add_done_callback(lambda f: self._release(f.result()[0], now=True))
         t = self.reqs.pop(req_id, None)
         if t is None:
             return None
@@ -167,6 +183,9 @@ class SchedulerSide:
             self._frees[-1].extend(ids)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for ahead in self._ahead.values():
+            self._release(ahead.result()[0])
         held = [b for t in self.reqs.values() for b in t.held] + [b for d in self._frees for b in d]
         if held:
             self.link.call("free", lambda c: c.free(held), 0)
