@@ -203,14 +203,14 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
     try:
         prompt = prompt_of(10, 13)
         serve(a, "r", prompt)
-        b.sched.prefetch("x", prompt, None)
-        assert b.sched.match("x", prompt, 0, None) == 12
         before = stats(pool)["in_use"]
         b.sched.prefetch("gone", prompt, None)  # aborted before vLLM scheduled it
         b.sched._pool.submit(lambda: None).result()  # the lookup took its refs
         assert stats(pool)["in_use"] == before + 3
         b.sched.finished("gone")
         assert stats(pool)["in_use"] == before
+        b.sched.prefetch("x", prompt, None)
+        assert b.sched.match("x", prompt, 0, None) == 12
     finally:
         a.close()
         b.close()
