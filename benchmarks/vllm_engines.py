@@ -134,6 +134,9 @@ def plain_phase(model: Path, rounds: list[dict], out: dict) -> None:
         run(llm, ps["A"])
         res["B_own_cache"] = run(llm, ps["B"])
         llm.reset_prefix_cache()
+        run(llm, ps["A"])
+        res["B_own_cache_again"] = run(llm, ps["B"])  # how far vLLM's own batched runs agree with each other
+        llm.reset_prefix_cache()
         res["P_cold"] = run(llm, ps["P"])
         llm.reset_prefix_cache()
         run(llm, ps["P"], max_tokens=1)
@@ -216,6 +219,7 @@ def summary(out: dict) -> dict:
         "B_pool_vs_own_cache": agree("B_engine2", "B_own_cache"),
         "B_pool_vs_cold": agree("B_engine2", "B_cold"),
         "B_own_cache_vs_cold": agree("B_own_cache", "B_cold", pl),
+        "B_own_cache_vs_own_cache_again": agree("B_own_cache", "B_own_cache_again", pl),
         "P_handoff_vs_own_cache": agree("P_decode", "P_own_cache"),
         "P_handoff_vs_cold": agree("P_decode", "P_cold"),
         "P_own_cache_vs_cold": agree("P_own_cache", "P_cold", pl),
