@@ -144,7 +144,7 @@ class SchedulerSide:
         self._frees.append([])
         due = self._frees.popleft()
         if due:
-            self.link.call("free", lambda c: c.free(due), 0)
+            self._release(due, now=True)
         return plan
 
     def _save_of(self, s: Scheduled, t: Tracked) -> Save | None:
@@ -177,15 +177,19 @@ class SchedulerSide:
     def _release(self, ids: list[int], now: bool = False) -> None:
         if not ids:
             return
-        if now:
-            self.link.call("free", lambda c: c.free(ids), 0)
+        if now:  # on the lookup thread: the scheduler's thread makes no pool call
+            self._pool.submit(self.link.call, "free", lambda c: c.free(ids), 0)
         else:
             self._frees[-1].extend(ids)
+
+    def drain(self) -> None:
+        """Wait until the lookups and frees asked for so far reached the pool."""
+        self._pool.submit(lambda: None).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         for ahead in self._ahead.values():
-            self._release(ahead.result()[0])
+            self._frees[-1].extend(ahead.result()[0])
         held = [b for t in self.reqs.values() for b in t.held] + [b for d in self._frees for b in d]
         if held:
             self.link.call("free", lambda c: c.free(held), 0)

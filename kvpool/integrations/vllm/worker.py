@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvpool.arena import Arena
+from kvpool.errors import LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
@@ -49,8 +50,8 @@ class WorkerSide:
         check_engine(arena.layout, self.layout, "", [])
         device = self._engine[0][0].device
         if arena.device != device:
-            raise RuntimeError(f"the kvpool arena is on {arena.device}, this engine's KV on {device}: serve the "
-                               f"pool on the engine's GPU (`kvpool serve --device {device.index}`)")  # fmt: skip
+            raise LayoutMismatch(f"the kvpool arena is on {arena.device}, this engine's KV on {device}: serve the "
+                                 f"pool on the engine's GPU (`kvpool serve --device {device.index}`)")  # fmt: skip
         views = [(arena.k(i), arena.v(i)) for i in range(self.layout.num_layers)]
         self.arena, self.copier = arena, BlockCopier(self._engine, views)
         return True
@@ -79,7 +80,7 @@ class WorkerSide:
         engine_ids = [b for ld in plan.loads for b in ld.engine_ids]
         try:
             if not self._ready(plan.epoch):
-                raise RuntimeError("the pool restarted or cannot be reached")
+                raise PoolUnavailable("the pool restarted or cannot be reached")
             assert self.copier is not None
             self.copier.load(arena_ids, engine_ids)
             self.stats["loaded_blocks"] += len(arena_ids)
