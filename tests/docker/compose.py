@@ -144,12 +144,17 @@ def read_dotenv(path: Path) -> dict[str, str]:
     return env
 
 
-def model(files: tuple[str, ...], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """The project as ``docker compose -f docker/<file> ... config`` resolves it."""
+def model(files: tuple[str, ...], env: dict[str, str] | None = None, profiles: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The project as ``docker compose -f docker/<file> ... [--profile P] config`` resolves it: a service with
+    profiles only when one of them is asked for."""
     merged: Any = strip_tags(read(files[0]))
     for name in files[1:]:
         merged = merge(merged, read(name))
-    return interpolate(merged, env or {})
+    doc = interpolate(merged, env or {})
+    doc["services"] = {
+        k: v for k, v in doc["services"].items() if not v.get("profiles") or set(v["profiles"]) & set(profiles)
+    }
+    return doc
 
 
 @functools.cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 from typing import Any
 
@@ -226,7 +227,7 @@ def test_env_example_documents_every_variable() -> None:
     documented = {
         line.lstrip("#").split("=", 1)[0].strip()
         for line in ENV_EXAMPLE.read_text().splitlines()
-        if line.lstrip("#").strip().startswith("KVPOOL_") and "=" in line
+        if re.match(r"#?\s*[A-Z][A-Z0-9_]*=", line)
     }
     used = set()
     for name in ("compose.yaml", "compose.cpu.yaml"):
@@ -311,3 +312,15 @@ def test_worker_commands_exist(worker: str, capsys: pytest.CaptureFixture[str]) 
             raise
         pytest.skip(f"{exc.name} is not there yet")
     assert done.value.code == 0, capsys.readouterr().err
+
+
+def test_vllm_profile_runs_two_engines_beside_the_pool_and_a_proxy() -> None:
+    services = model(GPU_FILES, profiles=("vllm",))["services"]
+    assert schema_errors(model(GPU_FILES, profiles=("vllm",))) == []
+    for name in ("vllm-prefill", "vllm-decode"):
+        engine = services[name]
+        assert (engine["pid"], engine["ipc"]) == (f"service:{POOL}", f"service:{POOL}")
+        assert engine["environment"]["KVPOOL_URL"] == URL
+        assert "kvpool.integrations.vllm" in engine["environment"]["VLLM_KV"]
+        assert gpu_devices(engine) == gpu_devices(services[POOL])
+    assert services["vllm-proxy"]["entrypoint"][-1] == "kvpool.integrations.vllm.proxy"

@@ -1,0 +1,21 @@
+"""kvpool inside vLLM: a KV connector that vLLM loads with ``kv_connector_module_path``.
+
+``--kv-transfer-config '{"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
+"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'`` (see docs/vllm.md). The connector class needs vLLM
+(``pip install "kvpool[vllm]"``) and is imported only when asked for, so the pure parts (the step plans, the K/V
+views of vLLM's cache, the proxy) import without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["KvpoolConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "KvpoolConnector":
+        from kvpool.integrations.vllm.connector import KvpoolConnector
+
+        return KvpoolConnector
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,186 @@
+"""``KvpoolConnector``: vLLM's KV connector API (v1) on kvpool's scheduler and worker sides.
+
+vLLM builds one instance per role in the engine's processes: the scheduler's asks the pool what it can load and
+plans each step (:mod:`.scheduler`); the worker's copies blocks and saves them (:mod:`.worker`). Both check at
+start-up that the engine's KV fits the pool's arena and refuse with one line naming the flag to set.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+
+from kvpool.errors import LayoutMismatch
+from kvpool.integrations.vllm.link import PoolLink, log
+from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
+from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine
+from kvpool.integrations.vllm.worker import WorkerSide
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+
+
+@dataclass
+class KvpoolMetadata(KVConnectorMetadata):
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+def engine_layout(config: VllmConfig) -> KVLayout:
+    """The KV layout this engine's model needs in the arena."""
+    model, cache, parallel = config.model_config, config.cache_config, config.parallel_config
+    if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        raise LayoutMismatch(
+            "the kvpool connector holds one rank's KV per arena: start vLLM with --tensor-parallel-size 1 "
+            "--pipeline-parallel-size 1"
+        )
+    if cache.cache_dtype == "auto":
+        dtype = str(model.dtype).removeprefix("torch.")
+    elif cache.cache_dtype in CACHE_DTYPES:
+        dtype = CACHE_DTYPES[cache.cache_dtype]
+    else:
+        raise LayoutMismatch(f"the kvpool connector cannot hold --kv-cache-dtype {cache.cache_dtype}: leave it auto")
+    return KVLayout(
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=model.get_num_kv_heads(parallel),
+        head_dim=model.get_head_size(),
+        block_size=cache.block_size,
+        dtype=dtype,
+    )
+
+
+class KvpoolConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        tc = self._kv_transfer_config
+        self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
+        self.layout = engine_layout(vllm_config)
+        engine_id = str(tc.engine_id)
+        side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
+        if tc.kv_load_failure_policy != "recompute":
+            log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
+                        "block that fails to load is computed again instead of failing its request")  # fmt: skip
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._check_pool(link, vllm_config)
+            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
+        else:
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks)
+
+    def _check_pool(self, link: PoolLink, config: VllmConfig) -> None:
+        """Refuse at start-up an engine that does not fit the pool; a pool not there is only warned about."""
+        try:
+            descriptor = link.open().descriptor()
+        except Exception as exc:
+            log.warning("kvpool: the pool is not reachable (%s: %s); serving without it until it answers",
+                        type(exc).__name__, exc)  # fmt: skip
+            link.close()
+            return
+        model = config.model_config
+        names = [model.model, *(model.served_model_name if isinstance(model.served_model_name, list)
+                                else [model.served_model_name or model.model])]  # fmt: skip
+        check_engine(descriptor.layout, self.layout, descriptor.model, names)
+
+    # -- scheduler side ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._sched is not None
+        prompt = list(request.prompt_token_ids or [])
+        if not prompt or request.mm_features or request.lora_request is not None or _salted(request):
+            self._sched.skip(request.request_id)
+            return 0, False
+        return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params), False
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._sched is not None
+        prompt = request.prompt_token_ids
+        if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
+            self._sched.prefetch(request.request_id, list(prompt), request.kv_transfer_params)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._sched is not None
+        self._sched.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._sched is not None
+        out = scheduler_output
+        scheduled = [
+            Scheduled(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0),
+                      list(r.block_ids[0]), True, list(r.prompt_token_ids or []))
+            for r in out.scheduled_new_reqs
+        ]
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            scheduled.append(Scheduled(req_id, cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0),
+                                       list(new[0]) if new else [], req_id in cached.resumed_req_ids))  # fmt: skip
+        return KvpoolMetadata(self._sched.build(scheduled))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return False, self._sched.finished(request.request_id)
+
+    # -- worker side ------------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        if len(kv_caches) != self.layout.num_layers:
+            raise LayoutMismatch(
+                f"vLLM has {len(kv_caches)} KV caches for {self.layout.num_layers} layers: the kvpool connector "
+                "needs one per attention layer (no shared or cross-layer KV)"
+            )
+        self._worker.register(kv_caches, extract_layer_index)
+
+    def _plan(self) -> StepPlan:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvpoolMetadata)
+        return meta.plan
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.load(self._plan())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads run on the forward's stream before it starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves run in wait_for_save, one batched copy per layer for the step
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.save(self._plan())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed() if self._worker is not None else set()
+
+    def flush(self) -> None:
+        """Wait until this engine's saves reached the pool (tests and benchmarks; serving never needs to)."""
+        if self._worker is not None:
+            self._worker.flush()
+
+    def shutdown(self) -> None:
+        for side in (self._sched, self._worker):
+            if side is not None:
+                side.close()
+
+
+def _salted(request: Request) -> bool:
+    return bool(getattr(request, "cache_salt", None))

@@ -1,0 +1,115 @@
+"""The worker's saves, off the engine's critical path: a thread that commits and parks what the forward wrote.
+
+A save's pool calls (lookup, commit, handoff, free) wait for the copies out of vLLM's blocks and take the GIL
+back after every socket wait; on the engine's thread they added tens of milliseconds to the steps that finish
+prompts. Here the engine's thread only takes arena blocks from a reserve this thread keeps allocated, launches the
+copies and records an event; this thread waits on the event, then talks to the pool. A committed block is thus
+never readable before its bytes are written.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from array import array
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.integrations.vllm.link import PoolLink, log
+from kvpool.integrations.vllm.plan import Save
+
+
+@dataclass
+class Job:
+    save: Save
+    skip: int  # leading blocks the pool held already (looked up again here, refs taken)
+    new: list[int]  # reserve blocks the copies wrote the rest into
+
+
+class Saver:
+    def __init__(self, link: PoolLink, block_size: int, reserve: int) -> None:
+        self.link, self.block_size, self.target = link, block_size, reserve
+        self._reserve: deque[int] = deque()
+        self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self.stats = {"saved_blocks": 0, "parked": 0, "skipped_no_reserve": 0}
+        self._thread = threading.Thread(target=self._run, name="kvpool-saver", daemon=True)
+        self._thread.start()
+
+    def take(self, n: int) -> list[int] | None:
+        """``n`` arena blocks from the reserve, or None (that save is dropped) if it runs short."""
+        with self._lock:
+            if len(self._reserve) < n:
+                self.stats["skipped_no_reserve"] += 1
+                self._jobs.put(("refill",))
+                return None
+            return [self._reserve.popleft() for _ in range(n)]
+
+    def submit(self, done: Any, jobs: list[Job]) -> None:
+        """``done``: a CUDA event recorded after the copies (None when they ran synchronously)."""
+        self._jobs.put(("jobs", done, jobs))
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every save submitted so far reached the pool (and the reserve was topped up)."""
+        reached = threading.Event()
+        self._jobs.put(("flush", reached))
+        return reached.wait(timeout_s)
+
+    def refill(self) -> None:
+        with self._lock:
+            want = self.target - len(self._reserve)
+        if want > self.target // 2:
+            got = self.link.call("alloc", lambda c: c.alloc(want), None)
+            if got:
+                with self._lock:
+                    self._reserve.extend(got)
+
+    def _run(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item[0] == "stop":
+                return
+            if item[0] == "jobs":
+                _, done, jobs = item
+                if done is not None:
+                    done.synchronize()
+                for job in jobs:
+                    self._finish(job)
+            if self._jobs.empty() or item[0] == "flush":
+                self.refill()
+            if item[0] == "flush":
+                item[1].set()
+
+    def _finish(self, job: Job) -> None:
+        s, bs = job.save, self.block_size
+        full = len(s.token_ids) // bs
+        hit: list[int] = []
+        if job.skip:
+            hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: job.skip * bs]).block_ids), [])
+        if len(hit) < job.skip:  # evicted meanwhile: the chain has a gap, so nothing after it can be committed
+            self._free(hit + job.new)
+            return
+        ids = hit + job.new
+        self.link.call("commit", lambda c: c.commit(ids, s.token_ids[: full * bs]), None)
+        self.stats["saved_blocks"] += len(job.new)
+        if s.park:
+            meta = {"digest": s.digest}
+            if self.link.call("handoff", lambda c: c.handoff(s.park, array("i", ids), full * bs, meta), None):
+                self.stats["parked"] += 1
+                return
+            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", s.park)
+        self._free(ids)
+
+    def _free(self, ids: list[int]) -> None:
+        if ids:
+            self.link.call("free", lambda c: c.free(ids), 0)
+
+    def close(self) -> None:
+        self.flush()
+        self._jobs.put(("stop",))
+        self._thread.join(timeout=10)
+        with self._lock:
+            left = list(self._reserve)
+            self._reserve.clear()
+        self._free(left)

@@ -1,0 +1,196 @@
+"""The connector's scheduler side: how much of a prompt the pool can give, and each step's plan for the worker.
+
+Prefix hits come from the pool's own chain over token ids (``lookup``), so engines share prefixes whatever their
+hash seeds. A hit, and a handoff's load too, covers full blocks short of the prompt's last token, exactly what
+vLLM's own prefix cache would give: the engine then computes the same tokens in the same batches as with its own
+cache, so the tokens it samples are the same bits.
+
+The refs that a lookup or a claim takes stay with this side's session until the request is finished and
+``free_delay_steps`` more steps have been planned, long after the worker's copy out of those blocks ran: a block
+an engine loads can never be evicted and rewritten while it is being read.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.integrations.vllm.link import PoolLink, log
+from kvpool.integrations.vllm.plan import Load, Save, StepPlan, Tracked, blocks_for, prompt_digest
+from kvpool.integrations.vllm.settings import ConnectorSettings
+
+#: kv_transfer_params keys: a prefill engine's answer carries the handoff to the decode engine's request
+HANDOFF_KEY = "kvpool_handoff"
+DIGEST_KEY = "kvpool_digest"
+
+
+@dataclass
+class Scheduled:
+    """One request in vLLM's scheduler output, reduced to what the plan needs."""
+
+    req_id: str
+    num_computed: int
+    num_scheduled: int
+    new_blocks: list[int]
+    replace_blocks: bool = False  # a new or resumed request: ``new_blocks`` is the whole list
+    prompt: list[int] | None = None
+
+
+class SchedulerSide:
+    def __init__(self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+        self.link, self.settings, self.block_size, self.engine_id = link, settings, block_size, engine_id
+        self.reqs: dict[str, Tracked] = {}
+        self._loads: list[Load] = []
+        self._frees: deque[list[int]] = deque([[] for _ in range(settings.free_delay_steps)])
+        self._ahead: dict[str, Future[tuple[list[int], int]]] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
+        self.epoch = ""
+
+    # -- matching ---------------------------------------------------------------------------------------
+
+    def skip(self, req_id: str) -> None:
+        """A request whose KV is not a function of its token ids alone (LoRA, images, a cache salt): never
+        loaded from the pool, never saved to it."""
+        self.reqs[req_id] = Tracked(prompt=[], saved=True)
+
+    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int:
+        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them)."""
+        old = self.reqs.get(req_id)
+        if old is not None:
+            self._release(old.held)  # asked again (vLLM could not place it, or it was preempted)
+        t = self.reqs[req_id] = Tracked(prompt=list(prompt), saved=old is not None and old.saved)
+        params = params or {}
+        if params.get("do_remote_decode"):
+            t.park = f"{self.engine_id}:{req_id}"
+        ahead = self._ahead.pop(req_id, None)
+        ids, tokens = ahead.result() if ahead is not None else self._find(prompt, params)
+        usable = min((len(prompt) - 1) // self.block_size * self.block_size, tokens)
+        t.pool_blocks = len(ids)
+        if not ids or usable <= num_computed:
+            self._release(ids, now=True)
+            return 0
+        t.held, t.first_block, t.external = ids, num_computed // self.block_size, usable - num_computed
+        return t.external
+
+    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+        """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
+        calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in."""
+        if len(prompt) > self.block_size and req_id not in self._ahead:
+            self._ahead[req_id] = self._pool.submit(self._find, list(prompt), dict(params or {}))
+
+    def _find(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], int]:
+        """The pool's blocks for the prompt's loadable prefix (refs taken) and the tokens they hold."""
+        usable = (len(prompt) - 1) // self.block_size * self.block_size
+        if usable <= 0:
+            return [], 0
+        if params.get(HANDOFF_KEY):
+            return self._claim(params, prompt), usable
+        if self.settings.load:
+            return self.link.call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
+        return [], 0
+
+    def _lookup(self, client: Any, tokens: list[int]) -> tuple[list[int], int]:
+        hit = client.lookup(tokens)
+        self.epoch = client.epoch
+        return list(hit.block_ids), hit.num_tokens
+
+    def _claim(self, params: dict[str, Any], prompt: list[int]) -> list[int]:
+        key = str(params[HANDOFF_KEY])
+        claim = self.link.call("claim", lambda c: (c.claim(key, self.settings.claim_timeout_s), c.epoch), None)
+        if claim is None:
+            log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+            return []
+        got, self.epoch = claim
+        ids = list(got.block_ids)
+        want = params.get(DIGEST_KEY) or got.meta.get("digest")
+        full = len(prompt) // self.block_size * self.block_size
+        if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
+            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
+            self._release(ids, now=True)
+            return []
+        return ids
+
+    def after_alloc(self, req_id: str, engine_blocks: list[int], num_external: int) -> None:
+        t = self.reqs.get(req_id)
+        if t is None or not t.held:
+            return
+        if num_external <= 0:
+            self._release(t.held)
+            t.held = []
+            return
+        start = t.first_block
+        end = blocks_for(start * self.block_size + num_external, self.block_size)
+        self._loads.append(Load(req_id, t.held[start:end], list(engine_blocks[start:end])))
+
+    # -- each step ----------------------------------------------------------------------------------------
+
+    def build(self, scheduled: Iterable[Scheduled]) -> StepPlan:
+        """The worker's plan for this step; also lets go of refs whose delay has run out."""
+        plan = StepPlan(epoch=self.epoch, loads=self._loads)
+        self._loads = []
+        for s in scheduled:
+            t = self.reqs.get(s.req_id)
+            if t is None:
+                if s.prompt is None:
+                    continue
+                t = self.reqs[s.req_id] = Tracked(prompt=list(s.prompt))
+            t.blocks = list(s.new_blocks) if s.replace_blocks else t.blocks + list(s.new_blocks)
+            save = self._save_of(s, t)
+            if save is not None:
+                plan.saves.append(save)
+        self._frees.append([])
+        due = self._frees.popleft()
+        if due:
+            self._release(due, now=True)
+        return plan
+
+    def _save_of(self, s: Scheduled, t: Tracked) -> Save | None:
+        n = len(t.prompt)
+        if t.saved or s.num_computed + s.num_scheduled < n:
+            return None
+        t.saved = True
+        if t.park is None and (not self.settings.save or n < self.block_size):
+            return None
+        need = n // self.block_size
+        if len(t.blocks) < need or need == 0:
+            t.park = None
+            return None
+        digest = prompt_digest(t.prompt) if t.park else ""
+        return Save(s.req_id, t.prompt, t.blocks[:need], t.park, digest, min(t.pool_blocks, need))
+
+    def finished(self, req_id: str) -> dict[str, Any] | None:
+        """Let go of the request; a parked prefill answers with what its decode engine needs to claim it."""
+        ahead = self._ahead.pop(req_id, None)
+        if ahead is not None:  # finished before vLLM asked: the refs the answer took go back when it comes
+            ahead.add_done_callback(lambda f: self._release(f.result()[0], now=True))
+        t = self.reqs.pop(req_id, None)
+        if t is None:
+            return None
+        self._release(t.held)
+        if t.park and t.saved:
+            return {HANDOFF_KEY: t.park, DIGEST_KEY: prompt_digest(t.prompt), "num_tokens": len(t.prompt)}
+        return None
+
+    def _release(self, ids: list[int], now: bool = False) -> None:
+        if not ids:
+            return
+        if now:  # on the lookup thread: the scheduler's thread makes no pool call
+            self._pool.submit(self.link.call, "free", lambda c: c.free(ids), 0)
+        else:
+            self._frees[-1].extend(ids)
+
+    def drain(self) -> None:
+        """Wait until the lookups and frees asked for so far reached the pool."""
+        self._pool.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        for ahead in self._ahead.values():
+            self._frees[-1].extend(ahead.result()[0])
+        held = [b for t in self.reqs.values() for b in t.held] + [b for d in self._frees for b in d]
+        if held:
+            self.link.call("free", lambda c: c.free(held), 0)
+        self.link.close()

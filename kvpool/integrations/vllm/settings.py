@@ -1,0 +1,74 @@
+"""The connector's settings (``kv_connector_extra_config``) and the start-up check of the engine against the pool.
+
+A pool's arena has one KV layout and one model name in its prefix hashes; an engine whose model differs would
+read silently wrong KV, so the connector refuses to start with one line naming the flag to change.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvpool.errors import InvalidRequest, LayoutMismatch
+from kvpool.layout import KVLayout
+
+#: pool layout field -> the `kvpool serve` flag that sets it
+POOL_FLAGS = {
+    "num_layers": "--num-layers",
+    "num_kv_heads": "--num-kv-heads",
+    "head_dim": "--head-dim",
+    "block_size": "--block-size",
+    "dtype": "--dtype",
+}
+
+
+class ConnectorSettings(BaseModel):
+    """What ``kv_connector_extra_config`` may hold."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str | None = Field(None, description="the pool (unix:///path or http://host:port); default $KVPOOL_URL")
+    token: str | None = Field(None, description="the pool's bearer token; default $KVPOOL_TOKEN")
+    load: bool = Field(True, description="load prompt prefixes that the pool holds")
+    save: bool = Field(True, description="copy the prompt's full blocks into the pool and commit them")
+    claim_timeout_s: float = Field(
+        1.0, gt=0, le=600, description="how long a decode engine's scheduler waits for a handoff not parked yet"
+    )
+    free_delay_steps: int = Field(
+        3, ge=1, le=64, description="scheduler steps a loaded request's pool refs outlive it (async scheduling)"
+    )
+    reserve_blocks: int = Field(
+        1024, ge=0, le=1 << 20, description="arena blocks the worker keeps allocated to copy finished prompts into"
+    )
+    name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
+
+    @classmethod
+    def parse(cls, extra: dict[str, object] | None) -> ConnectorSettings:
+        try:
+            return cls.model_validate(dict(extra or {}))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidRequest(
+                f"kv_connector_extra_config.{where}: {first['msg']} (known keys: {', '.join(cls.model_fields)})"
+            ) from None
+
+
+def check_engine(pool: KVLayout, engine: KVLayout, pool_model: str, engine_models: list[str]) -> None:
+    """Refuse an engine whose KV does not fit the pool's arena, or whose model the pool's hashes do not name.
+
+    The pool's ``order`` is free: both orders give the NHD per-layer views the connector copies through.
+    """
+    diff = {k: v for k, v in pool.diff(engine).items() if k != "order"}
+    if diff:
+        flags = " ".join(f"{POOL_FLAGS[k]} {theirs}" for k, (_, theirs) in diff.items())
+        seen = ", ".join(f"{k} {ours} != {theirs}" for k, (ours, theirs) in diff.items())
+        raise LayoutMismatch(
+            f"the kvpool arena does not fit this engine's KV (pool vs engine: {seen}): "
+            f"start the pool with `kvpool serve {flags}`"
+            + (f" or vLLM with --block-size {pool.block_size}" if "block_size" in diff else "")
+        )
+    if pool_model and pool_model not in engine_models:
+        raise LayoutMismatch(
+            f"the kvpool pool hashes prefixes for model {pool_model!r}, this engine serves {engine_models[0]!r}: "
+            f"start the pool with `kvpool serve --model {engine_models[0]}` (one pool per model)"
+        )

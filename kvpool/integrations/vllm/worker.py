@@ -1,0 +1,136 @@
+"""The connector's worker side: copies between vLLM's paged cache and the arena, and the pool calls for saves.
+
+Loads run on the forward's stream before the forward, so attention reads loaded KV without a wait. Saves are
+copied after the forward on the same stream into blocks of a reserve, and committed (or parked) by the saver's
+thread once an event says the copies ran (:mod:`.saver`): the engine's thread makes no pool call in a step. A
+load that cannot run (pool restarted, arena gone, a copy failing) reports its vLLM blocks as failed, and vLLM
+recomputes those tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from kvpool.arena import Arena
+from kvpool.errors import LayoutMismatch, PoolUnavailable
+from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
+from kvpool.integrations.vllm.link import PoolLink, log
+from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.saver import Job, Saver
+from kvpool.integrations.vllm.settings import check_engine
+from kvpool.layout import KVLayout
+
+
+class WorkerSide:
+    def __init__(self, link: PoolLink, layout: KVLayout, reserve: int = 1024) -> None:
+        self.link, self.layout = link, layout
+        self.copier: BlockCopier | None = None
+        self.arena: Arena | None = None
+        self._engine: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.failed: set[int] = set()
+        self.saver: Saver | None = None
+        self.reserve = reserve
+        self.stats = {"loaded_blocks": 0, "load_failures": 0}
+
+    def register(self, caches: dict[str, torch.Tensor], layer_of: Callable[[str], int]) -> None:
+        """Take vLLM's per-layer caches (refused at start-up if the arena cannot hold them) and map the arena."""
+        names = sorted(caches, key=layer_of)
+        self._engine = [kv_views(caches[n], self.layout, n) for n in names]
+        self._bind()
+        self.saver = Saver(self.link, self.layout.block_size, self.reserve)
+        self.saver.refill()
+
+    def _bind(self) -> bool:
+        client = self.link.call("arena", lambda c: c, None)
+        if client is None:
+            return False
+        arena = client.arena()
+        check_engine(arena.layout, self.layout, "", [])
+        device = self._engine[0][0].device
+        if arena.device != device:
+            raise LayoutMismatch(f"the kvpool arena is on {arena.device}, this engine's KV on {device}: serve the "
+                                 f"pool on the engine's GPU (`kvpool serve --device {device.index}`)")  # fmt: skip
+        views = [(arena.k(i), arena.v(i)) for i in range(self.layout.num_layers)]
+        self.arena, self.copier = arena, BlockCopier(self._engine, views)
+        return True
+
+    def _ready(self, epoch: str) -> bool:
+        """Arena mapped and of the pool epoch the plan's blocks belong to."""
+        if self.arena is None or self.arena.closed or (epoch and self.arena.epoch != epoch):
+            client = self.link.client
+            if client is not None and epoch and client.epoch != epoch:
+                return False  # the blocks were looked up in a pool that is gone
+            try:
+                if not self._bind():
+                    return False
+            except Exception as exc:
+                log.warning("kvpool: cannot map the arena (%s)", exc)
+                return False
+        assert self.arena is not None
+        return not epoch or self.arena.epoch == epoch
+
+    # -- loads --------------------------------------------------------------------------------------------
+
+    def load(self, plan: StepPlan) -> None:
+        if not plan.loads:
+            return
+        arena_ids = [b for ld in plan.loads for b in ld.arena_ids]
+        engine_ids = [b for ld in plan.loads for b in ld.engine_ids]
+        try:
+            if not self._ready(plan.epoch):
+                raise PoolUnavailable("the pool restarted or cannot be reached")
+            assert self.copier is not None
+            self.copier.load(arena_ids, engine_ids)
+            self.stats["loaded_blocks"] += len(arena_ids)
+        except Exception as exc:
+            log.warning("kvpool: loading %d blocks failed (%s); vLLM recomputes them", len(engine_ids), exc)
+            self.failed.update(engine_ids)
+            self.stats["load_failures"] += 1
+
+    def take_failed(self) -> set[int]:
+        failed, self.failed = self.failed, set()
+        return failed
+
+    # -- saves --------------------------------------------------------------------------------------------
+
+    def save(self, plan: StepPlan) -> None:
+        """Copy the step's finished prompts into reserve blocks; the saver commits them once the copies ran."""
+        if not plan.saves or self.saver is None or not self._ready(""):
+            return
+        bs, src, dst, jobs = self.layout.block_size, [], [], []
+        for s in plan.saves:
+            full = len(s.token_ids) // bs
+            skip = min(s.skip, full)
+            if skip == full and not s.park:
+                continue
+            new = self.saver.take(full - skip)
+            if new is None:
+                continue
+            src += s.engine_ids[skip:full]
+            dst += new
+            jobs.append(Job(s, skip, new))
+        if not jobs:
+            return
+        assert self.copier is not None
+        try:
+            self.copier.save(src, dst)
+        except Exception as exc:  # nothing is committed: the pool never sees half-written blocks
+            log.warning("kvpool: saving %d blocks failed (%s)", len(dst), exc)
+            self.link.call("free", lambda c: c.free(dst), 0)
+            return
+        done = None
+        if self.copier.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(self.copier.device))
+        self.saver.submit(done, jobs)
+
+    def flush(self) -> None:
+        if self.saver is not None:
+            self.saver.flush()
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+        self.link.close()

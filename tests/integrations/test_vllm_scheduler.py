@@ -1,0 +1,189 @@
+"""The connector inside vLLM's own scheduler (CPU: no forward pass; the test writes the KV a forward would).
+
+Needs vLLM; skipped without it (CI does not install it). Two engines, each a real ``vllm.v1`` Scheduler with the
+connector loaded through ``kv_connector_module_path``, and a worker-side connector over vLLM-shaped CPU caches.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvpool.errors import LayoutMismatch  # noqa: E402
+from kvpool.integrations.vllm.connector import KvpoolConnector  # noqa: E402
+from kvpool.integrations.vllm.kvviews import kv_views  # noqa: E402
+from kvpool.layout import KVLayout  # noqa: E402
+from tests.conftest import PoolProcess, start_pool  # noqa: E402
+
+LAYERS, HEADS, HEAD_DIM, BS, NUM_BLOCKS = 2, 2, 16, 16, 64
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, block_size=BS, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("tiny-llama")
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * HEAD_DIM,
+        "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
+        "num_hidden_layers": LAYERS, "vocab_size": 1000, "max_position_embeddings": 512, "head_dim": HEAD_DIM,
+        "torch_dtype": "float32", "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+    }  # fmt: skip
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PoolProcess]:
+    flags = ["--num-blocks", "128", "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
+             "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32"]  # fmt: skip
+    proc = start_pool(*flags)
+    yield proc
+    proc.stop()
+
+
+def config(model_dir: Path, url: str, block_size: int = BS) -> VllmConfig:
+    transfer = KVTransferConfig(
+        kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
+        kv_load_failure_policy="recompute", kv_connector_extra_config={"url": url, "reserve_blocks": 16},
+    )  # fmt: skip
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32", max_model_len=512),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512, is_encoder_decoder=False
+        ),
+        device_config=DeviceConfig(device="cpu"),
+        kv_transfer_config=transfer,
+    )
+
+
+def triton_cache() -> torch.Tensor:
+    """A layer's cache allocated as vLLM's GPU model runner does for TRITON_ATTN (physical order, then permuted)."""
+    shape = TritonAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BS, HEADS, HEAD_DIM)
+    order = TritonAttentionBackend.get_kv_cache_stride_order()
+    physical = torch.randn([shape[i] for i in order])
+    return physical.permute(*[order.index(i) for i in range(len(order))])
+
+
+class Engine:
+    def __init__(self, cfg: VllmConfig) -> None:
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+        kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+        cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+        self.sched = Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
+        self.worker = KvpoolConnector(cfg, KVConnectorRole.WORKER, kv)
+        with set_current_vllm_config(cfg):
+            self.caches = {n: triton_cache() for n in NAMES}
+        self.worker.register_kv_caches(self.caches)
+
+    def step(self) -> dict[str, tuple[list[int], int, int]]:
+        """One schedule and a stand-in forward; per request: its blocks, computed before, scheduled now."""
+        out = self.sched.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        seen = {}
+        for r in out.scheduled_new_reqs:
+            n = out.num_scheduled_tokens[r.req_id]
+            for cache in self.caches.values():
+                k, v = kv_views(cache, LAYOUT)
+                for pos in range(r.num_computed_tokens, r.num_computed_tokens + n):
+                    k[r.block_ids[0][pos // BS], pos % BS] = torch.randn(HEADS, HEAD_DIM)
+                    v[r.block_ids[0][pos // BS], pos % BS] = torch.randn(HEADS, HEAD_DIM)
+            seen[r.req_id] = (list(r.block_ids[0]), r.num_computed_tokens, n)
+        self.worker.wait_for_save()
+        self.worker.flush()
+        self.worker.clear_connector_metadata()
+        return seen
+
+    def kv(self, blocks: list[int], num_tokens: int) -> list[torch.Tensor]:
+        out = []
+        for cache in self.caches.values():
+            for t in kv_views(cache, LAYOUT):
+                out.append(torch.cat([t[b] for b in blocks])[:num_tokens])
+        return out
+
+    def close(self) -> None:
+        self.sched.connector.shutdown()
+        self.worker.shutdown()
+
+
+HASH = get_hash_fn_by_name("sha256")
+init_none_hash(HASH)
+
+
+def request(req_id: str, prompt: list[int], params: dict | None = None) -> Request:
+    sp = SamplingParams(max_tokens=4, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(req_id, prompt, sp, None, block_hasher=get_request_block_hasher(BS, HASH))
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_vllm_schedules_the_prefix_another_engine_computed(model_dir: Path, pool: PoolProcess) -> None:
+    a, b = Engine(config(model_dir, pool.url)), Engine(config(model_dir, pool.url))
+    try:
+        shared = prompt_of(1, 3 * BS)
+        pa, pb = shared + prompt_of(2, 20), shared + prompt_of(3, 9)
+        a.sched.add_request(request("a1", pa))
+        blocks_a, computed_a, _ = a.step()["a1"]
+        assert computed_a == 0
+        b.sched.add_request(request("b1", pb))
+        blocks_b, computed_b, scheduled_b = b.step()["b1"]
+        assert (computed_b, scheduled_b) == (len(shared), len(pb) - len(shared))
+        for ka, kb in zip(a.kv(blocks_a, len(shared)), b.kv(blocks_b, len(shared)), strict=True):
+            assert torch.equal(ka, kb)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_vllm_hands_a_prefill_to_a_decode_engine(model_dir: Path, pool: PoolProcess) -> None:
+    p, d = Engine(config(model_dir, pool.url)), Engine(config(model_dir, pool.url))
+    try:
+        prompt = prompt_of(4, 2 * BS + 5)
+        req = request("p1", prompt, {"do_remote_decode": True})
+        p.sched.add_request(req)
+        blocks_p, _, _ = p.step()["p1"]
+        _, params = p.sched.connector.request_finished(req, blocks_p)
+        assert params is not None
+        d.sched.add_request(request("d1", prompt, params))
+        blocks_d, computed_d, scheduled_d = d.step()["d1"]
+        assert (computed_d, scheduled_d) == (2 * BS, 5)  # full blocks, as vLLM's own prefix cache would give
+        for kp, kd in zip(p.kv(blocks_p, 2 * BS), d.kv(blocks_d, 2 * BS), strict=True):
+            assert torch.equal(kp, kd)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_an_engine_that_does_not_fit_the_pool_is_refused_naming_the_flag(model_dir: Path, pool: PoolProcess) -> None:
+    with pytest.raises(LayoutMismatch, match="--block-size 32"):
+        cfg = config(model_dir, pool.url, block_size=32)
+        KvpoolConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(0, [], []))

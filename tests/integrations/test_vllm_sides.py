@@ -1,0 +1,220 @@
+"""The vLLM connector's two sides against a real pool, without vLLM: engines are vLLM-shaped caches on the CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvpool.client import PoolClient
+from kvpool.integrations.vllm.kvviews import kv_views
+from kvpool.integrations.vllm.link import PoolLink
+from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
+from kvpool.integrations.vllm.settings import ConnectorSettings
+from kvpool.integrations.vllm.worker import WorkerSide
+from kvpool.layout import KVLayout
+from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
+BS = LAYOUT.block_size
+ENGINE_BLOCKS = 32
+
+
+class Engine:
+    """One engine's two connector sides and its paged cache, shaped as TRITON_ATTN shapes it."""
+
+    def __init__(self, url: str, name: str, **settings: object) -> None:
+        self.settings = ConnectorSettings(url=url, **settings)
+        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name)
+        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8)
+        shape = (ENGINE_BLOCKS, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_dim)
+        self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(LAYOUT.num_layers)}
+        self.worker.register(self.caches, lambda n: int(n.split(".")[2]))
+        self.next_block = 1
+
+    def blocks(self, n: int) -> list[int]:
+        ids = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return ids
+
+    def step(self, req_id: str, prompt: list[int], blocks: list[int], computed: int, scheduled: int) -> None:
+        """One engine step that computes ``scheduled`` tokens of the prompt (the forward writes random KV)."""
+        plan = self.sched.build([Scheduled(req_id, computed, scheduled, blocks, True, prompt)])
+        self.worker.load(plan)
+        for cache in self.caches.values():  # the forward: writes the computed tokens' slots
+            for pos in range(computed, computed + scheduled):
+                cache[blocks[pos // BS], :, pos % BS] = torch.randn_like(cache[0, :, 0])
+        self.worker.save(plan)
+        self.worker.flush()
+
+    def kv(self, blocks: list[int], num_tokens: int) -> list[torch.Tensor]:
+        """K and V of the first ``num_tokens`` tokens held in ``blocks``, every layer."""
+        out = []
+        for name in sorted(self.caches):
+            for t in kv_views(self.caches[name], LAYOUT):
+                out.append(torch.cat([t[b] for b in blocks])[:num_tokens])
+        return out
+
+    def close(self) -> None:
+        self.sched.close()
+        self.worker.close()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PoolProcess]:
+    proc = start_pool(*SMALL_POOL)
+    yield proc
+    proc.stop()
+
+
+def stats(pool: PoolProcess) -> dict:
+    with PoolClient(pool.url, name="probe") as c:
+        return c.stats()
+
+
+def prompt_of(seed: int, n: int) -> list[int]:
+    return torch.randint(0, 50_000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def serve(e: Engine, req_id: str, prompt: list[int], params: dict | None = None) -> tuple[list[int], int]:
+    """Schedule a request as vLLM does (match, allocate, one prefill step); its blocks and loaded token count."""
+    ext = e.sched.match(req_id, prompt, 0, params)
+    blocks = e.blocks(-(-len(prompt) // BS))
+    e.sched.after_alloc(req_id, blocks, ext)
+    e.step(req_id, prompt, blocks, ext, len(prompt) - ext)
+    return blocks, ext
+
+
+def test_second_engine_loads_the_prefix_the_first_computed(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    indexed = stats(pool)["indexed"]
+    try:
+        shared = prompt_of(1, 12)
+        pa, pb = shared + prompt_of(2, 5), shared + prompt_of(3, 6)
+        blocks_a, ext_a = serve(a, "r1", pa)
+        assert ext_a == 0
+        assert a.worker.saver.stats["saved_blocks"] == len(pa) // BS
+        blocks_b, ext_b = serve(b, "r1", pb)
+        assert ext_b == len(shared)
+        assert b.worker.stats["loaded_blocks"] == len(shared) // BS
+        for ka, kb in zip(a.kv(blocks_a, len(shared)), b.kv(blocks_b, len(shared)), strict=True):
+            assert torch.equal(ka, kb)
+        # b committed only its new full block; the shared prefix is held once
+        assert b.worker.saver.stats["saved_blocks"] == len(pb) // BS - len(shared) // BS
+        assert stats(pool)["indexed"] - indexed == len(pa) // BS + 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_hit_stops_one_token_short_and_counts_only_past_local_blocks(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a2"), Engine(pool.url, "b2")
+    try:
+        prompt = prompt_of(4, 16)
+        serve(a, "r", prompt)
+        assert b.sched.match("x", prompt, 0, None) == 12  # 16 tokens: the last block would leave nothing to compute
+        assert b.sched.match("y", prompt, 8, None) == 4  # vLLM had two blocks locally
+        assert b.sched.match("z", prompt, 12, None) == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_prefill_engine_hands_a_request_to_the_decode_engine(pool: PoolProcess) -> None:
+    p, d = Engine(pool.url, "p"), Engine(pool.url, "d")
+    try:
+        prompt = prompt_of(5, 14)  # three full blocks and a partial one: the decode engine computes the last two
+        blocks_p, _ = serve(p, "req", prompt, {"do_remote_decode": True})
+        params = p.sched.finished("req")
+        assert params is not None and params[HANDOFF_KEY] == "p:req" and params["num_tokens"] == 14
+        blocks_d, ext = serve(d, "other-id", prompt, params)
+        assert ext == 12
+        for kp, kd in zip(p.kv(blocks_p, 12), d.kv(blocks_d, 12), strict=True):
+            assert torch.equal(kp, kd)
+        assert stats(pool)["handoffs"] == 0
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_handoff_for_another_prompt_is_never_loaded(pool: PoolProcess) -> None:
+    p, d = Engine(pool.url, "p3"), Engine(pool.url, "d3")
+    try:
+        prompt = prompt_of(6, 10)
+        serve(p, "req", prompt, {"do_remote_decode": True})
+        params = p.sched.finished("req")
+        assert params is not None
+        other = [*prompt[:-1], prompt[-1] + 1]
+        assert d.sched.match("r", other, 0, {**params, DIGEST_KEY: prompt_digest(other)}) == 0
+        assert d.sched.reqs["r"].held == []
+    finally:
+        p.close()
+        d.close()
+
+
+def test_blocks_of_a_restarted_pool_fail_over_to_recompute(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a4"), Engine(pool.url, "b4")
+    try:
+        prompt = prompt_of(7, 9)
+        serve(a, "r", prompt)
+        ext = b.sched.match("r", prompt, 0, None)
+        blocks = b.blocks(3)
+        b.sched.after_alloc("r", blocks, ext)
+        plan = b.sched.build([Scheduled("r", ext, len(prompt) - ext, blocks, True, prompt)])
+        plan.epoch = "an-epoch-that-is-gone"
+        b.worker.load(plan)
+        assert b.worker.take_failed() == set(blocks[:2])
+        assert b.worker.take_failed() == set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_unreachable_pool_means_no_hits_and_no_saves(tmp_path) -> None:
+    e = Engine(f"unix://{tmp_path}/none.sock", "z")
+    prompt = prompt_of(8, 9)
+    _blocks, ext = serve(e, "r", prompt)
+    assert ext == 0 and e.worker.saver is not None and e.worker.saver.stats["saved_blocks"] == 0
+    assert e.sched.finished("r") is None
+    e.close()
+
+
+def test_refs_of_loaded_blocks_outlive_the_request_by_the_delay(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a5"), Engine(pool.url, "b5", free_delay_steps=2)
+    try:
+        prompt = prompt_of(9, 9)
+        serve(a, "r", prompt)
+        serve(b, "r", prompt)
+        b.sched.finished("r")
+        b.sched.drain()
+        before = stats(pool)["in_use"]
+        b.sched.build([])
+        b.sched.drain()
+        assert stats(pool)["in_use"] == before
+        b.sched.build([])
+        b.sched.drain()
+        assert stats(pool)["in_use"] == before - 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a6"), Engine(pool.url, "b6")
+    try:
+        prompt = prompt_of(10, 13)
+        serve(a, "r", prompt)
+        before = stats(pool)["in_use"]
+        b.sched.prefetch("gone", prompt, None)  # aborted before vLLM scheduled it
+        b.sched.drain()  # the lookup took its refs
+        assert stats(pool)["in_use"] == before + 3
+        b.sched.finished("gone")
+        b.sched.drain()
+        assert stats(pool)["in_use"] == before
+        b.sched.prefetch("x", prompt, None)
+        assert b.sched.match("x", prompt, 0, None) == 12
+    finally:
+        a.close()
+        b.close()
