@@ -319,7 +319,9 @@ def test_vllm_profile_runs_two_engines_beside_the_pool_and_a_proxy() -> None:
     assert schema_errors(model(GPU_FILES, profiles=("vllm",))) == []
     for name in ("vllm-prefill", "vllm-decode"):
         engine = services[name]
-        assert (engine["pid"], engine["ipc"]) == (f"service:{POOL}", f"service:{POOL}")
+        assert engine["ipc"] == f"service:{POOL}" and engine.get("pid") is None  # the VMM arena's fd needs no PID
+        legacy = model(LEGACY_FILES, profiles=("vllm",))["services"][name]
+        assert legacy["pid"] == f"service:{POOL}", "a legacy handle needs the pool's PID namespace"
         assert engine["environment"]["KVPOOL_URL"] == URL
         assert "kvpool.integrations.vllm" in engine["environment"]["VLLM_KV"]
         assert gpu_devices(engine) == gpu_devices(services[POOL])
