@@ -13,7 +13,6 @@ from typing import Any
 from kvpool.server.config import PoolSettings
 from kvpool.server.kvevents import MEDIUM_CPU, MEDIUM_GPU, HashForm, IndexEvents, external_hash, rank_of
 from kvpool.server.prefix import PrefixIndex
-from kvpool.server.publisher import EventPublisher
 
 
 def media_of(backend: str, num_arenas: int) -> list[str]:
@@ -25,6 +24,8 @@ class KVEventsFeed:
     """The publisher and the index listener that feeds it; a new pool's first events clear every rank."""
 
     def __init__(self, settings: PoolSettings, sizes: Sequence[int], backend: str) -> None:
+        from kvpool.server.publisher import EventPublisher  # ZeroMQ is loaded only by a pool that publishes
+
         assert settings.kv_events_endpoint is not None
         self.publisher = EventPublisher(
             settings.kv_events_endpoint,
