@@ -47,11 +47,11 @@ class DeviceSession:
     def free(self, block_ids: Sequence[int]) -> int:
         return self.pool.free(self._global(block_ids))
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
-        return self.pool.commit(self._global(block_ids), token_ids)
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
+        return self.pool.commit(self._global(block_ids), token_ids, salt)
 
-    def lookup(self, token_ids: Sequence[int]) -> LookupResponse:
-        hit = self.pool.lookup(token_ids, device=self.device)
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> LookupResponse:
+        hit = self.pool.lookup(token_ids, device=self.device, salt=salt)
         return LookupResponse(block_ids=self._local(hit.block_ids), num_tokens=hit.num_tokens)
 
     def handoff(
