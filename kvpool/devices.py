@@ -35,8 +35,11 @@ class DeviceSession:
         self.first = self.arena.first_block
         self.fences = Fences(self.first, self.arena.num_blocks)
 
-    def _global(self, ids: Sequence[int]) -> list[int]:
+    def pool_ids(self, ids: Sequence[int]) -> list[int]:
+        """This arena's indices as the pool's (fenced) ids, for a call made on the :class:`PoolClient` itself."""
         return self.fences.restore(ids)
+
+    _global = pool_ids
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return self.fences.strip(ids)
