@@ -40,6 +40,7 @@ class BlockAllocator:
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
         self.fence_of: list[int] = list(range(self.num_blocks))  # each block's current fenced id (generation 0)
+        self._block_at: dict[int, int] = {b: b for b in range(self.num_blocks)}  # and the other way
         self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
@@ -208,7 +209,12 @@ class BlockAllocator:
     def _recycled(self, block: int) -> None:
         """Its KV is no longer what any id handed out so far says: the next generation (after 2**31 - 1, 0)."""
         fenced = self.fence_of[block] + (1 << BLOCK_BITS)
-        self.fence_of[block] = fenced if fenced <= MAX_ID else block
+        self._fence(block, fenced if fenced <= MAX_ID else block)
+
+    def _fence(self, block: int, fenced: int) -> None:
+        del self._block_at[self.fence_of[block]]
+        self._block_at[fenced] = block
+        self.fence_of[block] = fenced
 
     def fenced(self, blocks: Sequence[int]) -> list[int]:
         """Blocks as the ids that leave the pool: each with its current generation."""
@@ -217,18 +223,19 @@ class BlockAllocator:
     def unfence(self, ids: Sequence[int]) -> list[int]:
         """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
 
-        The usual case costs a mask per id and a comparison of lists: it runs on every call that names blocks.
+        It runs on every call that names blocks, so the usual case is one dict lookup per id, in C.
         """
-        ids = ids if type(ids) is list else list(ids)
+        try:
+            return list(map(self._block_at.__getitem__, ids))
+        except KeyError:
+            pass
+        ids = list(ids)
         blocks = [i & BLOCK_MASK for i in ids]
         n = self.num_blocks
-        if not blocks or (max(blocks) < n and self.fenced(blocks) == ids):
-            return blocks
         bad = [i for i, b in zip(ids, blocks, strict=True) if not 0 <= i <= MAX_ID or b >= n]
         if bad:
             raise InvalidRequest(f"block ids out of range: {bad[:8]} (an id's low 32 bits are its block, in [0, {n}))")
-        fence_of = self.fence_of
-        stale = [i for i, b in zip(ids, blocks, strict=True) if fence_of[b] != i]
+        stale = [i for i in ids if i not in self._block_at]
         raise StaleBlock(
             f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned them "
             "(the high bits of an id are its block's generation), and may hold other KV now; nothing was changed. "
@@ -285,3 +292,5 @@ class BlockAllocator:
             else:
                 assert block in free, f"free block {block} missing from the free stack"
         assert self.num_free + self.num_in_use + self.num_cached == self.num_blocks
+        assert all(f & BLOCK_MASK == b for b, f in enumerate(self.fence_of)), "a fenced id names another block"
+        assert self._block_at == {f: b for b, f in enumerate(self.fence_of)}, "the two maps of fenced ids differ"
