@@ -4,10 +4,11 @@ One client holds one session (:mod:`kvpool.session`), kept alive in the backgrou
 reaches the pool over HTTP or, for the hot calls (alloc, free, commit, lookup, handoff, claim), the fast channel
 (:mod:`kvpool.transport`). The arena is mapped once per process, whatever the number of clients.
 
-Block ids go over the fast channel packed as int32: hand a request's block table over as an ``array('i')``, an
-int32 numpy array or CPU tensor, and no id is converted on the way. A client opened with ``inbox=True`` also
-receives the ids of handoffs addressed to it (``handoff(..., to=name)``) in its inbox, sent and sealed by the pool
-as soon as it parked them (:mod:`kvpool.handoffs`).
+Block ids are fenced (each carries its block's generation, see :mod:`kvpool.ids`) and go over the fast channel
+packed as int64: hand them over as an ``array('q')``, an int64 numpy array or CPU tensor, and no id is converted
+on the way. :class:`DeviceSession` gives workers plain arena indices instead, and fences them again on the way
+back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it (``handoff(..., to=name)``)
+in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`).
 """
 
 from __future__ import annotations
@@ -211,14 +212,18 @@ class PoolClient:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
         return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
-        """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished)."""
-        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=_as_list(token_ids))
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
+        """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished);
+        with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt."""
+        tokens = _as_list(token_ids)
+        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=tokens, salt=salt)
         return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
 
-    def lookup(self, token_ids: Sequence[int], device: int | None = None) -> LookupResponse:
-        """The longest cached prefix of ``token_ids``; you hold a ref on each returned block until you free it."""
-        req = _req(LookupRequest, session_id=self.session_id, token_ids=_as_list(token_ids), device=device)
+    def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
+        """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
+        until you free it."""
+        fields = {"token_ids": _as_list(token_ids), "device": device, "salt": salt}
+        req = _req(LookupRequest, session_id=self.session_id, **fields)
         return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
 
     def handoff(

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvpool.ids import BLOCK_MASK
 from kvpool.layout import KVLayout
 
 MAX_IDS = 1 << 20
@@ -106,10 +107,17 @@ class FreeResponse(BaseModel):
     freed: int
 
 
+SALT_HELP = (
+    "mixed into the first block's hash (a tenant, a LoRA adapter): chains of different salts, or none, never share "
+    "blocks; a lookup finds what was committed with the same salt"
+)
+
+
 class CommitRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     block_ids: list[int] = Field(max_length=MAX_IDS)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
 class CommitResponse(BaseModel):
@@ -122,6 +130,7 @@ class LookupRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
     device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
 class LookupResponse(BaseModel):
@@ -229,6 +238,7 @@ class ArenaDescriptor(BaseModel):
     owner_pid: int
     model: str = ""
     fast_socket: str | None = Field(None, description="Unix socket of the binary fast channel, if served")
+    prefix_hash: Literal["xxh3", "sha256"] = Field("xxh3", description="the hash of prefix chains (--prefix-hash)")
     first_block: int = 0
     arenas: list[ArenaPart] = Field(default_factory=list)
     host_tier: HostTierPart | None = Field(None, description="where evicted prefix blocks go, if the pool has one")
@@ -253,6 +263,7 @@ class ArenaDescriptor(BaseModel):
 
     def device_of(self, block_id: int) -> int | None:
         """The device whose arena holds ``block_id`` (None on a pool that lists no arenas)."""
+        block_id &= BLOCK_MASK  # a fenced id's block
         for part in self.arenas:
             if part.first_block <= block_id < part.first_block + part.num_blocks:
                 return part.index

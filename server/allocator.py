@@ -13,6 +13,11 @@ count per block. Every mutating call validates its whole input first and raises 
 
 Block ids are global. With several arenas (one per GPU) each arena is a contiguous id range with its
 own free stack and LRU: ``allocate`` takes an arena, everything else only needs the ids.
+
+Each block has a generation, bumped (modulo 2**31) whenever it goes back to the free stack or is evicted from the
+LRU: the moments its KV stops being what an earlier holder was told. Ids leave the pool fenced with it
+(:mod:`kvpool.ids`), and :meth:`unfence` refuses one whose generation is not current. Here, inside the pool, blocks
+are plain numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID
 
 
 class BlockAllocator:
@@ -33,6 +39,7 @@ class BlockAllocator:
         self.num_blocks = sum(sizes)
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
+        self.fence_of: list[int] = list(range(self.num_blocks))  # each block's current fenced id (generation 0)
         self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
@@ -93,6 +100,7 @@ class BlockAllocator:
         for _ in range(n - take):
             block, _ = lru.popitem(last=False)
             self.committed[block] = False
+            self._recycled(block)
             self.num_evictions += 1
             if self._on_evict is not None:
                 self._on_evict(block)
@@ -127,6 +135,8 @@ class BlockAllocator:
             return 0
         held = self._holders[holder]
         released = 0
+        ref, committed, arena_of, fence_of = self.ref_cnt, self.committed, self.arena_of, self.fence_of
+        stacks = self._free
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
         for block in reversed(ids):
             left = held[block] - 1
@@ -134,13 +144,16 @@ class BlockAllocator:
                 held[block] = left
             else:
                 del held[block]
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
+            ref[block] -= 1
+            if not ref[block]:
                 released += 1
-                if self.committed[block]:
-                    self._lru[self.arena_of[block]][block] = None
+                if committed[block]:
+                    self._lru[arena_of[block]][block] = None
                 else:
-                    self._free[self.arena_of[block]].append(block)
+                    fence_of[block] += GEN_STEP  # _recycled(block), inline on this hot path
+                    stacks[arena_of[block]].append(block)
+                    if fence_of[block] > MAX_ID:
+                        fence_of[block] = block
         if not held:
             del self._holders[holder]
         return released
@@ -188,6 +201,46 @@ class BlockAllocator:
         committed = self.committed
         for block in blocks:
             committed[block] = True
+
+    # -- fencing --------------------------------------------------------------------------------------
+
+    @property
+    def generation(self) -> list[int]:
+        """Each block's generation (a copy)."""
+        return [f >> BLOCK_BITS for f in self.fence_of]
+
+    def _recycled(self, block: int) -> None:
+        """Its KV is no longer what any id handed out so far says: the next generation (after 2**31 - 1, 0)."""
+        fenced = self.fence_of[block] + GEN_STEP
+        self.fence_of[block] = fenced if fenced <= MAX_ID else block
+
+    def fenced(self, blocks: Sequence[int]) -> list[int]:
+        """Blocks as the ids that leave the pool: each with its current generation."""
+        return list(map(self.fence_of.__getitem__, blocks))
+
+    def unfence(self, ids: Sequence[int]) -> list[int]:
+        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
+
+        It runs on every call that names blocks, so the usual case is a mask per id and a comparison of lists.
+        """
+        ids = ids if type(ids) is list else list(ids)
+        blocks = [i & BLOCK_MASK for i in ids]
+        try:
+            if self.fenced(blocks) == ids:
+                return blocks
+        except IndexError:  # a block past the arena (a negative id lands there too)
+            pass
+        n, fence_of = self.num_blocks, self.fence_of
+        bad = [i for i in ids if not 0 <= i <= MAX_ID or i & BLOCK_MASK >= n]
+        if bad:
+            raise InvalidRequest(f"block ids out of range: {bad[:8]} (an id's low 32 bits are its block, in [0, {n}))")
+        stale = [i for i in ids if fence_of[i & BLOCK_MASK] != i]
+        raise StaleBlock(
+            f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned them "
+            "(the high bits of an id are its block's generation), and may hold other KV now; nothing was changed. "
+            "Drop these ids: look the prefix up again or allocate anew",
+            tuple(stale),
+        )
 
     # -- validation -----------------------------------------------------------------------------------
 
@@ -238,3 +291,5 @@ class BlockAllocator:
             else:
                 assert block in free, f"free block {block} missing from the free stack"
         assert self.num_free + self.num_in_use + self.num_cached == self.num_blocks
+        assert all(f & BLOCK_MASK == b for b, f in enumerate(self.fence_of)), "a fenced id names another block"
+        assert all(0 <= f <= MAX_ID for f in self.fence_of), "a fenced id past int64"

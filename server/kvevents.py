@@ -105,7 +105,8 @@ class IndexEvents:
         first = nodes[0]
         rank = rank_of(self.starts, first.block)
         parent = first.parent.key if first.parent is not None else None
-        tokens = b"".join(n.tokens for n in nodes)
+        step = 4 * self.block_size  # a salted chain's first block also stores its salt's tag: not tokens
+        tokens = b"".join(n.tokens[-step:] for n in nodes)
         keys = [n.key for n in nodes]
         self.put(rank, ("stored", keys, parent, tokens, self.block_size, self.media[rank]))
 

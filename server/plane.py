@@ -46,6 +46,7 @@ from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.hostarena import HostTierMemory, open_host_tier
 from kvpool.server.pool import Pool
+from kvpool.server.prefix import DIGESTS
 from kvpool.server.records import Handoff, Limits, Session
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class ControlPlane:
             raise
         self.arena_of = {d: i for i, d in enumerate(devices)}
         fast = str(s.fast_socket) if s.fast_socket is not None else None
-        self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
+        described = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
+        self._descriptor = described.model_copy(update={"prefix_hash": s.prefix_hash})
         parts = self._descriptor.arenas
         try:
             self.host_tier = open_host_tier(s, layout, self.epoch, self._descriptor, arenas)
@@ -117,6 +119,7 @@ class ControlPlane:
             lease_ttl_s=s.lease_ttl_s,
             handoff_ttl_s=s.handoff_ttl_s,
             model=s.model,
+            digest=DIGESTS[s.prefix_hash],
             epoch=self.epoch,
             on_handoff=self._wake,
             on_session_end=self._session_ended,
@@ -251,11 +254,11 @@ class ControlPlane:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
 
     def commit(self, req: CommitRequest) -> CommitResponse:
-        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids)
+        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids, req.salt)
         return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks)
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
-        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
+        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device), req.salt)
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
     def handoff(self, req: HandoffRequest, packed: array | None = None) -> HandoffResponse:
@@ -264,7 +267,8 @@ class ControlPlane:
         The pool sends the delivery itself, right after its books took the handoff: the seal (a MAC with the key
         only the addressee was given) then vouches that these ids were parked for it, so an inbox takes nothing
         else, and the ids reach a consumer spinning on its inbox without waiting for the producer to wake up.
-        ``packed`` are the ids as they came (int32), when they came packed.
+        ``packed`` are the ids as they came (int64, fenced: the books checked them), when they came packed. Each
+        delivery is numbered in its addressee's sequence, so that its inbox refuses a replay of an older one.
         """
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
@@ -272,8 +276,9 @@ class ControlPlane:
         if addressee is None or addressee.inbox is None:
             return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
         ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
-        assert ids is not None  # the books hold int32 block ids
-        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json)
+        assert ids is not None  # the books checked them: fenced ids fit in int64
+        addressee.deliveries += 1
+        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries)
         seal = seal_delivery(addressee.inbox_key, datagram)
         self._outbox = self._outbox or Outbox()
         self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))

@@ -19,6 +19,7 @@ from typing import Any
 from kvpool.errors import (
     InvalidRequest,
     LimitExceeded,
+    StaleBlock,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
@@ -178,26 +179,39 @@ class Pool(Parking):
         holder = self.session(session_id).holder
         self.counters.alloc_requests += 1
         try:
-            ids = self.allocator.allocate(holder, num_blocks, arena)
+            blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
             raise
         if self.host_tier is not None:
             self.host_tier.flush()
         self.counters.alloc_blocks += num_blocks
-        return ids
+        return self.allocator.fenced(blocks)
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
-        self.allocator.free(holder, block_ids)
+        self.allocator.free(holder, self.unfence(block_ids))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
         return len(block_ids)
 
+    def unfence(self, block_ids: Sequence[int]) -> list[int]:
+        """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
+        out, however the caller came by it (a delayed or replayed message, a lease that ran out)."""
+        try:
+            return self.allocator.unfence(block_ids)
+        except StaleBlock as exc:
+            self.counters.stale_refused += 1
+            self.counters.stale_ids += len(exc.stale)
+            raise
+
     # -- prefix cache -----------------------------------------------------------------------------------
 
-    def commit(self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResult:
-        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..)."""
+    def commit(
+        self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None
+    ) -> CommitResult:
+        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
+        ``salt``'s chains: only lookups with the same salt find them."""
         holder = self.session(session_id).holder
         num_full = len(token_ids) // self.layout.block_size
         if len(block_ids) < num_full:
@@ -207,8 +221,9 @@ class Pool(Parking):
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        self.allocator.check_held(holder, block_ids)
-        blocks = list(block_ids[:num_full])
+        held = self.unfence(block_ids)
+        self.allocator.check_held(holder, held)
+        blocks = held[:num_full]
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)
         arena = 0
@@ -217,7 +232,7 @@ class Pool(Parking):
             if len(arenas) > 1:
                 raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
             arena = arenas.pop()
-        new = self.index.plan(self.hashers[arena].blocks(token_ids), blocks)
+        new = self.index.plan(self.hashers[arena].blocks(token_ids, salt), blocks)
         self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
         c = self.counters
@@ -226,12 +241,15 @@ class Pool(Parking):
         c.duplicate_blocks += num_full - len(new)
         return CommitResult(committed=len(new), duplicates=num_full - len(new), num_blocks=num_full)
 
-    def lookup(self, session_id: str, token_ids: Sequence[int], arena: int = 0) -> LookupResult:
-        """The longest cached prefix of ``token_ids`` in ``arena``, with a ref taken on each block for the session."""
+    def lookup(
+        self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None
+    ) -> LookupResult:
+        """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
+        block for the session."""
         holder = self.session(session_id).holder
         if not 0 <= arena < len(self.hashers):
             raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        blocks = self.hashers[arena].blocks(token_ids)
+        blocks = self.hashers[arena].blocks(token_ids, salt)
         if self.host_tier is not None:
             ids, _ = self.host_tier.lookup(holder, blocks, arena)
         else:
@@ -241,7 +259,7 @@ class Pool(Parking):
         c.lookup_requests += 1
         c.lookup_blocks += len(token_ids) // self.layout.block_size
         c.hit_blocks += len(ids)
-        return LookupResult(ids, len(ids) * self.layout.block_size)
+        return LookupResult(self.allocator.fenced(ids), len(ids) * self.layout.block_size)
 
     # -- reclaiming -------------------------------------------------------------------------------------
 

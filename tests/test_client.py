@@ -16,7 +16,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner
 from kvpool.layout import KVLayout
-from tests.conftest import child_env
+from tests.conftest import SMALL_POOL, child_env, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
@@ -159,7 +159,7 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         # watching; staged here by claiming through the pool directly): the copy left in the inbox is dropped,
         # never handed out a second time.
         ids = p.alloc(3)
-        p.handoff("twice", array("i", ids), 9, to="decode-0")
+        p.handoff("twice", array("q", ids), 9, to="decode-0")
         got = d._claim_from_pool("twice", 5)
         assert got.block_ids == ids and not got.direct
         d.free(got.block_ids)
@@ -169,7 +169,7 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         # it through the pool.
         os.unlink(d.direct.inbox.path)
         ids = p.alloc(2)
-        p.handoff("undelivered", array("i", ids), 6, to="decode-0")
+        p.handoff("undelivered", array("q", ids), 6, to="decode-0")
         got = d.claim("undelivered", timeout_s=5)
         assert (got.request_id, got.block_ids, got.direct) == ("undelivered", ids, False)
         d.free(got.ids)
@@ -214,7 +214,7 @@ def test_block_ids_travel_packed_as_arrays_numpy_and_tensors(pool_server):
     with PoolClient(pool_server.url, name="t") as a, PoolClient(pool_server.url, name="h", fast=False) as h:
         ids = a.alloc(48)
         assert ids == list(range(48))
-        assert a.free(array("i", ids[:16])) == 16
+        assert a.free(array("q", ids[:16])) == 16
         assert a.free(np.array(ids[16:32], dtype=np.int32)) == 16
         assert a.free(torch.tensor(ids[32:], dtype=torch.int64)) == 16
         more = h.alloc(8)
@@ -232,3 +232,24 @@ def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_s
             assert d.session_id not in pool_server.http().get("/sessions").text
             assert {s.name for s in o.sessions()} == {"decode-0", "other"}
     assert not os.path.exists(path)  # closed by the client, and deleted by the pool with the session
+
+
+def test_salted_prefixes_over_a_sha256_pool():
+    """A pool started with --prefix-hash sha256 says so in its descriptor; a salt travels with lookup and commit on
+    both ways to the pool, and only a lookup with the committing salt finds the blocks."""
+    pool = start_pool(*SMALL_POOL, "--prefix-hash", "sha256")
+    try:
+        with PoolClient(pool.url, name="tenant-a") as fast, PoolClient(pool.url, name="tenant-b", fast=False) as http:
+            assert fast.descriptor().prefix_hash == "sha256"
+            prompt = list(range(8))
+            for client, salt in ((fast, "tenant-a"), (http, "tenant-b")):
+                ids = client.alloc(2)
+                assert client.commit(ids, prompt, salt=salt).committed == 2
+                client.free(ids)
+                for other in (None, "tenant-c"):
+                    assert client.lookup(prompt, salt=other).block_ids == []
+                hit = client.lookup(prompt, salt=salt)
+                assert hit.block_ids == ids and hit.num_tokens == 8
+                client.free(hit.block_ids)
+    finally:
+        pool.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -12,9 +13,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import InvalidRequest, PoolExhausted
+from kvpool.ids import block_of
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
-from kvpool.server.prefix import PrefixHasher, token_bytes
+from kvpool.server.prefix import DIGESTS, PrefixHasher, salt_tag, token_bytes
 
 BS = 4
 
@@ -113,6 +115,54 @@ def test_forced_collisions_never_share_a_block_across_different_tokens():
     assert pool.counters.hit_blocks > 0  # collisions did not switch the cache off either
 
 
+def test_sha256_chains_are_sha256_over_the_same_bytes():
+    h = PrefixHasher("ns", BS, DIGESTS["sha256"])
+    tokens = list(range(8))
+    key = hashlib.sha256(b"ns").digest()
+    expected = []
+    for i in range(2):
+        key = hashlib.sha256(key + token_bytes(tokens[i * BS : (i + 1) * BS])).digest()
+        expected.append(key)
+    assert h.block_hashes(tokens) == expected
+    assert PrefixHasher("ns", BS).block_hashes(tokens) != expected  # xxh3, the default, is another chain
+
+
+def test_salt_tags_tell_every_salt_apart():
+    tags = [salt_tag(s) for s in (None, "a", "ab", "a\0", "é", "\ud800")]
+    assert tags[0] == b"" and salt_tag("") == b"" and len(set(tags)) == len(tags)
+
+
+def test_salted_chains_differ_from_the_first_block_on():
+    h = PrefixHasher("ns", BS)
+    tokens = list(range(3 * BS))
+    plain, a, b = h.block_hashes(tokens), h.block_hashes(tokens, "tenant-a"), h.block_hashes(tokens, "tenant-b")
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain, a, b, strict=True))
+    assert h.block_hashes(tokens, "tenant-a") == a
+
+
+@pytest.mark.parametrize("digest", [None, DIGESTS["sha256"], weak_digest], ids=["xxh3", "sha256", "colliding"])
+def test_salted_chains_never_share_blocks_with_other_salts_or_none(digest):
+    """Even where every key collides (a 4-bit hash), a lookup finds only blocks committed with its own salt: the
+    salt is kept with the first block's node and compared, not only hashed."""
+    pool = make_pool(num_blocks=32, digest=digest)
+    s = pool.open_session("a", "prefill").session_id
+    prompt = [1] * (2 * BS)
+    committed = {}
+    for salt in (None, "tenant-a", "tenant-b", "lora:x"):
+        assert pool.lookup(s, prompt, salt=salt).block_ids == [], f"{salt!r} found another salt's blocks"
+        ids = pool.alloc(s, 2)
+        assert pool.commit(s, ids, prompt, salt=salt).committed == 2
+        committed[salt] = ids
+    for salt, ids in committed.items():
+        hit = pool.lookup(s, [*prompt, 2], salt=salt)
+        if digest is weak_digest:  # a key taken over by another chain costs a miss, never a wrong hit
+            assert hit.block_ids == ids[: len(hit.block_ids)]
+        else:
+            assert hit.block_ids == ids and hit.num_tokens == 2 * BS
+        pool.free(s, hit.block_ids)
+    assert pool.lookup(s, prompt, salt="tenant-c").block_ids == []
+
+
 # -- model-based test ------------------------------------------------------------------------------------
 
 SEQS = [[1] * 12 + [2] * 8, [1] * 12 + [3] * 8, [1] * 4 + [5] * 16, [7] * 20, [1] * 8 + [2] * 12]
@@ -190,6 +240,10 @@ class Reference:
                     self.free.append(b)
 
 
+def blocks_of(ids: list[int]) -> list[int]:
+    return [block_of(i) for i in ids]
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     N = 10
 
@@ -215,8 +269,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def request(self, s, seq, length):
         tokens = SEQS[seq][:length]
         sid = self.sessions[s]
-        hit = self.pool.lookup(sid, tokens).block_ids
-        assert hit == self.ref.lookup(tokens)
+        hit = self.pool.lookup(sid, tokens).block_ids  # fenced ids: the reference knows blocks
+        assert blocks_of(hit) == self.ref.lookup(tokens)
         need = -(-length // BS) - len(hit)
         try:
             new = self.pool.alloc(sid, need) if need else []
@@ -224,21 +278,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             with pytest.raises(PoolExhausted):
                 self.ref.alloc(need)
             self.pool.free(sid, hit)
-            self.ref.release(hit)
+            self.ref.release(blocks_of(hit))
             return
-        assert new == self.ref.alloc(need), "allocation or eviction order differs from LRU"
+        assert blocks_of(new) == self.ref.alloc(need), "allocation or eviction order differs from LRU"
         self.pool.commit(sid, hit + new, tokens)
-        self.ref.commit(hit + new, tokens)
+        self.ref.commit(blocks_of(hit + new), tokens)
         self.held.append((s, hit + new))
-        self._take(s, hit + new)
+        self._take(s, blocks_of(hit + new))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100))
     def finish(self, i):
         s, blocks = self.held.pop(i % len(self.held))
         self.pool.free(self.sessions[s], blocks)
-        self.ref.release(blocks)
-        self._drop(s, blocks)
+        self.ref.release(blocks_of(blocks))
+        self._drop(s, blocks_of(blocks))
 
     @rule(s=st.integers(0, 2))
     def close(self, s):
@@ -256,7 +310,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert (a.num_free, a.num_cached) == (len(self.ref.free), len(self.ref.lru))
         for _, blocks in self.held:
             for b in blocks:
-                assert a.ref_cnt[b] > 0, "a referenced block was evicted"
+                assert a.ref_cnt[block_of(b)] > 0, "a referenced block was evicted"
+                assert a.fenced([block_of(b)]) == [b], "a held block's generation changed"
 
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

@@ -218,3 +218,25 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
     finally:
         a.close()
         b.close()
+
+
+def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:
+    """Ids carry their block's generation once a block has been reused: the copies must index the arena with the
+    block alone, or every load after the first reuse would fail."""
+    with PoolClient(pool.url, name="churn") as c:
+        c.free(c.alloc(stats(pool)["free"]))  # every free block is recycled once: its next id has generation 1
+    a, b = Engine(pool.url, "ga"), Engine(pool.url, "gb")
+    try:
+        shared = prompt_of(7, 12)
+        blocks_a, _ = serve(a, "g1", shared + prompt_of(8, 5))
+        with PoolClient(pool.url, name="probe") as c:
+            hit = c.lookup(shared)
+            assert hit.num_tokens == len(shared) and all(i >> 32 for i in hit.block_ids), "not a later generation"
+            c.free(hit.block_ids)
+        blocks_b, ext_b = serve(b, "g1", shared + prompt_of(9, 6))
+        assert ext_b == len(shared) and b.worker.stats["load_failures"] == 0
+        for ka, kb in zip(a.kv(blocks_a, len(shared)), b.kv(blocks_b, len(shared)), strict=True):
+            assert torch.equal(ka, kb)
+    finally:
+        a.close()
+        b.close()

@@ -294,3 +294,17 @@ def test_bad_settings_are_refused(given: dict[str, str], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         PoolSettings(socket=None, **given)
     assert PoolSettings(socket=None, kv_events_endpoint="off").kv_events_endpoint is None
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a", "é"])
+def test_a_salted_chain_announces_its_tokens_not_its_salt(salt: str | None) -> None:
+    """The index keeps a salt's tag before a salted chain's first tokens; an event carries the tokens alone."""
+    events: list[RawEvent] = []
+    listener = IndexEvents(lambda rank, raw: events.append(raw), BS, [0], media_of("cpu", 1))
+    pool = Pool([8], LAYOUT, index_listener=listener)
+    sid = pool.open_session("w", "other").session_id
+    tokens = [5, 6, 7, 8, 9]
+    pool.commit(sid, pool.alloc(sid, 3), tokens, salt=salt)
+    (stored,) = [e for e in events if e[0] == "stored"]
+    event = msgspec.msgpack.decode(msgspec.msgpack.encode(encode_event(stored, "int", "map")))
+    assert event["token_ids"] == tokens[:4]

@@ -95,7 +95,7 @@ class Saver:
         self.stats["saved_blocks"] += len(job.new)
         if s.park:
             meta = {"digest": s.digest}
-            if self.link.call("handoff", lambda c: c.handoff(s.park, array("i", ids), full * bs, meta), None):
+            if self.link.call("handoff", lambda c: c.handoff(s.park, array("q", ids), full * bs, meta), None):
                 self.stats["parked"] += 1
                 return
             log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", s.park)

@@ -82,7 +82,8 @@ class WorkerSide:
             if not self._ready(plan.epoch):
                 raise PoolUnavailable("the pool restarted or cannot be reached")
             assert self.copier is not None
-            self.copier.load(arena_ids, engine_ids)
+            assert self.arena is not None
+            self.copier.load(self.arena.local_ids(arena_ids), engine_ids)  # pool ids carry generations
             self.stats["loaded_blocks"] += len(arena_ids)
         except Exception as exc:
             log.warning("kvpool: loading %d blocks failed (%s); vLLM recomputes them", len(engine_ids), exc)
@@ -115,7 +116,8 @@ class WorkerSide:
             return
         assert self.copier is not None
         try:
-            self.copier.save(src, dst)
+            assert self.arena is not None
+            self.copier.save(src, self.arena.local_ids(dst))
         except Exception as exc:  # nothing is committed: the pool never sees half-written blocks
             log.warning("kvpool: saving %d blocks failed (%s)", len(dst), exc)
             self.link.call("free", lambda c: c.free(dst), 0)
