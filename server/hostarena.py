@@ -22,6 +22,7 @@ from kvpool.server.arenas import CpuHostArena, CudaHostArena, HostArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.hosttier import HostTier
 from kvpool.server.tiercopy import TierCopier
+from kvpool.server.vmm_arena import VmmHostArena
 
 if TYPE_CHECKING:
     import torch
@@ -100,11 +101,14 @@ class HostTierMemory:
 def _blocks_view(part: ArenaDescriptor, arena: HostArena) -> tuple[torch.Tensor, int]:
     import torch
 
-    if isinstance(arena, CudaHostArena):
+    if isinstance(arena, CudaHostArena | VmmHostArena):
         from kvpool import cuda
 
         assert arena.device is not None
-        raw = torch.as_tensor(cuda.DeviceBuffer(arena.ptr, arena.nbytes), device=f"cuda:{arena.device.index}")
-    else:
+        ptr = arena.mapped() if isinstance(arena, VmmHostArena) else arena.ptr
+        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, arena.nbytes), device=f"cuda:{arena.device.index}")
+    elif arena.backend == "cpu":
         raw = torch.from_file(arena.handle, shared=True, size=arena.nbytes, dtype=torch.uint8)
+    else:
+        raise TypeError(f"the host tier cannot copy blocks of a {type(arena).__name__}")
     return Arena(part, raw).blocks_view()

@@ -61,12 +61,26 @@ class VmmHostArena(HostArena):
             raise
         os.set_inheritable(self.fd, False)
         self.handle = f"vmm:{device}"
+        self.ptr = 0  # mapped in the pool only for its own copies (the host tier's), see :meth:`mapped`
         props = torch.cuda.get_device_properties(device)
         self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
+
+    def mapped(self) -> int:
+        """The arena's address in the pool itself, mapped on first use: only a pool that copies blocks (to and
+        from its host tier) needs one."""
+        from kvpool import vmm
+
+        if not self.ptr:
+            assert self.fd is not None and self.device is not None
+            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index)
+        return self.ptr
 
     def close(self) -> None:
         from kvpool import vmm
 
+        if self.ptr:
+            vmm.unmap(self.ptr, self.nbytes)
+            self.ptr = 0
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
