@@ -26,8 +26,9 @@ step by any engine) and landed there, and when the pool confirmed a direct claim
 The pool and mp-queue timings cross processes on one clock: ``time.perf_counter_ns`` is CLOCK_MONOTONIC, the same
 in every process on Linux. A KV of S bytes takes ceil(S / block bytes) arena blocks (default layout: 32 layers,
 8 KV heads, head dim 128, fp16, 16 tokens a block = 2 MiB blocks); every tensor variant moves exactly S bytes.
-The producer holds its block ids as an int32 array, as a prefill holds the block table its kernels use, and the
-consumer builds its device table from the ids as they arrived: no id is converted on the way. (What converting
+The producer holds its block ids as an int64 array (fenced ids, as the pool gave them), and the consumer builds
+its device table from the ids as they arrived (generations masked off in one tensor operation): no id is
+converted one by one on the way. (What converting
 from and to Python lists would add is measured apart and printed in the notes.) After each trial the consumer
 waits for the table and checks a marker the producer wrote, outside the timed span.
 """
@@ -135,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         "tensors": 2 * layout.num_layers,
         "claim_lead_ms": args.claim_lead_ms,
         "spin_ms": args.spin_ms,
-        "producer_ids": "array('i')",
+        "producer_ids": "array('q')",
     }
     report = harness.Report("handoff", args, device, config)
     samples: dict[tuple[int, str], list[int]] = {}
@@ -212,11 +213,11 @@ def _conversions(sizes: list[int], block_nbytes: int) -> str:
     for size in sizes:
         n = math.ceil(size / block_nbytes)
         ids = list(range(n))
-        packed = array("i", ids)
-        pack = statistics.median(_time_ns(lambda ids=ids: array("i", ids)) for _ in range(51))
+        packed = array("q", ids)
+        pack = statistics.median(_time_ns(lambda ids=ids: array("q", ids)) for _ in range(51))
         unpack = statistics.median(_time_ns(packed.tolist) for _ in range(51))
         parts.append(f"{n} ids: pack {pack / 1e3:.1f} us, to a list {unpack / 1e3:.1f} us")
-    return "with Python lists instead of int32 ids, each side would add (this CPU, median): " + "; ".join(parts)
+    return "with Python lists instead of packed int64 ids, each side would add (this CPU, median): " + "; ".join(parts)
 
 
 def _time_ns(fn: Any) -> int:

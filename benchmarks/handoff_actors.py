@@ -89,7 +89,7 @@ class Actor:
         self, variant: str, request_id: str, num_blocks: int, num_tokens: int, marker: float
     ) -> tuple[int, int]:
         client = self.clients[variant]
-        ids = array("i", client.alloc(num_blocks))  # the prefill's int32 block table
+        ids = array("q", client.alloc(num_blocks))  # the prefill's block ids, fenced int64 as the pool gave them
         for mark in self.marks(ids):
             mark.fill_(marker)
         self.sync()  # the KV is written before it is handed off
@@ -152,7 +152,7 @@ class Actor:
         ok = (
             got.direct == (variant == "pool-direct")
             and all(float(m.item()) == marker for m in self.marks(got.block_ids))
-            and table.tolist() == got.block_ids
+            and table.tolist() == self.arena.local_ids(got.block_ids)
         )
         client.free(got.ids)
         times = {"claimed": claimed, "enqueued": enqueued, "landed": landed}

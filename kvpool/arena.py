@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvpool.errors import ArenaClosed, InvalidRequest
-from kvpool.ids import arena_ids, pack_ids
+from kvpool.ids import BLOCK_MASK, arena_ids, pack_ids
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 
@@ -95,30 +95,30 @@ class Arena:
     def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The int32 block table of a sequence, on the arena's device, for a paged-attention kernel.
 
-        Packed ids (a :class:`kvpool.client.Claim`'s ``ids``, an ``array('i')``, an int32 numpy array) are taken
-        as they are, with no id converted. On CUDA the table is copied from pinned memory without waiting: the
-        copy is enqueued on the current stream, so a kernel launched after it there reads the table; synchronize
-        before reading it on another stream or from the host.
+        Pool ids (fenced: a :class:`kvpool.client.Claim`'s ``ids``, an ``array('q')``, an int64 numpy array) are
+        taken packed, their generations masked off in one tensor operation. On CUDA the table is copied from
+        pinned memory without waiting: the copy is enqueued on the current stream, so a kernel launched after it
+        there reads the table; synchronize before reading it on another stream or from the host.
         """
         import torch
 
         packed = pack_ids(block_ids)
         if packed is None:
-            raise IndexError(f"block ids outside int32: {list(block_ids)[:8]}")
+            raise IndexError(f"block ids outside int64: {list(block_ids)[:8]}")
         if not len(packed):
             return torch.empty(0, dtype=torch.int32, device=self.device)
-        host = torch.frombuffer(packed, dtype=torch.int32)
-        if self.first_block:
-            host = host - self.first_block
-        if int(host.min()) < 0 or int(host.max()) >= self.num_blocks:
+        given = torch.frombuffer(packed, dtype=torch.int64)
+        host = (given & BLOCK_MASK) - self.first_block  # a new tensor: never aliases the caller's buffer
+        if int(given.min()) < 0 or int(host.min()) < 0 or int(host.max()) >= self.num_blocks:
             first = self.first_block
             raise IndexError(
-                f"blocks outside this arena's ids [{first}, {first + self.num_blocks}): {(host + first).tolist()[:8]}"
+                f"blocks outside this arena's ids [{first}, {first + self.num_blocks}): {given.tolist()[:8]}"
             )
+        host = host.to(torch.int32)
         device = self.device
         if device.type == "cuda":
             return host.pin_memory().to(device, non_blocking=True)
-        return host.clone()  # never alias the caller's buffer
+        return host
 
     def blocks_view(self) -> tuple[torch.Tensor, int]:
         """The whole arena as one 3-D tensor and the dim that indexes blocks, for copying blocks in bulk.

@@ -2,10 +2,10 @@
 
 A frame is ``len || head \\n body``: head is an op name in requests and a status code in replies. The body is
 the request or reply model as JSON; for a model with ``block_ids`` the ids may instead follow the JSON packed as
-little-endian int32, after a NUL byte (a JSON text never holds a raw NUL): ``{"block_ids": [], ...} \\0 ids``.
-The attached array replaces the empty list. Packed ids cost a memcpy where JSON costs a parse per id (about
-55 ns an id on one side with pydantic, against 15 for packing a list and nothing for an array that is packed
-already), so a request's thousands of ids stay cheap on the hot path.
+little-endian int64 (fenced ids: see :mod:`kvpool.ids`), after a NUL byte (a JSON text never holds a raw NUL):
+``{"block_ids": [], ...} \\0 ids``. The attached array replaces the empty list. Packed ids cost a memcpy where
+JSON costs a parse per id (about 55 ns an id on one side with pydantic, against 15 for packing a list and nothing
+for an array that is packed already), so a request's thousands of ids stay cheap on the hot path.
 """
 
 from __future__ import annotations

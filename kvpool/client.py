@@ -4,10 +4,11 @@ One client holds one session (:mod:`kvpool.session`), kept alive in the backgrou
 reaches the pool over HTTP or, for the hot calls (alloc, free, commit, lookup, handoff, claim), the fast channel
 (:mod:`kvpool.transport`). The arena is mapped once per process, whatever the number of clients.
 
-Block ids go over the fast channel packed as int32: hand a request's block table over as an ``array('i')``, an
-int32 numpy array or CPU tensor, and no id is converted on the way. A client opened with ``inbox=True`` also
-receives the ids of handoffs addressed to it (``handoff(..., to=name)``) in its inbox, sent and sealed by the pool
-as soon as it parked them (:mod:`kvpool.handoffs`).
+Block ids are fenced (each carries its block's generation, see :mod:`kvpool.ids`) and go over the fast channel
+packed as int64: hand them over as an ``array('q')``, an int64 numpy array or CPU tensor, and no id is converted
+on the way. :class:`DeviceSession` gives workers plain arena indices instead, and fences them again on the way
+back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it (``handoff(..., to=name)``)
+in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`).
 """
 
 from __future__ import annotations

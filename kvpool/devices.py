@@ -1,7 +1,7 @@
 """Block ids as one device's arena numbers them, for workers whose kernels index that arena alone.
 
-The pool numbers blocks globally across its arenas (one per GPU); a kernel indexes one arena's views. The
-conversion happens here, at the pool boundary, and nowhere in worker code.
+The pool numbers blocks globally across its arenas (one per GPU) and fences each id with its block's generation; a
+kernel indexes one arena's views. The conversion happens here, at the pool boundary, and nowhere in worker code.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.handoffs import Claim
-from kvpool.ids import pool_ids
+from kvpool.ids import Fences
 from kvpool.layout import KVLayout
 from kvpool.protocol import CommitResponse, HandoffResponse, LookupResponse
 
@@ -22,10 +22,10 @@ if TYPE_CHECKING:
 class DeviceSession:
     """A session seen from one device's arena: block ids here are indices into that arena's views.
 
-    The pool numbers blocks globally across its arenas; kernels index one arena. This view converts at the
-    pool boundary, so worker code never mixes the two, and :meth:`claim` moves blocks parked on another device
-    into this one (a prefill on GPU 0 handing over to a decode on GPU 1). On a single-arena pool both numberings
-    are the same and every call passes straight through.
+    The pool numbers blocks globally across its arenas, and fences each id with its block's generation; kernels
+    index one arena. This view converts at the pool boundary (remembering the generations, :class:`Fences`), so
+    worker code never mixes the two, and :meth:`claim` moves blocks parked on another device into this one (a
+    prefill on GPU 0 handing over to a decode on GPU 1).
     """
 
     def __init__(self, pool: PoolClient, device: int | None = None, layout: KVLayout | None = None) -> None:
@@ -33,12 +33,13 @@ class DeviceSession:
         self.device = device
         self.arena = pool.arena(layout, device=device)
         self.first = self.arena.first_block
+        self.fences = Fences(self.first, self.arena.num_blocks)
 
-    def _global(self, ids: Sequence[int]) -> Sequence[int]:
-        return pool_ids(ids, self.first)
+    def _global(self, ids: Sequence[int]) -> list[int]:
+        return self.fences.restore(ids)
 
     def _local(self, ids: Sequence[int]) -> list[int]:
-        return self.arena.local_ids(ids)
+        return self.fences.strip(ids)
 
     def alloc(self, num_blocks: int) -> list[int]:
         return self._local(self.pool.alloc(num_blocks, device=self.device))
@@ -72,8 +73,6 @@ class DeviceSession:
         ids = got.ids
         here = self.arena.descriptor.device_of(self.first)
         if ids and here is not None and self.arena.descriptor.device_of(ids[0]) != here:
-            ids = array("i", self.pool.move(got.block_ids, device=here))
-        elif not self.first:
-            return got
+            ids = array("q", self.pool.move(got.block_ids, device=here))
         local = self._local(ids)
         return Claim(got.request_id, got.num_tokens, got.meta, array("i", local), local, got.direct)

@@ -44,6 +44,17 @@ class NotOwner(KvpoolError):
     status = 409
 
 
+class StaleBlock(KvpoolError):
+    """Block ids whose generation is not their block's current one: the block was freed or evicted (and maybe
+    handed to someone else) since the call that returned them. ``stale`` names them; nothing was changed."""
+
+    status = 409
+
+    def __init__(self, message: str, stale: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.stale = stale
+
+
 class HandoffExists(KvpoolError):
     status = 409
 
@@ -106,6 +117,7 @@ ERRORS: dict[str, type[KvpoolError]] = {
         UnknownSession,
         HandoffNotFound,
         NotOwner,
+        StaleBlock,
         HandoffExists,
         HandoffRefused,
         LayoutMismatch,
@@ -128,7 +140,10 @@ def error_body(detail: Any, error: str) -> dict[str, Any]:
 
 
 def body_for(exc: KvpoolError) -> dict[str, Any]:
-    return error_body(str(exc), type(exc).__name__)
+    body = error_body(str(exc), type(exc).__name__)
+    if isinstance(exc, StaleBlock):
+        body["stale_ids"] = list(exc.stale)
+    return body
 
 
 def error_for(status: int, body: bytes) -> KvpoolError:
@@ -142,7 +157,11 @@ def error_for(status: int, body: bytes) -> KvpoolError:
         return InvalidRequest(f"the pool refused the request: {detail}")
     name = data.get("error") if isinstance(data, dict) else None
     cls = ERRORS.get(name or "") or _BY_STATUS.get(status, KvpoolError)
-    return cls(detail if isinstance(detail, str) else json.dumps(detail))
+    message = detail if isinstance(detail, str) else json.dumps(detail)
+    if cls is StaleBlock:
+        stale = data.get("stale_ids") if isinstance(data, dict) else None
+        return StaleBlock(message, tuple(i for i in stale if isinstance(i, int)) if isinstance(stale, list) else ())
+    return cls(message)
 
 
 def raise_for(status: int, body: bytes) -> NoReturn:

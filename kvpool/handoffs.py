@@ -37,7 +37,7 @@ CLAIMED_KEPT = 4096
 
 
 class Claim:
-    """A claimed handoff: its block ids packed (``ids``, int32, as they came off the wire) and as a list
+    """A claimed handoff: its block ids packed (``ids``, fenced int64, as they came off the wire) and as a list
     (``block_ids``, built on first use, so that a caller building a block table from ``ids`` never pays for it).
 
     ``direct`` is True when the ids were delivered to this client's inbox; the pool's answer to the claim is
@@ -183,7 +183,7 @@ class DirectHandoffs:
                 self.claimed[resp.request_id] = None
                 while len(self.claimed) > CLAIMED_KEPT:
                     self.claimed.popitem(last=False)
-        packed = ids if ids is not None else array("i", resp.block_ids)
+        packed = ids if ids is not None else array("q", resp.block_ids)
         return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
 
     def confirm(self) -> None:

@@ -15,6 +15,12 @@ pool has answered its claim are blocks the pool already holds for it: every ref 
 handoff, then to the consumer, and none can be freed or handed out again in between. The pool's answer to the
 claim (``accept``) then only moves the refs in the books.
 
+A seal vouches for a datagram, not for when it is read: the same datagram sent again later (replayed by whoever
+recorded it, after its blocks were claimed, freed and handed to someone else) would carry a valid seal and stale
+ids. So each delivery also carries its number in the session's sequence (sealed with it), and an inbox takes only
+numbers above the last one it took: the pool sends a session's deliveries in order from one socket, and a Unix
+datagram socket keeps that order, so a replay, or a copy, is never newer than what the inbox already has.
+
 An inbox is a path the pool names inside its own socket directory, with the pool socket's permissions.
 """
 
@@ -33,14 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvpool.ids import unpack_ids
+from kvpool.ids import ITEM, unpack_ids
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVH2"
-#: magic, number of ids, num_tokens, meta bytes, request id bytes, epoch bytes; the ids follow, 4-byte aligned,
-#: then the epoch, the request id, the meta JSON and last the seal
-HEAD = struct.Struct("<4sIQIHH")
+MAGIC = b"KVH3"
+#: magic, number of ids, num_tokens, the delivery's number in its session, meta bytes, request id bytes, epoch
+#: bytes; the ids (fenced, int64) follow, 8-byte aligned, then the epoch, the request id, the meta JSON and last
+#: the seal
+HEAD = struct.Struct("<4sIQQIHH")
 SEAL_BYTES = 16
 #: a datagram larger than this is not sent; the consumer then gets the handoff through the pool
 MAX_DATAGRAM = 1 << 20
@@ -52,18 +59,26 @@ class Delivery:
     num_tokens: int
     meta: dict[str, Any]
     ids: array
+    seq: int = 0
 
 
 def encode_delivery(
-    epoch: str, request_id: str, ids: memoryview, num_tokens: int, meta: bytes, seal: bytes = bytes(SEAL_BYTES)
+    epoch: str,
+    request_id: str,
+    ids: memoryview,
+    num_tokens: int,
+    meta: bytes,
+    seq: int,
+    seal: bytes = bytes(SEAL_BYTES),
 ) -> bytes:
-    """The datagram of one handoff; ``ids`` are packed int32 (see :func:`kvpool.channel.pack_ids`), ``meta`` JSON.
+    """The datagram of one handoff; ``ids`` are packed int64 (see :func:`kvpool.ids.pack_ids`), ``meta`` JSON,
+    ``seq`` the delivery's number in its session (from 1).
 
     Without ``seal`` it is what the pool seals (:func:`seal_delivery`), with room left for the seal at its end.
     """
     rid, ep = request_id.encode(), epoch.encode()
     extra = b"" if meta == b"{}" else meta
-    head = HEAD.pack(MAGIC, len(ids) // 4, num_tokens, len(extra), len(rid), len(ep))
+    head = HEAD.pack(MAGIC, len(ids) // ITEM, num_tokens, seq, len(extra), len(rid), len(ep))
     return b"".join((head, ids, ep, rid, extra, seal))
 
 
@@ -76,8 +91,8 @@ def decode_delivery(data: memoryview, epoch: bytes, key: bytes) -> Delivery | No
     """The handoff a datagram carries, or None for one that is malformed, unsealed, or from another pool epoch."""
     if len(data) < HEAD.size + SEAL_BYTES:
         return None
-    magic, n, num_tokens, meta_len, rid_len, ep_len = HEAD.unpack_from(data)
-    at = HEAD.size + 4 * n
+    magic, n, num_tokens, seq, meta_len, rid_len, ep_len = HEAD.unpack_from(data)
+    at = HEAD.size + ITEM * n
     rid_at = at + ep_len
     if magic != MAGIC or len(data) != rid_at + rid_len + meta_len + SEAL_BYTES:
         return None
@@ -93,12 +108,13 @@ def decode_delivery(data: memoryview, epoch: bytes, key: bytes) -> Delivery | No
         meta = json.loads(data[rid_at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
-    return Delivery(request_id, num_tokens, meta if isinstance(meta, dict) else {}, unpack_ids(data[HEAD.size : at]))
+    ids = unpack_ids(data[HEAD.size : at])
+    return Delivery(request_id, num_tokens, meta if isinstance(meta, dict) else {}, ids, seq)
 
 
 class Inbox:
     """The consumer's side: a datagram socket bound at the path the pool named for its session, taking only
-    deliveries sealed with ``key``."""
+    deliveries sealed with ``key``, each numbered above the last it took."""
 
     def __init__(self, path: str, epoch: str, key: bytes, mode: int = 0o660) -> None:
         self.path = path
@@ -114,6 +130,7 @@ class Inbox:
             raise
         self._buf = bytearray(MAX_DATAGRAM)
         self._view = memoryview(self._buf)
+        self.last = 0  # the number of the last delivery taken
 
     def receive(self, until: float) -> Delivery | None:
         """The next delivery, spinning until ``time.perf_counter()`` reaches ``until`` (at least one look)."""
@@ -126,8 +143,13 @@ class Inbox:
                     return None
                 continue
             got = decode_delivery(view[:n], self.epoch, self.key)
-            if got is not None:
-                return got
+            if got is None:
+                continue
+            if got.seq <= self.last:
+                log.debug("dropped a replayed handoff delivery (number %d, last taken %d)", got.seq, self.last)
+                continue
+            self.last = got.seq
+            return got
 
     def close(self) -> None:
         self.sock.close()

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvpool.ids import BLOCK_MASK
 from kvpool.layout import KVLayout
 
 MAX_IDS = 1 << 20
@@ -212,6 +213,7 @@ class ArenaDescriptor(BaseModel):
 
     def device_of(self, block_id: int) -> int | None:
         """The device whose arena holds ``block_id`` (None on a pool that lists no arenas)."""
+        block_id &= BLOCK_MASK  # a fenced id's block
         for part in self.arenas:
             if part.first_block <= block_id < part.first_block + part.num_blocks:
                 return part.index

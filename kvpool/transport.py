@@ -2,7 +2,7 @@
 
 HTTP goes over one keep-alive connection (TCP or the pool's Unix socket). The fast channel, when the pool serves
 one, is a kept-open Unix socket per thread that costs tens of microseconds a call instead of an HTTP round trip,
-with block ids packed as int32 both ways (see :mod:`kvpool.channel`). :meth:`Transport.call` picks the way, so
+with block ids packed as int64 both ways (see :mod:`kvpool.channel`). :meth:`Transport.call` picks the way, so
 callers never depend on which one carried their request.
 """
 

@@ -13,6 +13,11 @@ count per block. Every mutating call validates its whole input first and raises 
 
 Block ids are global. With several arenas (one per GPU) each arena is a contiguous id range with its
 own free stack and LRU: ``allocate`` takes an arena, everything else only needs the ids.
+
+Each block has a generation, bumped (modulo 2**31) whenever it goes back to the free stack or is evicted from the
+LRU: the moments its KV stops being what an earlier holder was told. Ids leave the pool fenced with it
+(:mod:`kvpool.ids`), and :meth:`unfence` refuses one whose generation is not current. Here, inside the pool, blocks
+are plain numbers.
 """
 
 from __future__ import annotations
@@ -20,7 +25,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_MASK, MAX_ID
 
 
 class BlockAllocator:
@@ -33,6 +39,7 @@ class BlockAllocator:
         self.num_blocks = sum(sizes)
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
+        self.generation: list[int] = [0] * self.num_blocks
         self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
@@ -90,9 +97,11 @@ class BlockAllocator:
         ids = free[len(free) - take :]
         del free[len(free) - take :]
         ids.reverse()
+        gen = self.generation
         for _ in range(n - take):
             block, _ = lru.popitem(last=False)
             self.committed[block] = False
+            gen[block] = (gen[block] + 1) & GEN_MASK
             self.num_evictions += 1
             if self._on_evict is not None:
                 self._on_evict(block)
@@ -127,6 +136,7 @@ class BlockAllocator:
             return 0
         held = self._holders[holder]
         released = 0
+        gen = self.generation
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
         for block in reversed(ids):
             left = held[block] - 1
@@ -140,6 +150,7 @@ class BlockAllocator:
                 if self.committed[block]:
                     self._lru[self.arena_of[block]][block] = None
                 else:
+                    gen[block] = (gen[block] + 1) & GEN_MASK
                     self._free[self.arena_of[block]].append(block)
         if not held:
             del self._holders[holder]
@@ -188,6 +199,32 @@ class BlockAllocator:
         committed = self.committed
         for block in blocks:
             committed[block] = True
+
+    # -- fencing --------------------------------------------------------------------------------------
+
+    def fenced(self, blocks: Sequence[int]) -> list[int]:
+        """Blocks as the ids that leave the pool: each with its current generation."""
+        gen = self.generation
+        return [gen[b] << BLOCK_BITS | b for b in blocks]
+
+    def unfence(self, ids: Sequence[int]) -> list[int]:
+        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale."""
+        ids = ids if type(ids) is list else list(ids)
+        blocks = [i & BLOCK_MASK for i in ids]
+        n = self.num_blocks
+        if blocks and (max(blocks) >= n or min(ids) < 0 or max(ids) > MAX_ID):
+            bad = [i for i, b in zip(ids, blocks, strict=True) if not 0 <= i <= MAX_ID or b >= n]
+            raise InvalidRequest(f"block ids out of range: {bad[:8]} (an id's low 32 bits are its block, in [0, {n}))")
+        current = self.fenced(blocks)
+        if current != ids:
+            stale = [i for i, now in zip(ids, current, strict=True) if i != now]
+            raise StaleBlock(
+                f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned "
+                "them (the high bits of an id are its block's generation), and may hold other KV now; nothing was "
+                "changed. Drop these ids: look the prefix up again or allocate anew",
+                tuple(stale),
+            )
+        return blocks
 
     # -- validation -----------------------------------------------------------------------------------
 

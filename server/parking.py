@@ -41,6 +41,7 @@ class Parking:
     exceeded: Callable[[str, str], KvpoolError]
     _live: Callable[[str], Session | None]
     _expire_session: Callable[[Session], None]
+    unfence: Callable[[Sequence[int]], list[int]]
 
     def handoff(
         self,
@@ -89,6 +90,7 @@ class Parking:
             waiting = self._addressed.get(addressee or "", ())
             if len(waiting) >= limits.max_handoffs_per_session:
                 raise self.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
+            blocks = self.unfence(block_ids)
             ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
             self._seq += 1
             handoff = Handoff(
@@ -102,8 +104,9 @@ class Parking:
                 to=addressee,
                 seq=self._seq,
                 meta_json=meta_json,
+                blocks=blocks,
             )
-            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+            self.allocator.transfer(session.holder, handoff.holder, blocks)
         except KvpoolError as exc:
             if to is not None and session is not None and not isinstance(exc, (HandoffExists, HandoffRefused)):
                 self.refuse(request_id, f"{type(exc).__name__}: {exc}", session_id)
@@ -184,7 +187,7 @@ class Parking:
                 f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
                 "only it may claim it"
             )
-        self.allocator.transfer(handoff.holder, session.holder, handoff.block_ids)
+        self.allocator.transfer(handoff.holder, session.holder, handoff.blocks)
         self._unpark(handoff)
         self.counters.claims += 1
         return handoff
@@ -198,7 +201,7 @@ class Parking:
         if session is None or handoff.request_id in self.handoffs:
             return False
         try:
-            self.allocator.transfer(session.holder, handoff.holder, handoff.block_ids)
+            self.allocator.transfer(session.holder, handoff.holder, handoff.blocks)
         except KvpoolError:
             return False
         if handoff.to is not None and handoff.to not in self.sessions:

@@ -228,7 +228,8 @@ class ControlPlane:
         The pool sends the delivery itself, right after its books took the handoff: the seal (a MAC with the key
         only the addressee was given) then vouches that these ids were parked for it, so an inbox takes nothing
         else, and the ids reach a consumer spinning on its inbox without waiting for the producer to wake up.
-        ``packed`` are the ids as they came (int32), when they came packed.
+        ``packed`` are the ids as they came (int64, fenced: the books checked them), when they came packed. Each
+        delivery is numbered in its addressee's sequence, so that its inbox refuses a replay of an older one.
         """
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
@@ -236,8 +237,9 @@ class ControlPlane:
         if addressee is None or addressee.inbox is None:
             return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
         ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
-        assert ids is not None  # the books hold int32 block ids
-        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json)
+        assert ids is not None  # the books checked them: fenced ids fit in int64
+        addressee.deliveries += 1
+        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries)
         seal = seal_delivery(addressee.inbox_key, datagram)
         self._outbox = self._outbox or Outbox()
         self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))

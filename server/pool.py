@@ -19,6 +19,7 @@ from typing import Any
 from kvpool.errors import (
     InvalidRequest,
     LimitExceeded,
+    StaleBlock,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
@@ -172,19 +173,29 @@ class Pool(Parking):
         holder = self.session(session_id).holder
         self.counters.alloc_requests += 1
         try:
-            ids = self.allocator.allocate(holder, num_blocks, arena)
+            blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
             raise
         self.counters.alloc_blocks += num_blocks
-        return ids
+        return self.allocator.fenced(blocks)
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
-        self.allocator.free(holder, block_ids)
+        self.allocator.free(holder, self.unfence(block_ids))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
         return len(block_ids)
+
+    def unfence(self, block_ids: Sequence[int]) -> list[int]:
+        """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
+        out, however the caller came by it (a delayed or replayed message, a lease that ran out)."""
+        try:
+            return self.allocator.unfence(block_ids)
+        except StaleBlock as exc:
+            self.counters.stale_refused += 1
+            self.counters.stale_ids += len(exc.stale)
+            raise
 
     # -- prefix cache -----------------------------------------------------------------------------------
 
@@ -199,8 +210,9 @@ class Pool(Parking):
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        self.allocator.check_held(holder, block_ids)
-        blocks = list(block_ids[:num_full])
+        held = self.unfence(block_ids)
+        self.allocator.check_held(holder, held)
+        blocks = held[:num_full]
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)
         arena = 0
@@ -229,7 +241,7 @@ class Pool(Parking):
         c.lookup_requests += 1
         c.lookup_blocks += len(token_ids) // self.layout.block_size
         c.hit_blocks += len(ids)
-        return LookupResult(ids, len(ids) * self.layout.block_size)
+        return LookupResult(self.allocator.fenced(ids), len(ids) * self.layout.block_size)
 
     # -- reclaiming -------------------------------------------------------------------------------------
 

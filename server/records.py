@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.errors import LimitExceeded
@@ -40,6 +40,8 @@ class Session:
     inbox: str | None = None
     #: the key the pool seals deliveries to this session's inbox with (see kvpool.inbox); given to it alone
     inbox_key: bytes = b""
+    #: deliveries sent to its inbox so far: each one's number, which its inbox takes only in increasing order
+    deliveries: int = 0
 
     @property
     def holder(self) -> str:
@@ -58,6 +60,7 @@ class Handoff:
     to: str | None = None  # the one session that may claim it; None: any. Addressed, it does not expire.
     seq: int = 0
     meta_json: bytes = b""  # meta as compact JSON (empty for {}): what its size limit and a delivery's seal cover
+    blocks: list[int] = field(default_factory=list)  # the blocks block_ids (fenced) name, as the allocator knows them
 
     @property
     def holder(self) -> str:
@@ -92,6 +95,8 @@ class Counters:
     sessions_expired: int = 0
     handoffs_expired: int = 0
     blocks_reclaimed: int = 0
+    stale_refused: int = 0  # calls refused for naming a stale (fenced) block id
+    stale_ids: int = 0
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
             if mode == "commit":
                 pool.commit(ids, prompt_tokens(n, arena.layout.block_size))
             else:
-                packed = array("i", ids)  # as a worker's int32 block table
+                packed = array("q", ids)  # as a worker holds the fenced ids it was given
                 pool.handoff(request_id, packed, n * arena.layout.block_size, {"writer": "pattern"}, to=direct)
             print("WROTE", " ".join(map(str, ids)), flush=True)
         else:

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
+from kvpool.ids import GEN_MASK, MAX_ID
 from kvpool.server.allocator import BlockAllocator
 
 
@@ -142,3 +143,88 @@ def test_invariants_hold_under_any_sequence(seq, sizes):
     a.check()
     assert a.num_in_use == 0
     assert a.num_free + a.num_cached == n
+
+
+def state(a: BlockAllocator, b: int) -> str:
+    return "used" if a.ref_cnt[b] else "cached" if a.committed[b] else "free"
+
+
+def test_a_freed_id_is_stale_and_its_refusal_changes_nothing():
+    a = BlockAllocator(2)
+    (block,) = a.allocate("s", 1)
+    (fenced,) = a.fenced([block])
+    assert fenced == block  # generation 0: a fresh pool's ids are block numbers
+    a.free("s", [block])
+    (again,) = a.allocate("t", 1)
+    assert again == block and a.fenced([again]) == [1 << 32 | block]
+    before = (books(a), a.held("t"), list(a.generation))
+    with pytest.raises(StaleBlock, match="stale") as refused:
+        a.unfence([fenced])
+    assert refused.value.stale == (fenced,)
+    assert (books(a), a.held("t"), list(a.generation)) == before
+    with pytest.raises(InvalidRequest, match="out of range"):
+        a.unfence([-1])
+    with pytest.raises(InvalidRequest, match="out of range"):
+        a.unfence([1 << 63 | block])
+
+
+def test_the_generation_wraps_within_its_31_bits():
+    a = BlockAllocator(1)
+    a.generation[0] = GEN_MASK
+    a.allocate("s", 1)
+    assert a.fenced([0]) == [GEN_MASK << 32] and a.fenced([0])[0] <= MAX_ID
+    a.free("s", [0])
+    assert a.generation == [0]
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops, st.sampled_from([[6], [3, 4]]))
+def test_generations_fence_exactly_the_ids_whose_blocks_were_recycled(seq, sizes):
+    """A block's generation moves (by one) exactly when its content ends: it goes back to the free stack, or is
+    evicted from the cache for a new owner. So an id is accepted while what it was handed out for lasts, refused
+    after, and an id once refused is never handed out again (until the generation wraps, 2**31 reuses later)."""
+    n = sum(sizes)
+    a = BlockAllocator(sizes)
+    holders = ["a", "b", "c", "d"]
+    issued: set[int] = set()  # every fenced id ever handed out
+    retired: set[int] = set()  # ids whose block's generation has moved on since
+    for op, h, k, seed in seq:
+        holder = holders[h]
+        held = [b for b, c in a.held(holder).items() for _ in range(c)]
+        pick = [held[(seed >> i) % len(held)] for i in range(min(k, len(held)))] if held else [seed % n]
+        states = [state(a, b) for b in range(n)]
+        gens = list(a.generation)
+        try:
+            if op == "alloc":
+                got = a.fenced(a.allocate(holder, k, seed % len(sizes)))
+                assert not retired & set(got), "a recycled block was handed out under an id already refused"
+                issued.update(got)
+            elif op == "free":
+                a.free(holder, a.unfence(a.fenced(pick)))
+            elif op == "commit":
+                a.mark_committed(sorted(set(pick)))
+            elif op == "acquire":
+                shared = [b for b in range(n) if a.ref_cnt[b] > 0 or a.committed[b]][:k]
+                a.acquire(holder, shared)
+                issued.update(a.fenced(shared))
+            elif op == "transfer":
+                a.transfer(holder, holders[(h + 1) % 4], pick)
+            else:
+                a.release_holder(holder)
+        except (InvalidRequest, NotOwner, PoolExhausted):
+            assert a.generation == gens, "a refused call moved a generation"
+        for b in range(n):
+            before, after = states[b], state(a, b)
+            evicted = before == "cached" and after == "used" and not a.committed[b]
+            ended = (before != "free" and after == "free") or evicted
+            assert a.generation[b] == (gens[b] + ended) & GEN_MASK, f"block {b}: {before} -> {after}"
+            if ended:
+                retired.add(gens[b] << 32 | b)
+        for b in range(n):  # what anyone holds, or the cache keeps, is still named by the ids it was handed out as
+            if state(a, b) != "free":
+                assert a.unfence(a.fenced([b])) == [b]
+        for stale in retired:
+            with pytest.raises(StaleBlock):
+                a.unfence([stale])
+        assert retired <= issued, "a generation moved for a block nobody was handed"
+        a.check()

@@ -101,3 +101,7 @@ def test_block_table_takes_lists_and_packed_ids_and_never_aliases_them(cpu_arena
     for bad in ([6], [-1], array("i", [0, 9])):
         with pytest.raises(IndexError, match=r"outside this arena's ids \[0, 6\)"):
             arena.block_table(bad)
+    fenced = array("q", [7 << 32 | 5, 0, (2**31 - 1) << 32 | 3])  # ids as the pool hands them out: generations on top
+    for ids in (fenced, np.array(fenced, dtype=np.int64), torch.tensor(fenced.tolist())):
+        assert arena.block_table(ids).tolist() == [5, 0, 3]
+    assert arena.local_ids(fenced) == [5, 0, 3]

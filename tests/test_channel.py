@@ -1,4 +1,4 @@
-"""The fast channel's framing: block ids packed as int32 in both directions, and their refusals."""
+"""The fast channel's framing: block ids packed as int64 in both directions, and their refusals."""
 
 from __future__ import annotations
 
@@ -20,35 +20,46 @@ from kvpool.protocol import MAX_IDS, AllocRequest, ClaimResponse, FreeRequest
         [3, 1, 2],
         (3, 1, 2),
         array("i", [3, 1, 2]),
+        array("q", [3, 1, 2]),
         np.array([3, 1, 2], dtype=np.int32),
         np.array([3, 1, 2], dtype=np.int64),
         torch.tensor([3, 1, 2], dtype=torch.int32),
         torch.tensor([3, 1, 2], dtype=torch.int64),
     ],
-    ids=["list", "tuple", "array", "numpy-int32", "numpy-int64", "tensor-int32", "tensor-int64"],
+    ids=["list", "tuple", "array-int32", "array-int64", "numpy-int32", "numpy-int64", "tensor-int32", "tensor-int64"],
 )
 def test_every_kind_of_id_sequence_packs_to_the_same_bytes(ids):
     packed = pack_ids(ids)
-    assert packed is not None and bytes(packed) == array("i", [3, 1, 2]).tobytes()
+    assert packed is not None and bytes(packed) == array("q", [3, 1, 2]).tobytes()
     assert unpack_ids(packed).tolist() == [3, 1, 2]
 
 
-def test_an_int32_array_is_sent_without_a_copy():
-    ids = array("i", [5, 6])
+@pytest.mark.parametrize(
+    "make", [lambda v: array("q", v), lambda v: np.array(v, dtype=np.int64), lambda v: torch.tensor(v)],
+    ids=["array", "numpy", "tensor"],
+)
+def test_an_int64_sequence_is_sent_without_a_copy(make):
+    ids = make([5, 6])
     packed = pack_ids(ids)
     assert packed is not None
-    ids[0] = 9  # the packed view is the array's own memory
+    ids[0] = 9  # the packed view is the sequence's own memory
     assert unpack_ids(packed).tolist() == [9, 6]
 
 
-def test_ids_outside_int32_are_left_to_json():
-    assert pack_ids([1, 2**40]) is None
+def test_fenced_ids_pack_whole():
+    fenced = [(2**31 - 1) << 32 | 7, 1 << 32]
+    packed = pack_ids(fenced)
+    assert packed is not None and unpack_ids(packed).tolist() == fenced
+
+
+def test_ids_outside_int64_are_left_to_json():
+    assert pack_ids([1, 2**64]) is None
     assert pack_ids(["1"]) is None
 
 
 def test_a_ragged_attachment_is_refused():
-    with pytest.raises(InvalidRequest, match="multiple of 4"):
-        unpack_ids(b"\x01\x02\x03")
+    with pytest.raises(InvalidRequest, match="multiple of 8"):
+        unpack_ids(b"\x01\x02\x03\x04")
 
 
 def test_request_with_attached_ids_parses_like_the_json_one():
@@ -64,7 +75,7 @@ def test_request_with_attached_ids_parses_like_the_json_one():
 
 def test_reply_ids_come_back_both_packed_and_as_a_list():
     reply = ClaimResponse(request_id="r", block_ids=[], num_tokens=4, meta={"a": 1})
-    parsed, ids = decode(ClaimResponse, encode(reply, pack_ids(array("i", [4, 2]))))
+    parsed, ids = decode(ClaimResponse, encode(reply, pack_ids(array("q", [4, 2]))))
     assert parsed.block_ids == [4, 2] and ids is not None and ids.tolist() == [4, 2] and parsed.meta == {"a": 1}
 
 
@@ -81,6 +92,6 @@ def test_ids_attached_to_a_request_that_takes_none_are_refused():
 
 
 def test_more_attached_ids_than_a_call_may_carry_are_refused():
-    body = encode(FreeRequest(session_id="s", block_ids=[]), pack_ids(array("i", bytes(4 * (MAX_IDS + 1)))))
+    body = encode(FreeRequest(session_id="s", block_ids=[]), pack_ids(array("q", bytes(8 * (MAX_IDS + 1)))))
     with pytest.raises(InvalidRequest, match="more than"):
         decode(FreeRequest, body)

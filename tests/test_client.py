@@ -159,7 +159,7 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         # watching; staged here by claiming through the pool directly): the copy left in the inbox is dropped,
         # never handed out a second time.
         ids = p.alloc(3)
-        p.handoff("twice", array("i", ids), 9, to="decode-0")
+        p.handoff("twice", array("q", ids), 9, to="decode-0")
         got = d._claim_from_pool("twice", 5)
         assert got.block_ids == ids and not got.direct
         d.free(got.block_ids)
@@ -169,7 +169,7 @@ def test_addressed_handoffs_reach_a_consumer_that_is_not_watching_through_the_po
         # it through the pool.
         os.unlink(d.direct.inbox.path)
         ids = p.alloc(2)
-        p.handoff("undelivered", array("i", ids), 6, to="decode-0")
+        p.handoff("undelivered", array("q", ids), 6, to="decode-0")
         got = d.claim("undelivered", timeout_s=5)
         assert (got.request_id, got.block_ids, got.direct) == ("undelivered", ids, False)
         d.free(got.ids)
@@ -214,7 +214,7 @@ def test_block_ids_travel_packed_as_arrays_numpy_and_tensors(pool_server):
     with PoolClient(pool_server.url, name="t") as a, PoolClient(pool_server.url, name="h", fast=False) as h:
         ids = a.alloc(48)
         assert ids == list(range(48))
-        assert a.free(array("i", ids[:16])) == 16
+        assert a.free(array("q", ids[:16])) == 16
         assert a.free(np.array(ids[16:32], dtype=np.int32)) == 16
         assert a.free(torch.tensor(ids[32:], dtype=torch.int64)) == 16
         more = h.alloc(8)

@@ -11,6 +11,7 @@ import pytest
 
 from kvpool.ids import pack_ids
 from kvpool.inbox import (
+    HEAD,
     MAX_DATAGRAM,
     SEAL_BYTES,
     Inbox,
@@ -30,11 +31,12 @@ def datagram(
     meta: bytes = b'{"first_token":5}',
     key: bytes = KEY,
     epoch: str = EPOCH,
+    seq: int = 1,
 ) -> bytes:
     """A delivery sealed as the pool seals it (with the addressee's key)."""
-    packed = pack_ids(array("i", [4, 9, 2] if ids is None else ids))
+    packed = pack_ids(array("q", [4, 9, 2] if ids is None else ids))
     assert packed is not None
-    unsealed = encode_delivery(epoch, request_id, packed, 37, meta)
+    unsealed = encode_delivery(epoch, request_id, packed, 37, meta, seq)
     return unsealed[:-SEAL_BYTES] + seal_delivery(key, unsealed)
 
 
@@ -42,6 +44,9 @@ def test_a_delivery_round_trips():
     got = decode_delivery(memoryview(datagram("r-é")), EPOCH.encode(), KEY)
     assert got is not None
     assert (got.request_id, got.num_tokens, got.meta, got.ids.tolist()) == ("r-é", 37, {"first_token": 5}, [4, 9, 2])
+    assert got.seq == 1
+    fenced = decode_delivery(memoryview(datagram(ids=[3 << 32 | 7, 2**63 - 1], seq=9)), EPOCH.encode(), KEY)
+    assert fenced is not None and fenced.ids.tolist() == [3 << 32 | 7, 2**63 - 1] and fenced.seq == 9
     empty = decode_delivery(memoryview(datagram(meta=b"{}")), EPOCH.encode(), KEY)
     assert empty is not None and empty.meta == {}
 
@@ -53,12 +58,13 @@ def test_a_delivery_of_another_pool_epoch_is_dropped():
 def test_a_delivery_without_the_pools_seal_is_dropped():
     """Whoever can write to the inbox but has not the addressee's key cannot make it take ids."""
     assert decode_delivery(memoryview(datagram(key=bytes(32))), EPOCH.encode(), KEY) is None
-    unsealed = encode_delivery(EPOCH, "req-1", memoryview(b"\1\0\0\0"), 4, b"{}")
+    unsealed = encode_delivery(EPOCH, "req-1", memoryview(bytes([1, 0, 0, 0, 0, 0, 0, 0])), 4, b"{}", 1)
     assert decode_delivery(memoryview(unsealed), EPOCH.encode(), KEY) is None
-    # A sealed delivery with one id changed is no longer sealed.
-    forged = bytearray(datagram())
-    forged[16] ^= 1
-    assert decode_delivery(memoryview(bytes(forged)), EPOCH.encode(), KEY) is None
+    # A sealed delivery with one id, or its number, changed is no longer sealed.
+    for at in (HEAD.size, HEAD.size + 4 * 8 - 1, 16):
+        forged = bytearray(datagram())
+        forged[at] ^= 1
+        assert decode_delivery(memoryview(bytes(forged)), EPOCH.encode(), KEY) is None
 
 
 @pytest.mark.parametrize(
@@ -106,10 +112,25 @@ def test_foreign_datagrams_are_skipped_not_returned(inbox):
     try:
         out.send(inbox.path, b"not a delivery")
         out.send(inbox.path, datagram("x", epoch="another-epoch"))
-        out.send(inbox.path, encode_delivery(EPOCH, "unsealed", memoryview(b""), 0, b"{}"))
+        out.send(inbox.path, encode_delivery(EPOCH, "unsealed", memoryview(b""), 0, b"{}", 1))
         out.send(inbox.path, datagram("mine"))
         got = inbox.receive(time.perf_counter() + 5)
         assert got is not None and got.request_id == "mine"
+    finally:
+        out.close()
+
+
+def test_a_replayed_delivery_is_dropped(inbox):
+    """A datagram sent again later (its blocks claimed, freed and reused since) keeps a valid seal: its number, no
+    newer than the last one the inbox took, is what gives it away."""
+    out = Outbox()
+    try:
+        first, second = datagram("a", [1 << 32 | 4], seq=1), datagram("b", [5], seq=2)
+        for sent in (first, second, first, second, datagram("c", [6], seq=3)):
+            assert out.send(inbox.path, sent)
+        got = [inbox.receive(time.perf_counter() + 5) for _ in range(3)]
+        assert [(d.request_id, d.seq) for d in got if d is not None] == [("a", 1), ("b", 2), ("c", 3)]
+        assert inbox.receive(time.perf_counter() + 0.01) is None
     finally:
         out.close()
 

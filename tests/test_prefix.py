@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvpool.errors import InvalidRequest, PoolExhausted
+from kvpool.ids import block_of
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
 from kvpool.server.prefix import PrefixHasher, token_bytes
@@ -190,6 +191,10 @@ class Reference:
                     self.free.append(b)
 
 
+def blocks_of(ids: list[int]) -> list[int]:
+    return [block_of(i) for i in ids]
+
+
 class PrefixCacheMachine(RuleBasedStateMachine):
     N = 10
 
@@ -215,8 +220,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def request(self, s, seq, length):
         tokens = SEQS[seq][:length]
         sid = self.sessions[s]
-        hit = self.pool.lookup(sid, tokens).block_ids
-        assert hit == self.ref.lookup(tokens)
+        hit = self.pool.lookup(sid, tokens).block_ids  # fenced ids: the reference knows blocks
+        assert blocks_of(hit) == self.ref.lookup(tokens)
         need = -(-length // BS) - len(hit)
         try:
             new = self.pool.alloc(sid, need) if need else []
@@ -224,21 +229,21 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             with pytest.raises(PoolExhausted):
                 self.ref.alloc(need)
             self.pool.free(sid, hit)
-            self.ref.release(hit)
+            self.ref.release(blocks_of(hit))
             return
-        assert new == self.ref.alloc(need), "allocation or eviction order differs from LRU"
+        assert blocks_of(new) == self.ref.alloc(need), "allocation or eviction order differs from LRU"
         self.pool.commit(sid, hit + new, tokens)
-        self.ref.commit(hit + new, tokens)
+        self.ref.commit(blocks_of(hit + new), tokens)
         self.held.append((s, hit + new))
-        self._take(s, hit + new)
+        self._take(s, blocks_of(hit + new))
 
     @precondition(lambda self: self.held)
     @rule(i=st.integers(0, 100))
     def finish(self, i):
         s, blocks = self.held.pop(i % len(self.held))
         self.pool.free(self.sessions[s], blocks)
-        self.ref.release(blocks)
-        self._drop(s, blocks)
+        self.ref.release(blocks_of(blocks))
+        self._drop(s, blocks_of(blocks))
 
     @rule(s=st.integers(0, 2))
     def close(self, s):
@@ -256,7 +261,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert (a.num_free, a.num_cached) == (len(self.ref.free), len(self.ref.lru))
         for _, blocks in self.held:
             for b in blocks:
-                assert a.ref_cnt[b] > 0, "a referenced block was evicted"
+                assert a.ref_cnt[block_of(b)] > 0, "a referenced block was evicted"
+                assert a.fenced([block_of(b)]) == [b], "a held block's generation changed"
 
 
 PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)

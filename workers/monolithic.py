@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvpool.errors import PoolExhausted
+from kvpool.ids import Fences
 from kvpool.layout import KVLayout
 from kvpool.server.pool import LookupResult, Pool
 from kvpool.workers.batching import PrefillBatcher
@@ -88,23 +89,28 @@ def greedy_generate(
 
 
 class PrivateBlocks:
-    """A private cache's blocks with a prefix cache: the pool's books in this process, one session, no HTTP."""
+    """A private cache's blocks with a prefix cache: the pool's books in this process, one session, no HTTP.
+
+    Block ids here are indices into the private cache, as :class:`kvpool.client.DeviceSession` gives them.
+    """
 
     def __init__(self, num_blocks: int, layout: KVLayout, model_name: str = "") -> None:
         self.books = Pool(num_blocks, layout, lease_ttl_s=math.inf, model=model_name)
         self.session = self.books.open_session("monolithic", "other").session_id
+        self.fences = Fences(0, num_blocks)
 
     def alloc(self, num_blocks: int) -> list[int]:
-        return self.books.alloc(self.session, num_blocks)
+        return self.fences.strip(self.books.alloc(self.session, num_blocks))
 
     def free(self, block_ids: Seq[int]) -> int:
-        return self.books.free(self.session, block_ids)
+        return self.books.free(self.session, self.fences.restore(block_ids))
 
     def lookup(self, token_ids: Seq[int]) -> LookupResult:
-        return self.books.lookup(self.session, token_ids)
+        hit = self.books.lookup(self.session, token_ids)
+        return LookupResult(self.fences.strip(hit.block_ids), hit.num_tokens)
 
     def commit(self, block_ids: Seq[int], token_ids: Seq[int]) -> object:
-        return self.books.commit(self.session, block_ids, token_ids)
+        return self.books.commit(self.session, self.fences.restore(block_ids), token_ids)
 
     def stats(self) -> dict[str, Any]:
         return self.books.stats()

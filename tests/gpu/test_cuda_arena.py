@@ -45,10 +45,10 @@ def test_block_table_is_enqueued_on_the_device_from_packed_ids(cuda_pool):
 
     with PoolClient(cuda_pool.url, name="table") as pool:
         arena = pool.arena()
-        ids = array("i", pool.alloc(5))
+        ids = array("q", pool.alloc(5))
         table = arena.block_table(ids)
         torch.cuda.current_stream().synchronize()
-        assert table.device == arena.device and table.dtype == torch.int32 and table.tolist() == ids.tolist()
+        assert table.device == arena.device and table.dtype == torch.int32 and table.tolist() == arena.local_ids(ids)
         pool.free(ids)
 
 

@@ -114,11 +114,11 @@ def test_a_forged_delivery_never_reaches_a_claim(group_pool: PoolProcess) -> Non
             epoch = raw_health(str(pool.socket))["epoch"]
             inboxes = glob.glob(os.path.join(sock_dir, "inbox-*.sock"))
             out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            ids = memoryview(array("i", forged)).cast("B")
+            ids = memoryview(array("q", forged)).cast("B")
             sent = 0
             for path in inboxes:
                 for rid in ("req-never-parked", "req-victim"):
-                    out.sendto(encode_delivery(epoch, rid, ids, 12, b"{}"), path)
+                    out.sendto(encode_delivery(epoch, rid, ids, 12, b"{}", 1 << 62), path)
                     sent += 1
             out.close()
             return {"sent": sent, "uid": os.getuid()}

@@ -20,7 +20,15 @@ import pytest
 
 from kvpool.channel import FastConnection
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffExists, HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, UnknownSession
+from kvpool.errors import (
+    HandoffExists,
+    HandoffNotFound,
+    InvalidRequest,
+    NotOwner,
+    PoolExhausted,
+    StaleBlock,
+    UnknownSession,
+)
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
 from tests.server.books import books
 
@@ -82,7 +90,9 @@ HTTP_CASES: list[tuple[str, str, str, Any, int, list[str]]] = [
     # ids out of range
     ("free-id-past-end", "POST", "/free", {"session_id": "{A}", "block_ids": [64]}, 400, ["out of range", "64"]),
     ("free-id-negative", "POST", "/free", {"session_id": "{A}", "block_ids": [-1]}, 400, ["out of range", "-1"]),
-    ("free-id-huge", "POST", "/free", {"session_id": "{A}", "block_ids": [2**62]}, 400, ["out of range"]),
+    ("free-id-huge", "POST", "/free", {"session_id": "{A}", "block_ids": [2**63]}, 400, ["out of range"]),
+    # an id of A's block 2, with a generation it never had
+    ("free-id-stale", "POST", "/free", {"session_id": "{A}", "block_ids": [2**62 | 2]}, 409, ["stale", str(2**62 | 2)]),
     ("commit-id-past-end", "POST", "/commit",
      {"session_id": "{A}", "block_ids": [0, 99], "token_ids": PREFIX}, 400, ["out of range", "99"]),
     ("handoff-id-past-end", "POST", "/handoff",
@@ -224,7 +234,10 @@ def test_double_free_over_http_is_409_and_changes_nothing(world: World) -> None:
     before = world.books()
     again = world.http.post("/free", json={"session_id": world.sa, "block_ids": [block]})
     assert again.status_code == 409
-    assert "holds no reference" in again.json()["detail"] and str(block) in again.json()["detail"]
+    # the block went back to the free list, so its generation moved on: the id no longer names it
+    body = again.json()
+    assert body["error"] == "StaleBlock" and "stale" in body["detail"] and str(block) in body["detail"]
+    assert body["stale_ids"] == [block]
     assert world.books() == before
 
 
@@ -281,8 +294,9 @@ def test_double_free_through_pool_client(world: World) -> None:
     (block,) = world.a.alloc(1)
     assert world.a.free([block]) == 1
     before = world.books()
-    with pytest.raises(NotOwner, match="holds no reference"):
+    with pytest.raises(StaleBlock, match="stale") as refused:
         world.a.free([block])
+    assert refused.value.stale == (block,)
     assert world.books() == before
 
 
@@ -329,8 +343,8 @@ FAST_FRAME_CASES: list[tuple[str, bytes, Any, int, list[str]]] = [
     ("other-sessions-block", b"free", {"session_id": "{A}", "block_ids": [5]}, 409, ["holds no reference"]),
     ("lone-surrogate", b"handoff", b'{"session_id": "x", "request_id": "\\ud800", "block_ids": [], "num_tokens": 0}',
      422, ["json_invalid"]),
-    # block ids attached packed (int32 after a NUL)
-    ("ids-ragged", b"free", b'{"session_id": "x", "block_ids": []}\0\x01\x02\x03', 400, ["multiple of 4"]),
+    # block ids attached packed (int64 after a NUL)
+    ("ids-ragged", b"free", b'{"session_id": "x", "block_ids": []}\0\x01\x02\x03', 400, ["multiple of 8"]),
     ("ids-given-twice", b"free", ({"session_id": "{A}", "block_ids": [2]}, [3]), 400, ["given twice"]),
     ("ids-on-alloc", b"alloc", ({"session_id": "{A}", "num_blocks": 1}, [3]), 400, ["takes no block ids"]),
     ("ids-attached-past-end", b"free", ({"session_id": "{A}", "block_ids": []}, [64]), 400, ["out of range"]),
@@ -345,7 +359,7 @@ def test_bad_fast_channel_frame(world: World, fast: FastConnection, op: bytes, b
                                 words: list[str]) -> None:  # fmt: skip
     before = world.books()
     if isinstance(body, tuple):  # (JSON, block ids to attach packed)
-        raw = json.dumps(_fill(body[0], world)).encode() + b"\0" + array("i", body[1]).tobytes()
+        raw = json.dumps(_fill(body[0], world)).encode() + b"\0" + array("q", body[1]).tobytes()
     else:
         raw = body if isinstance(body, bytes) else json.dumps(_fill(body, world)).encode()
     got, reply = fast.call(op, raw)
