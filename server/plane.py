@@ -41,6 +41,7 @@ from kvpool.protocol import (
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
 from kvpool.server.config import PoolSettings
+from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Limits, Session
 
@@ -72,6 +73,7 @@ class ControlPlane:
         self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
         self._waiting: Counter[str] = Counter()  # claims waiting, by session
         self._outbox: Outbox | None = None
+        self.leases: LeaseBooks | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -106,6 +108,7 @@ class ControlPlane:
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
         )
+        self.leases = open_leases(s, self._pool)
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
@@ -140,6 +143,8 @@ class ControlPlane:
         for arena in self.host_arenas:
             arena.close()
         self.host_arenas = []
+        if self.leases is not None:
+            self.leases.close()
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
@@ -162,6 +167,8 @@ class ControlPlane:
         return self._descriptor
 
     def expire(self) -> None:
+        if self.leases is not None:
+            self.leases.settle_all()
         if self._pool is not None:
             sessions, handoffs = self._pool.expire()
             if sessions or handoffs:
@@ -347,4 +354,5 @@ class ControlPlane:
                     fut.set_result(None)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.pool.stats(), "claims_waiting": self._waiting.total()}
+        leases = {"leases": self.leases.stats()} if self.leases is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **leases}

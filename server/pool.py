@@ -57,6 +57,9 @@ class Pool(Parking):
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
+    #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
+    on_release: Callable[[Session], None] | None = None
+    on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,8 @@ class Pool(Parking):
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
+        if self.on_release is not None:
+            self.on_release(session)
         released = self.allocator.release_holder(session.holder)
         self._ended(session)
         return released
@@ -176,6 +181,8 @@ class Pool(Parking):
             blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
+            if self.on_exhausted is not None:
+                self.on_exhausted(session_id)
             raise
         self.counters.alloc_blocks += num_blocks
         return self.allocator.fenced(blocks)
@@ -279,6 +286,8 @@ class Pool(Parking):
 
     def _expire_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        if self.on_release is not None:
+            self.on_release(session)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
         self._ended(session)

@@ -1,0 +1,220 @@
+"""Handoffs between two live sessions' slabs, with no round trip to the pool on the way.
+
+The producer marks the blocks handed in its region (to the consumer's region and nonce, under its next sequence),
+then sends the consumer's lease box one datagram sealed with their pair's key (:mod:`kvpool.slabwire`). The
+consumer takes the ids only if the seal holds, the sequence is newer than any it took from that producer (a
+replay is dropped), and the producer's region, mapped read-only, says the same: those blocks, handed to this
+session under this sequence. If the region says otherwise because the pool already moved the refs (the producer
+ended, or reused settled slots), the consumer asks the pool whether it holds them now, and takes them only if so.
+The refs move in the pool's books afterwards (:meth:`kvpool.server.leases.LeaseBooks.settle`); this client has
+them settled before it names those blocks in any call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import time
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvpool import slabwire
+from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError, UnknownSession
+from kvpool.handoffs import Claim
+from kvpool.ids import BLOCK_MASK
+from kvpool.lease_protocol import PairRequest, PairResponse
+from kvpool.leases import HANDED
+from kvpool.slab import Slab, as_ids
+
+log = logging.getLogger(__name__)
+
+#: how long a producer waits for room in a consumer's lease box before it gives up on the handoff
+SEND_TIMEOUT_S = 5.0
+#: how long a producer remembers that a consumer has no lease box before it asks the pool again
+NO_BOX_S = 1.0
+
+
+@dataclass(slots=True)
+class Peer:
+    region: int
+    nonce: int
+    box: str
+    key: bytes
+
+
+class SlabHandoffs:
+    def __init__(self, slab: Slab, mode: int) -> None:
+        self.slab = slab
+        self.transport = slab.transport
+        self.peers: dict[str, Peer] = {}
+        self.no_box: dict[str, float] = {}
+        self.keys: dict[tuple[int, int], bytes] = {}
+        self.last_seq: dict[tuple[int, int], int] = {}
+        self.delivered: OrderedDict[str, Claim] = OrderedDict()
+        self.to_settle: set[int] = set()
+        self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.out.settimeout(SEND_TIMEOUT_S)
+        self.box: socket.socket | None = None
+        if slab.info.box is not None:
+            box = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            try:
+                box.bind(slab.info.box)
+                os.chmod(slab.info.box, mode)
+                box.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * slabwire.MAX_DATAGRAM)
+            except OSError as exc:
+                box.close()
+                log.warning("no lease box at %s (%s): handoffs to this session go through the pool", slab.info.box, exc)
+            else:
+                self.box = box
+        self._buf = bytearray(slabwire.MAX_DATAGRAM)
+
+    # -- the producer's side ----------------------------------------------------------------------------
+
+    def _peer(self, to: str) -> Peer | None:
+        peer = self.peers.get(to)
+        if peer is not None and int(self.slab.view.table[peer.region]["nonce"]) == peer.nonce:
+            return peer
+        if self.no_box.get(to, 0.0) > time.monotonic():
+            return None
+        try:
+            req = PairRequest(session_id=self.slab.session_id, to=to)
+            got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
+        except InvalidRequest:  # no such session, or one with no lease box: through the pool
+            self.no_box[to] = time.monotonic() + NO_BOX_S
+            return None
+        assert got.region is not None and got.nonce is not None and got.box is not None
+        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, bytes.fromhex(got.key))
+        return peer
+
+    def handoff(self, request_id: str, ids: object, num_tokens: int, meta: bytes, to: str) -> int | None:
+        """Hand the slab's allocated blocks ``ids`` to the session called ``to``; how many, or None when this path
+        does not apply (not all slab blocks, or no lease box there): then the caller goes through the pool."""
+        slab = self.slab
+        arr = as_ids(ids)
+        if not arr.size or 12 * arr.size + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
+            return None
+        with slab.lock:
+            slots = slab._allocated(arr)
+            if (slots < 0).any() or (slab.block[slots] != arr).any() or len(np.unique(slots)) != len(slots):
+                return None
+            peer = self._peer(to)
+            if peer is None:
+                return None
+            seq = int(slab.mine["hseq"]) + 1
+            slab.mine["hseq"] = seq
+            slab.to_region[slots] = peer.region
+            slab.to_nonce[slots] = peer.nonce
+            slab.seq[slots] = seq
+            slab.state[slots] = HANDED
+            slab.slot_of[arr & BLOCK_MASK] = -1
+            slab.handed += len(slots)
+            info = slab.info
+            datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, slots, arr)
+            try:  # under the lock: datagrams leave in sequence order, or the consumer would drop one as a replay
+                self.out.sendto(datagram, peer.box)
+            except OSError as exc:
+                self.peers.pop(to, None)
+                raise HandoffRefused(
+                    f"the handoff of {request_id!r} could not reach {to!r} ({exc}); its blocks are handed already: "
+                    "they go to that session if it is still there, else back to the pool"
+                ) from None
+        return len(arr)
+
+    # -- the consumer's side ----------------------------------------------------------------------------
+
+    def receive(self, request_id: str | None, spin_s: float, wait_s: float) -> Claim | None:
+        """A handoff from a slab (``request_id``'s, or the oldest), spinning ``spin_s`` and then blocking up to
+        ``wait_s`` in all; None if none came."""
+        if self.box is None:
+            return None
+        start = time.perf_counter()
+        spin_until, until = start + min(spin_s, wait_s), start + wait_s
+        while True:
+            got = self.delivered.pop(request_id, None) if request_id is not None else None
+            if got is None and request_id is None and self.delivered:
+                got = self.delivered.popitem(last=False)[1]
+            if got is not None:
+                return got
+            try:
+                n = self.box.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                now = time.perf_counter()
+                if now >= until:
+                    return None
+                if now >= spin_until:
+                    select.select([self.box], [], [], until - now)
+                continue
+            claim = self._take(memoryview(self._buf)[:n])
+            if claim is not None:
+                self.delivered[claim.request_id] = claim
+
+    def _take(self, data: memoryview) -> Claim | None:
+        pair = slabwire.peek(data)
+        if pair is None:
+            return None
+        key = self.keys.get(pair)
+        if key is None:
+            try:
+                req = PairRequest(session_id=self.slab.session_id, from_region=pair[0], from_nonce=pair[1])
+                got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
+                key = self.keys[pair] = bytes.fromhex(got.key)
+            except (UnknownSession, InvalidRequest) as exc:
+                log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)
+                return None
+        h = slabwire.decode(data, key)
+        if h is None:
+            log.warning("dropped a slab handoff whose seal is not its pair's")
+            return None
+        if h.seq <= self.last_seq.get(pair, 0):
+            log.warning("dropped a replayed slab handoff (%r, sequence %d)", h.request_id, h.seq)
+            return None
+        if self._vouched(h):
+            self.to_settle.add(h.from_region)
+        elif not self._held(h):
+            log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
+            return None
+        self.last_seq[pair] = h.seq
+        return Claim(h.request_id, h.num_tokens, h.meta, array("q", h.ids.tobytes()), direct=True)
+
+    def _vouched(self, h: slabwire.SlabHandoff) -> bool:
+        """Whether the producer's region says these blocks are handed to this session under this sequence."""
+        table, info = self.slab.view.table, self.slab.info
+        if not 0 <= h.from_region < len(table) or (h.slots >= self.slab.capacity).any():
+            return False
+        region = table[h.from_region]
+        if int(region["nonce"]) != h.from_nonce:
+            return False
+        s = region["slots"][h.slots]
+        return bool(
+            (s["state"] == HANDED).all() and (s["block"] == h.ids).all() and (s["seq"] == h.seq).all()
+            and (s["to_region"] == info.region).all() and (s["to_nonce"] == info.nonce).all()
+            and int(region["nonce"]) == h.from_nonce
+        )  # fmt: skip
+
+    def _held(self, h: slabwire.SlabHandoff) -> bool:
+        try:
+            return self.slab.settle([h.from_region], h.ids.tolist())
+        except KvpoolError:
+            return False
+
+    def settle(self) -> None:
+        """Before this session names blocks it was handed: have the pool move their refs to it."""
+        if self.to_settle:
+            regions = list(self.to_settle)
+            self.slab.settle(regions)
+            self.to_settle.difference_update(regions)
+
+    def close(self) -> None:
+        self.out.close()
+        if self.box is not None:
+            self.box.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.slab.info.box or "")
+
+

@@ -1,0 +1,103 @@
+"""What :class:`kvpool.client.PoolClient` does with a slab: one place that decides, per call, whether the slab
+serves it locally or the pool does, so that a client without a slab pays one attribute check per call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError
+from kvpool.handoffs import Claim
+from kvpool.protocol import HandoffResponse
+from kvpool.slab import Slab, SlabConfig
+from kvpool.slabbox import SlabHandoffs
+from kvpool.transport import Transport
+
+log = logging.getLogger(__name__)
+
+#: how often a claim waiting on the lease box also asks the pool (for a handoff its producer parked there)
+POLL_S = 0.02
+
+
+class Slabs:
+    def __init__(self, transport: Transport, config: SlabConfig | None, spin_s: float) -> None:
+        self.transport = transport
+        self.config = config
+        self.spin_s = spin_s
+        self.slab: Slab | None = None
+        self.handoffs: SlabHandoffs | None = None
+
+    def open(self, session_id: str, epoch: str, mode: int) -> None:
+        """Take a region of the pool's lease table for this session; without one (a pool without ``--leases``,
+        all regions taken, a table this process may not map) the client works through the pool."""
+        if self.config is None:
+            return
+        try:
+            self.slab = Slab.open(self.transport, session_id, epoch, self.config)
+        except (KvpoolError, OSError) as exc:
+            log.warning("no slab for this session, alloc and free go through the pool: %s", exc)
+            return
+        self.handoffs = SlabHandoffs(self.slab, mode)
+
+    def close(self) -> None:
+        if self.handoffs is not None:
+            self.handoffs.close()
+        if self.slab is not None:
+            self.slab.close()
+        self.slab = self.handoffs = None
+
+    @property
+    def receiving(self) -> bool:
+        return self.handoffs is not None and self.handoffs.box is not None
+
+    def alloc(self, n: int) -> list[int] | None:
+        return self.slab.alloc(n) if self.slab is not None else None
+
+    def free(self, ids: Sequence[int] | Any) -> tuple[int, list[int] | None]:
+        """(blocks freed into the slab, the ids left for the pool; None: all of them, untouched)."""
+        if self.slab is None or not len(ids):
+            return 0, None
+        local, rest = self.slab.free(ids)
+        if rest:
+            self.leaving(())
+        return local, rest
+
+    def leaving(self, ids: Sequence[int] | Any) -> None:
+        """Before a call names blocks at the pool: take slab blocks out of the slab, and have the refs of blocks
+        handed to this session moved to it."""
+        if self.slab is None:
+            return
+        if len(ids):
+            self.slab.forget(ids)
+        assert self.handoffs is not None
+        self.handoffs.settle()
+
+    def handoff(
+        self, request_id: str, ids: Sequence[int] | Any, num_tokens: int, meta: dict[str, Any] | None, to: str
+    ) -> HandoffResponse | None:
+        if self.handoffs is None:
+            return None
+        try:
+            extra = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(f"cannot send this handoff: meta must be a JSON object ({exc})") from None
+        n = self.handoffs.handoff(request_id, ids, int(num_tokens), extra, to)
+        return None if n is None else HandoffResponse.model_construct(request_id=request_id, num_blocks=n, inbox=None)
+
+    def claim(self, request_id: str | None, timeout_s: float, from_pool: Callable[[str | None, float], Claim]) -> Claim:
+        """A handoff from a slab or, failing that, one parked in the pool, whichever turns up first."""
+        assert self.handoffs is not None
+        deadline = time.perf_counter() + timeout_s
+        got = self.handoffs.receive(request_id, self.spin_s, self.spin_s)
+        while got is None:
+            try:
+                return from_pool(request_id, 0.0)
+            except HandoffNotFound:
+                remaining = deadline - time.perf_counter()
+                if remaining <= 0:
+                    raise
+            got = self.handoffs.receive(request_id, 0.0, min(POLL_S, remaining))
+        return got

@@ -1,0 +1,89 @@
+"""The datagram of a handoff between two live sessions' slabs: the producer sends it, the pool is not on the way.
+
+The producer first marks the blocks handed in its region of the lease table (to the consumer's region and nonce,
+under the next sequence number), then sends the ids, their slots and that sequence to the consumer's lease box,
+sealed with the key the pool issued for this producer-consumer pair (a keyed BLAKE2b MAC, issued once per pair,
+never per handoff). The consumer takes the ids only if the seal holds, the sequence is newer than every one it took
+from that producer, and the producer's region (mapped read-only) says the same thing as the datagram.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"KVL1"
+#: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes;
+#: then the slots (u32), the ids (i64), the request id, the meta JSON and the seal
+HEAD = struct.Struct("<4sIIQQQHI")
+SEAL_BYTES = 16
+MAX_DATAGRAM = 1 << 20
+
+
+@dataclass(slots=True)
+class SlabHandoff:
+    from_region: int
+    from_nonce: int
+    seq: int
+    request_id: str
+    num_tokens: int
+    meta: dict[str, Any]
+    slots: np.ndarray
+    ids: np.ndarray
+
+
+def pair_key(secret: bytes, producer: str, consumer: str) -> bytes:
+    """The key a producer seals its handoffs to a consumer with (the pool's secret never leaves the pool)."""
+    return hashlib.blake2b(f"{producer}>{consumer}".encode(), key=secret, digest_size=32).digest()
+
+
+def encode(
+    key: bytes,
+    region: int,
+    nonce: int,
+    seq: int,
+    request_id: str,
+    num_tokens: int,
+    meta: bytes,
+    slots: np.ndarray,
+    ids: np.ndarray,
+) -> bytes:
+    rid = request_id.encode()
+    head = HEAD.pack(MAGIC, region, len(ids), nonce, seq, num_tokens, len(rid), len(meta))
+    body = b"".join((head, slots.astype("<u4").tobytes(), ids.astype("<i8").tobytes(), rid, meta))
+    return body + hashlib.blake2b(body, key=key, digest_size=SEAL_BYTES).digest()
+
+
+def peek(data: memoryview) -> tuple[int, int] | None:
+    """(producer region, nonce) of a datagram, to find its pair key; None if it is not one of ours."""
+    if len(data) < HEAD.size + SEAL_BYTES or data[:4] != MAGIC:
+        return None
+    _, region, _, nonce, *_ = HEAD.unpack_from(data)
+    return region, nonce
+
+
+def decode(data: memoryview, key: bytes) -> SlabHandoff | None:
+    """The handoff a datagram carries, or None when it is malformed or its seal is not the pair's."""
+    if len(data) < HEAD.size + SEAL_BYTES:
+        return None
+    magic, region, n, nonce, seq, num_tokens, rid_len, meta_len = HEAD.unpack_from(data)
+    at = HEAD.size + 12 * n
+    if magic != MAGIC or len(data) != at + rid_len + meta_len + SEAL_BYTES:
+        return None
+    mac = hashlib.blake2b(data[:-SEAL_BYTES], key=key, digest_size=SEAL_BYTES).digest()
+    if not hmac.compare_digest(mac, data[-SEAL_BYTES:]):
+        return None
+    try:
+        request_id = str(data[at : at + rid_len], "utf-8")
+        meta = json.loads(data[at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
+    except ValueError:
+        return None
+    slots = np.frombuffer(data, dtype="<u4", count=n, offset=HEAD.size).astype(np.int64)
+    ids = np.frombuffer(data, dtype="<i8", count=n, offset=HEAD.size + 4 * n).copy()
+    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta if isinstance(meta, dict) else {}, slots, ids)
