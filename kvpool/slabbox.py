@@ -17,9 +17,11 @@ import logging
 import os
 import select
 import socket
+import struct
+import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,15 +31,17 @@ from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError, UnknownSe
 from kvpool.handoffs import Claim
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import HANDED
+from kvpool.leases import ALLOCATED, HANDED
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
 
-#: how long a producer waits for room in a consumer's lease box before it gives up on the handoff
-SEND_TIMEOUT_S = 5.0
+#: how often a producer tries again to send handoffs a consumer had no room for
+FLUSH_S = 0.0005
 #: how long a producer remembers that a consumer has no lease box before it asks the pool again
 NO_BOX_S = 1.0
+#: a slot's fields after its block, as kvpool.leases.SLOT lays them out: state, to_region, seq, to_nonce
+SLOT_TAIL = struct.Struct("<IIQQ")
 
 
 @dataclass(slots=True)
@@ -59,7 +63,8 @@ class SlabHandoffs:
         self.delivered: OrderedDict[str, Claim] = OrderedDict()
         self.to_settle: set[int] = set()
         self.out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.out.settimeout(SEND_TIMEOUT_S)
+        self.out.setblocking(False)
+        self.queued: deque[tuple[bytes, str]] = deque()
         self.box: socket.socket | None = None
         if slab.info.box is not None:
             box = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -97,11 +102,16 @@ class SlabHandoffs:
         does not apply (not all slab blocks, or no lease box there): then the caller goes through the pool."""
         slab = self.slab
         arr = as_ids(ids)
-        if not arr.size or 12 * arr.size + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
+        n = len(arr)
+        if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
             return None
         with slab.lock:
-            slots = slab._allocated(arr)
-            if (slots < 0).any() or (slab.block[slots] != arr).any() or len(np.unique(slots)) != len(slots):
+            # an id that is no allocated block of this slab fails one of the two comparisons (a block not in the
+            # slab maps to slot -1, whose block field never holds an id that slot_of does not point back to)
+            slots = slab.slot_of.take(arr & BLOCK_MASK, mode="clip")
+            if not ((slab.state[slots] == ALLOCATED).all() and (slab.block[slots] == arr).all()):
+                return None
+            if n > 1 and len(set(slots.tolist())) != n:
                 return None
             peer = self._peer(to)
             if peer is None:
@@ -113,18 +123,46 @@ class SlabHandoffs:
             slab.seq[slots] = seq
             slab.state[slots] = HANDED
             slab.slot_of[arr & BLOCK_MASK] = -1
-            slab.handed += len(slots)
+            slab.handed += n
             info = slab.info
             datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, slots, arr)
-            try:  # under the lock: datagrams leave in sequence order, or the consumer would drop one as a replay
+            # under the lock: datagrams leave in sequence order, or the consumer would drop one as a replay
+            if self.queued:
+                self.queued.append((datagram, peer.box))
+                return n
+            try:
                 self.out.sendto(datagram, peer.box)
+            except BlockingIOError:  # the consumer's queue is full (a few datagrams): send it later, never wait
+                self.queued.append((datagram, peer.box))
+                threading.Thread(target=self._flush, name="kvpool-slab-send", daemon=True).start()
             except OSError as exc:
                 self.peers.pop(to, None)
                 raise HandoffRefused(
                     f"the handoff of {request_id!r} could not reach {to!r} ({exc}); its blocks are handed already: "
                     "they go to that session if it is still there, else back to the pool"
                 ) from None
-        return len(arr)
+        return n
+
+    def _flush(self) -> None:
+        """Send the queued datagrams in order as their consumers make room; one whose consumer is gone is dropped
+        (the pool gives its blocks back when it settles)."""
+        while True:
+            with self.slab.lock:
+                if not self.queued or self.out.fileno() < 0:
+                    self.queued.clear()
+                    return
+                datagram, box = self.queued[0]
+                try:
+                    self.out.sendto(datagram, box)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    log.warning("dropped a slab handoff to %s: %s", box, exc)
+                    self.queued.popleft()
+                else:
+                    self.queued.popleft()
+                    continue
+            time.sleep(FLUSH_S)
 
     # -- the consumer's side ----------------------------------------------------------------------------
 
@@ -183,19 +221,19 @@ class SlabHandoffs:
         return Claim(h.request_id, h.num_tokens, h.meta, array("q", h.ids.tobytes()), direct=True)
 
     def _vouched(self, h: slabwire.SlabHandoff) -> bool:
-        """Whether the producer's region says these blocks are handed to this session under this sequence."""
+        """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
+        must read (id, handed, this region, this sequence, this nonce), byte for byte."""
         table, info = self.slab.view.table, self.slab.info
         if not 0 <= h.from_region < len(table) or (h.slots >= self.slab.capacity).any():
             return False
         region = table[h.from_region]
         if int(region["nonce"]) != h.from_nonce:
             return False
-        s = region["slots"][h.slots]
-        return bool(
-            (s["state"] == HANDED).all() and (s["block"] == h.ids).all() and (s["seq"] == h.seq).all()
-            and (s["to_region"] == info.region).all() and (s["to_nonce"] == info.nonce).all()
-            and int(region["nonce"]) == h.from_nonce
-        )  # fmt: skip
+        got = region["slots"][h.slots]
+        want = np.empty((len(h.ids), 4), "<u8")
+        want[:, 0] = h.ids
+        want[:, 1:] = np.frombuffer(SLOT_TAIL.pack(HANDED, info.region, h.seq, info.nonce), "<u8")
+        return bool(got.tobytes() == want.tobytes() and int(region["nonce"]) == h.from_nonce)
 
     def _held(self, h: slabwire.SlabHandoff) -> bool:
         try:
