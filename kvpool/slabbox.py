@@ -20,7 +20,6 @@ import socket
 import struct
 import threading
 import time
-from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -118,10 +117,8 @@ class SlabHandoffs:
                 return None
             seq = int(slab.mine["hseq"]) + 1
             slab.mine["hseq"] = seq
-            slab.to_region[slots] = peer.region
-            slab.to_nonce[slots] = peer.nonce
-            slab.seq[slots] = seq
-            slab.state[slots] = HANDED
+            slab.words[slots, 2:] = (seq, peer.nonce)
+            slab.words[slots, 1] = HANDED | peer.region << 32  # the state last: readers read it first
             slab.slot_of[arr & BLOCK_MASK] = -1
             slab.handed += n
             info = slab.info
@@ -218,13 +215,15 @@ class SlabHandoffs:
             log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
             return None
         self.last_seq[pair] = h.seq
-        return Claim(h.request_id, h.num_tokens, h.meta, array("q", h.ids.tobytes()), direct=True)
+        return Claim(h.request_id, h.num_tokens, h.meta, h.packed, direct=True)
 
     def _vouched(self, h: slabwire.SlabHandoff) -> bool:
         """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
         must read (id, handed, this region, this sequence, this nonce), byte for byte."""
         table, info = self.slab.view.table, self.slab.info
-        if not 0 <= h.from_region < len(table) or (h.slots >= self.slab.capacity).any():
+        if not len(h.slots) or not 0 <= h.from_region < len(table):
+            return False
+        if h.slots.min() < 0 or h.slots.max() >= self.slab.capacity:
             return False
         region = table[h.from_region]
         if int(region["nonce"]) != h.from_nonce:

@@ -13,6 +13,7 @@ import hashlib
 import hmac
 import json
 import struct
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 
 MAGIC = b"KVL1"
 #: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes;
-#: then the slots (u32), the ids (i64), the request id, the meta JSON and the seal
+#: then the slots (i32), the ids (i64), the request id, the meta JSON and the seal
 HEAD = struct.Struct("<4sIIQQQHI")
 SEAL_BYTES = 16
 MAX_DATAGRAM = 1 << 20
@@ -35,7 +36,8 @@ class SlabHandoff:
     num_tokens: int
     meta: dict[str, Any]
     slots: np.ndarray
-    ids: np.ndarray
+    ids: np.ndarray  # a view of ``packed``
+    packed: array
 
 
 def pair_key(secret: bytes, producer: str, consumer: str) -> bytes:
@@ -56,7 +58,8 @@ def encode(
 ) -> bytes:
     rid = request_id.encode()
     head = HEAD.pack(MAGIC, region, len(ids), nonce, seq, num_tokens, len(rid), len(meta))
-    body = b"".join((head, slots.astype("<u4").tobytes(), ids.astype("<i8").tobytes(), rid, meta))
+    packed = (slots.astype("<i4", copy=False).tobytes(), ids.astype("<i8", copy=False).tobytes())
+    body = b"".join((head, *packed, rid, meta))
     return body + hashlib.blake2b(body, key=key, digest_size=SEAL_BYTES).digest()
 
 
@@ -84,6 +87,9 @@ def decode(data: memoryview, key: bytes) -> SlabHandoff | None:
         meta = json.loads(data[at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
-    slots = np.frombuffer(data, dtype="<u4", count=n, offset=HEAD.size).astype(np.int64)
-    ids = np.frombuffer(data, dtype="<i8", count=n, offset=HEAD.size + 4 * n).copy()
-    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta if isinstance(meta, dict) else {}, slots, ids)
+    slots = np.frombuffer(data, dtype="<i4", count=n, offset=HEAD.size).copy()
+    packed = array("q")
+    packed.frombytes(data[HEAD.size + 4 * n : at])
+    ids = np.frombuffer(packed, dtype=np.int64) if n else np.zeros(0, np.int64)
+    meta = meta if isinstance(meta, dict) else {}
+    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta, slots, ids, packed)
