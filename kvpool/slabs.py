@@ -85,7 +85,9 @@ class Slabs:
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"cannot send this handoff: meta must be a JSON object ({exc})") from None
         n = self.handoffs.handoff(request_id, ids, int(num_tokens), extra, to)
-        return None if n is None else HandoffResponse.model_construct(request_id=request_id, num_blocks=n, inbox=None)
+        if n is None:
+            return None
+        return HandoffResponse.model_construct(request_id=request_id, num_blocks=n, inbox=None, slab=True)
 
     def claim(self, request_id: str | None, timeout_s: float, from_pool: Callable[[str | None, float], Claim]) -> Claim:
         """A handoff from a slab or, failing that, one parked in the pool, whichever turns up first."""

@@ -126,7 +126,8 @@ class LeaseBooks:
     # -- slabs ------------------------------------------------------------------------------------------
 
     def grant(self, session_id: str, take: int, give: Sequence[int], arena: int = 0) -> list[int]:
-        """Take ``take`` more blocks into the session's slab, and return ``give`` (idle slab blocks) to the pool."""
+        """Take up to ``take`` more blocks into the session's slab (as many as it has room for), and return ``give``
+        (idle slab blocks) to the pool."""
         lease = self._lease(session_id)
         holder = self.pool.session(session_id).holder
         allocator = self.pool.allocator
@@ -138,9 +139,7 @@ class LeaseBooks:
             raise NotOwner(f"blocks {outside[:8]} are not in this session's slab: free them with /free instead")
         allocator.check_held(holder, blocks)
         self._prune(lease, holder)
-        room = self.slots - len(lease.slab) + len(blocks)
-        if take > room:
-            raise InvalidRequest(f"a slab holds at most {self.slots} blocks; this one has room for {room} more")
+        take = min(take, max(0, self.slots - len(lease.slab) + len(blocks)))  # a slab holds at most `slots` blocks
         new: list[int] = []
         if take:
             try:
