@@ -15,6 +15,9 @@ What it checks, and exits non-zero on:
   (nobody else wrote into a block it held), each committed block carries a stamp derived from its tokens that
   every prefix hit and every claim checks (a hit never hands back other tokens' KV);
 * killed workers (a subprocess SIGKILLed while holding blocks, prefix refs and a parked handoff) lose nothing;
+* stale ids: each client also frees, commits or hands off ids it let go of (their blocks freed and handed out again
+  meanwhile, or not), alone or beside one it holds; the pool must refuse every such call whole (409), and the
+  books and every later check above must not notice;
 * direct handoffs: the fast-channel clients have inboxes, and half the handoffs are addressed to one of them, so
   their ids go producer to consumer while ownership moves in the pool; every claim checks what it got;
 * with ``--slabs``, those clients also have reservation slabs: their allocs and frees stay local, handoffs among
@@ -313,6 +316,7 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
         "max_in_use": tally.max_in_use,
         "num_blocks": end["num_blocks"],
         "crashed_workers": tally.crashed,
+        "stale_refused": end["counters"]["stale_refused"],
         "end": {k: end[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
         "start": {k: start[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
         "violations": tally.violation_count,
@@ -334,6 +338,7 @@ def print_summary(s: dict[str, Any]) -> None:
     lines.append(f"/stats samples: {s['samples']}, all balanced unless listed below; "
                  f"max in use {s['max_in_use']} of {s['num_blocks']}")  # fmt: skip
     lines.append(f"killed workers: {s['crashed_workers']}")
+    lines.append(f"calls refused by the pool for stale ids (kvpool_stale_refused): {s['stale_refused']}")
     lines.append(f"end: {s['end']} (start: {s['start']})")
     lines.append(f"violations: {s['violations']}")
     lines += [f"  - {m}" for m in s["violation_messages"]]

@@ -1,7 +1,9 @@
 """The soak's clients: what each does, the stamps that prove who wrote a block, and the tally of the run.
 
 Each client thread holds a session of its own and picks operations at random (alloc, free, commit, lookup,
-handoff, claim) under the weights below, checking every answer against what it knows it holds.
+handoff, claim) under the weights below, checking every answer against what it knows it holds. It also names ids
+it let go of (``stale``: freed or handed off, their blocks since recycled or not), alone or beside one it holds,
+and the pool must refuse each such call whole.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.errors import HandoffNotFound, KvpoolError, NotOwner, PoolExhausted, StaleBlock
+from kvpool.ids import block_of
 
-OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim")
-WEIGHTS = (24, 20, 12, 18, 12, 14)
+OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim", "stale")
+WEIGHTS = (24, 20, 12, 18, 12, 14, 6)
+RETIRED_KEPT = 64  # ids a client let go of, kept to name again
 FAMILIES = 6  # prompt families whose prefixes clients share
 FAMILY_BLOCKS = 8  # full blocks per family prompt
 MAX_REFS = 12  # a client frees before it holds more refs than this
@@ -113,6 +117,7 @@ class Client:
         self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast, slab=slab)
         self.stamps = Stamps(self.pool.arena() if shared.verify_data else None)
         self.refs: list[Ref] = []
+        self.retired: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)
         self.seq = 0
 
     def run(self, stop: threading.Event) -> None:
@@ -183,6 +188,7 @@ class Client:
             self.check(ref, "before free")
         freed = self.pool.free([r.block for r in refs])
         self.drop(refs)
+        self.retired.extend(r.block for r in refs)
         if freed != len(refs):
             self.shared.tally.violation(f"free of {len(refs)} refs answered freed={freed}")
         return True
@@ -238,6 +244,7 @@ class Client:
         if sent.slab:
             self.shared.tally.op("handoff, slab to slab")
         self.drop(refs)
+        self.retired.extend(blocks)
         self.shared.park(request_id, to)
         return True
 
@@ -258,6 +265,33 @@ class Client:
         for ref in refs:
             self.check(ref, f"after claim of {got.request_id}")
         self.refs.extend(refs)
+        return True
+
+    def do_stale(self) -> bool:
+        """Free, commit or hand off ids this client let go of, maybe beside one it holds: the pool must refuse the
+        whole call (StaleBlock where the block was recycled since, NotOwner where it was not) and change nothing,
+        which the books' balance and this client's next calls on what it holds would show."""
+        held = {block_of(r.block) for r in self.refs}
+        gone = list({b for b in self.retired if block_of(b) not in held})
+        if not gone:
+            return False
+        ids = self.rng.sample(gone, min(len(gone), self.rng.randint(1, 3)))
+        if self.refs and self.rng.random() < 0.5:
+            ids.insert(self.rng.randrange(len(ids) + 1), self.rng.choice(self.refs).block)
+        call = self.rng.choice(("free", "commit", "handoff"))
+        bs = self.shared.block_size
+        try:
+            if call == "free":
+                self.pool.free(ids)
+            elif call == "commit":
+                self.pool.commit(ids, family_tokens(0, bs)[: len(ids) * bs])
+            else:
+                self.seq += 1
+                self.pool.handoff(f"soak-stale-{self.index}-{self.seq}", ids, 0, ttl_s=self.shared.handoff_ttl_s)
+        except (StaleBlock, NotOwner) as exc:
+            self.shared.tally.op(f"stale {call}, refused: {type(exc).__name__}")
+            return True
+        self.shared.tally.violation(f"client {self.index}: {call} of ids it let go of {ids} was not refused")
         return True
 
     def free_some(self) -> None:

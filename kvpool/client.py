@@ -216,15 +216,19 @@ class PoolClient:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
         return local + self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
-        """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished)."""
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
+        """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished);
+        with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt."""
         self.slabs.leaving(block_ids)
-        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=_as_list(token_ids))
+        tokens = _as_list(token_ids)
+        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=tokens, salt=salt)
         return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
 
-    def lookup(self, token_ids: Sequence[int], device: int | None = None) -> LookupResponse:
-        """The longest cached prefix of ``token_ids``; you hold a ref on each returned block until you free it."""
-        req = _req(LookupRequest, session_id=self.session_id, token_ids=_as_list(token_ids), device=device)
+    def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
+        """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
+        until you free it."""
+        fields = {"token_ids": _as_list(token_ids), "device": device, "salt": salt}
+        req = _req(LookupRequest, session_id=self.session_id, **fields)
         return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
 
     def handoff(

@@ -35,8 +35,11 @@ class DeviceSession:
         self.first = self.arena.first_block
         self.fences = Fences(self.first, self.arena.num_blocks)
 
-    def _global(self, ids: Sequence[int]) -> list[int]:
+    def pool_ids(self, ids: Sequence[int]) -> list[int]:
+        """This arena's indices as the pool's (fenced) ids, for a call made on the :class:`PoolClient` itself."""
         return self.fences.restore(ids)
+
+    _global = pool_ids
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return self.fences.strip(ids)
@@ -47,11 +50,11 @@ class DeviceSession:
     def free(self, block_ids: Sequence[int]) -> int:
         return self.pool.free(self._global(block_ids))
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResponse:
-        return self.pool.commit(self._global(block_ids), token_ids)
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
+        return self.pool.commit(self._global(block_ids), token_ids, salt)
 
-    def lookup(self, token_ids: Sequence[int]) -> LookupResponse:
-        hit = self.pool.lookup(token_ids, device=self.device)
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> LookupResponse:
+        hit = self.pool.lookup(token_ids, device=self.device, salt=salt)
         return LookupResponse(block_ids=self._local(hit.block_ids), num_tokens=hit.num_tokens)
 
     def handoff(

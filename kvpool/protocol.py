@@ -94,10 +94,17 @@ class FreeResponse(BaseModel):
     freed: int
 
 
+SALT_HELP = (
+    "mixed into the first block's hash (a tenant, a LoRA adapter): chains of different salts, or none, never share "
+    "blocks; a lookup finds what was committed with the same salt"
+)
+
+
 class CommitRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     block_ids: list[int] = Field(max_length=MAX_IDS)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
 class CommitResponse(BaseModel):
@@ -110,6 +117,7 @@ class LookupRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
     device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
 class LookupResponse(BaseModel):
@@ -200,6 +208,7 @@ class ArenaDescriptor(BaseModel):
     owner_pid: int
     model: str = ""
     fast_socket: str | None = Field(None, description="Unix socket of the binary fast channel, if served")
+    prefix_hash: Literal["xxh3", "sha256"] = Field("xxh3", description="the hash of prefix chains (--prefix-hash)")
     first_block: int = 0
     arenas: list[ArenaPart] = Field(default_factory=list)
 

@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_MASK, MAX_ID
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, MAX_ID
 
 
 class BlockAllocator:
@@ -39,7 +39,8 @@ class BlockAllocator:
         self.num_blocks = sum(sizes)
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
-        self.generation: list[int] = [0] * self.num_blocks
+        self.fence_of: list[int] = list(range(self.num_blocks))  # each block's current fenced id (generation 0)
+        self._block_at: dict[int, int] = {b: b for b in range(self.num_blocks)}  # and the other way
         self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
@@ -101,11 +102,10 @@ class BlockAllocator:
         ids = free[len(free) - take :]
         del free[len(free) - take :]
         ids.reverse()
-        gen = self.generation
         for _ in range(n - take):
             block, _ = lru.popitem(last=False)
             self.committed[block] = False
-            gen[block] = (gen[block] + 1) & GEN_MASK
+            self._recycled(block)
             self.num_evictions += 1
             if self._on_evict is not None:
                 self._on_evict(block)
@@ -140,7 +140,6 @@ class BlockAllocator:
             return 0
         held = self._holders[holder]
         released = 0
-        gen = self.generation
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
         for block in reversed(ids):
             left = held[block] - 1
@@ -154,7 +153,7 @@ class BlockAllocator:
                 if self.committed[block]:
                     self._lru[self.arena_of[block]][block] = None
                 else:
-                    gen[block] = (gen[block] + 1) & GEN_MASK
+                    self._recycled(block)
                     self._free[self.arena_of[block]].append(block)
         if not held:
             del self._holders[holder]
@@ -206,29 +205,47 @@ class BlockAllocator:
 
     # -- fencing --------------------------------------------------------------------------------------
 
+    @property
+    def generation(self) -> list[int]:
+        """Each block's generation (a copy)."""
+        return [f >> BLOCK_BITS for f in self.fence_of]
+
+    def _recycled(self, block: int) -> None:
+        """Its KV is no longer what any id handed out so far says: the next generation (after 2**31 - 1, 0)."""
+        fenced = self.fence_of[block] + (1 << BLOCK_BITS)
+        self._fence(block, fenced if fenced <= MAX_ID else block)
+
+    def _fence(self, block: int, fenced: int) -> None:
+        del self._block_at[self.fence_of[block]]
+        self._block_at[fenced] = block
+        self.fence_of[block] = fenced
+
     def fenced(self, blocks: Sequence[int]) -> list[int]:
         """Blocks as the ids that leave the pool: each with its current generation."""
-        gen = self.generation
-        return [gen[b] << BLOCK_BITS | b for b in blocks]
+        return list(map(self.fence_of.__getitem__, blocks))
 
     def unfence(self, ids: Sequence[int]) -> list[int]:
-        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale."""
-        ids = ids if type(ids) is list else list(ids)
+        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
+
+        It runs on every call that names blocks, so the usual case is one dict lookup per id, in C.
+        """
+        try:
+            return list(map(self._block_at.__getitem__, ids))
+        except KeyError:
+            pass
+        ids = list(ids)
         blocks = [i & BLOCK_MASK for i in ids]
         n = self.num_blocks
-        if blocks and (max(blocks) >= n or min(ids) < 0 or max(ids) > MAX_ID):
-            bad = [i for i, b in zip(ids, blocks, strict=True) if not 0 <= i <= MAX_ID or b >= n]
+        bad = [i for i, b in zip(ids, blocks, strict=True) if not 0 <= i <= MAX_ID or b >= n]
+        if bad:
             raise InvalidRequest(f"block ids out of range: {bad[:8]} (an id's low 32 bits are its block, in [0, {n}))")
-        current = self.fenced(blocks)
-        if current != ids:
-            stale = [i for i, now in zip(ids, current, strict=True) if i != now]
-            raise StaleBlock(
-                f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned "
-                "them (the high bits of an id are its block's generation), and may hold other KV now; nothing was "
-                "changed. Drop these ids: look the prefix up again or allocate anew",
-                tuple(stale),
-            )
-        return blocks
+        stale = [i for i in ids if i not in self._block_at]
+        raise StaleBlock(
+            f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned them "
+            "(the high bits of an id are its block's generation), and may hold other KV now; nothing was changed. "
+            "Drop these ids: look the prefix up again or allocate anew",
+            tuple(stale),
+        )
 
     # -- validation -----------------------------------------------------------------------------------
 
@@ -279,3 +296,5 @@ class BlockAllocator:
             else:
                 assert block in free, f"free block {block} missing from the free stack"
         assert self.num_free + self.num_in_use + self.num_cached == self.num_blocks
+        assert all(f & BLOCK_MASK == b for b, f in enumerate(self.fence_of)), "a fenced id names another block"
+        assert self._block_at == {f: b for b, f in enumerate(self.fence_of)}, "the two maps of fenced ids differ"

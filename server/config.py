@@ -56,6 +56,9 @@ class PoolSettings(BaseSettings):
     order: Order = Field("layer_major", description="layer_major: contiguous per-layer views; block_major: "
                          "contiguous blocks")
     model: str = Field("", description="model name mixed into prefix hashes, so models never share KV")
+    prefix_hash: Literal["xxh3", "sha256"] = Field(
+        "xxh3", description="hash of prefix chains: xxh3 (fast), or sha256 where tenants must not craft collisions"
+    )
 
     lease_ttl_s: float = Field(10.0, gt=0, description="a session without heartbeat for this long expires")
     handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")

@@ -213,13 +213,13 @@ class LeaseBooks:
             return 0
         pool, allocator = self.pool, self.pool.allocator
         holder = f"s:{lease.session_id}"
-        held, committed, gen = allocator.refs_of(holder), allocator.committed, allocator.generation
+        held, committed, fence_of = allocator.refs_of(holder), allocator.committed, allocator.fence_of
         moves: dict[str, list[int]] = {}
         drops: list[int] = []
         for slot, entry in zip(handed.tolist(), seen.tolist(), strict=True):
             fenced, _, to_region, seq, to_nonce = entry
             block = fenced & BLOCK_MASK
-            ok = block in lease.slab and block in held and not committed[block] and fenced >> 32 == gen[block]
+            ok = block in lease.slab and block in held and not committed[block] and fence_of[block] == fenced
             if ok:
                 lease.slab.discard(block)
                 consumer = self.at.get(to_region)

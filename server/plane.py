@@ -43,6 +43,7 @@ from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_bac
 from kvpool.server.config import PoolSettings
 from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
+from kvpool.server.prefix import DIGESTS
 from kvpool.server.records import Handoff, Limits, Session
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,8 @@ class ControlPlane:
         self.host_arenas = arenas
         self.arena_of = {d: i for i, d in enumerate(devices)}
         fast = str(s.fast_socket) if s.fast_socket is not None else None
-        self._descriptor = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
+        described = describe(self.epoch, devices, arenas, sizes, layout, s.model, fast)
+        self._descriptor = described.model_copy(update={"prefix_hash": s.prefix_hash})
         parts = self._descriptor.arenas
         self._pool = Pool(
             sizes,
@@ -103,6 +105,7 @@ class ControlPlane:
             lease_ttl_s=s.lease_ttl_s,
             handoff_ttl_s=s.handoff_ttl_s,
             model=s.model,
+            digest=DIGESTS[s.prefix_hash],
             epoch=self.epoch,
             on_handoff=self._wake,
             on_session_end=self._session_ended,
@@ -222,11 +225,11 @@ class ControlPlane:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
 
     def commit(self, req: CommitRequest) -> CommitResponse:
-        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids)
+        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids, req.salt)
         return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks)
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
-        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device))
+        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device), req.salt)
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
     def handoff(self, req: HandoffRequest, packed: array | None = None) -> HandoffResponse:

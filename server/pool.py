@@ -206,8 +206,11 @@ class Pool(Parking):
 
     # -- prefix cache -----------------------------------------------------------------------------------
 
-    def commit(self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int]) -> CommitResult:
-        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..)."""
+    def commit(
+        self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None
+    ) -> CommitResult:
+        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
+        ``salt``'s chains: only lookups with the same salt find them."""
         holder = self.session(session_id).holder
         num_full = len(token_ids) // self.layout.block_size
         if len(block_ids) < num_full:
@@ -228,7 +231,7 @@ class Pool(Parking):
             if len(arenas) > 1:
                 raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
             arena = arenas.pop()
-        new = self.index.plan(self.hashers[arena].blocks(token_ids), blocks)
+        new = self.index.plan(self.hashers[arena].blocks(token_ids, salt), blocks)
         self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
         c = self.counters
@@ -237,12 +240,15 @@ class Pool(Parking):
         c.duplicate_blocks += num_full - len(new)
         return CommitResult(committed=len(new), duplicates=num_full - len(new), num_blocks=num_full)
 
-    def lookup(self, session_id: str, token_ids: Sequence[int], arena: int = 0) -> LookupResult:
-        """The longest cached prefix of ``token_ids`` in ``arena``, with a ref taken on each block for the session."""
+    def lookup(
+        self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None
+    ) -> LookupResult:
+        """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
+        block for the session."""
         holder = self.session(session_id).holder
         if not 0 <= arena < len(self.hashers):
             raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        ids = self.index.match(self.hashers[arena].blocks(token_ids))
+        ids = self.index.match(self.hashers[arena].blocks(token_ids, salt))
         self.allocator.acquire(holder, ids)
         c = self.counters
         c.lookup_requests += 1

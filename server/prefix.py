@@ -1,8 +1,13 @@
-"""Content-addressed prefix blocks: xxh3 hash chains and the index that maps them to blocks.
+"""Content-addressed prefix blocks: hash chains (xxh3 or sha256) and the index that maps them to blocks.
 
-A block's key is ``xxh3_128(key of the previous block || the block's token ids)``, and the first block's parent
-is a digest of a namespace that names the model and layout, so two models never share KV. Only full blocks are
-hashed. Anyone holding the namespace can compute the same keys from token ids (:meth:`PrefixHasher.block_hashes`).
+A block's key is ``H(key of the previous block || the block's token ids)``, and the first block's parent is a
+digest of a namespace that names the model and layout, so two models never share KV. Only full blocks are hashed.
+Anyone holding the namespace can compute the same keys from token ids (:meth:`PrefixHasher.block_hashes`). ``H``
+is xxh3-128 by default; sha256 (``--prefix-hash sha256``, vLLM's default since 0.10.2) costs more per block but no
+one can craft a collision with it, which matters where tenants who do not trust each other share a pool.
+
+A request may carry a *salt* (a tenant, a LoRA adapter): it is mixed into the first block, ``H(root || salt tag ||
+tokens)``, and kept with the first block's node, so chains of different salts (or none) never share a block.
 
 A hash is only an index, never a proof: each indexed node keeps its block's token ids and its parent *node*,
 and a lookup accepts a node only if both match exactly what it walked through. By induction a hit's whole
@@ -12,6 +17,8 @@ KV of other tokens.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import sys
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -21,6 +28,24 @@ import xxhash
 from kvpool.errors import InvalidRequest
 
 Digest = Callable[[bytes], bytes]
+
+
+def _sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+#: the prefix hashes a pool can use, by their setting's name (``--prefix-hash``)
+DIGESTS: dict[str, Digest] = {"xxh3": xxhash.xxh3_128_digest, "sha256": _sha256}
+MAX_SALT = 256
+
+
+def salt_tag(salt: str | None) -> bytes:
+    """What a salt adds before the first block's tokens: its length and its UTF-8 bytes (nothing without one), so
+    that no two salts, and no salt and none, give the same bytes."""
+    if not salt:
+        return b""
+    raw = salt.encode("utf-8", "surrogatepass")
+    return struct.pack("<I", len(raw)) + raw
 
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
@@ -43,17 +68,23 @@ class PrefixHasher:
         self.digest = digest
         self.root = digest(namespace.encode())
 
-    def block_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def block_hashes(self, token_ids: Sequence[int], salt: str | None = None) -> list[bytes]:
         """Keys of the full blocks of ``token_ids``, one per block."""
-        return [key for key, _ in self.blocks(token_ids)]
+        return [key for key, _ in self.blocks(token_ids, salt)]
 
-    def blocks(self, token_ids: Sequence[int]) -> Iterator[tuple[bytes, bytes]]:
-        """(key, token bytes) of each full block, computed lazily so that a lookup stops paying at its first miss."""
+    def blocks(self, token_ids: Sequence[int], salt: str | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """(key, token bytes) of each full block, computed lazily so that a lookup stops paying at its first miss.
+
+        With a salt, the first block's bytes start with its tag: hashed, and kept and compared by the index.
+        """
         data = token_bytes(token_ids)
         step = self.block_size * 4
         digest, key = self.digest, self.root
+        tag = salt_tag(salt)
         for off in range(0, len(data) - step + 1, step):
             chunk = data[off : off + step]
+            if tag:
+                chunk, tag = tag + chunk, b""
             key = digest(key + chunk)
             yield key, chunk
 

@@ -16,7 +16,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner
 from kvpool.layout import KVLayout
-from tests.conftest import child_env
+from tests.conftest import SMALL_POOL, child_env, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
@@ -232,3 +232,24 @@ def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_s
             assert d.session_id not in pool_server.http().get("/sessions").text
             assert {s.name for s in o.sessions()} == {"decode-0", "other"}
     assert not os.path.exists(path)  # closed by the client, and deleted by the pool with the session
+
+
+def test_salted_prefixes_over_a_sha256_pool():
+    """A pool started with --prefix-hash sha256 says so in its descriptor; a salt travels with lookup and commit on
+    both ways to the pool, and only a lookup with the committing salt finds the blocks."""
+    pool = start_pool(*SMALL_POOL, "--prefix-hash", "sha256")
+    try:
+        with PoolClient(pool.url, name="tenant-a") as fast, PoolClient(pool.url, name="tenant-b", fast=False) as http:
+            assert fast.descriptor().prefix_hash == "sha256"
+            prompt = list(range(8))
+            for client, salt in ((fast, "tenant-a"), (http, "tenant-b")):
+                ids = client.alloc(2)
+                assert client.commit(ids, prompt, salt=salt).committed == 2
+                client.free(ids)
+                for other in (None, "tenant-c"):
+                    assert client.lookup(prompt, salt=other).block_ids == []
+                hit = client.lookup(prompt, salt=salt)
+                assert hit.block_ids == ids and hit.num_tokens == 8
+                client.free(hit.block_ids)
+    finally:
+        pool.stop()

@@ -88,3 +88,16 @@ def test_a_bad_token_is_never_echoed(monkeypatch):
     with pytest.raises(ValidationError) as exc:
         PoolSettings(token=["s3cret"])
     assert "s3cret" not in describe_error(exc.value)
+
+
+def test_prefix_hash_is_xxh3_unless_set_and_names_its_choices(monkeypatch):
+    assert PoolSettings().prefix_hash == "xxh3"
+    monkeypatch.setenv("KVPOOL_PREFIX_HASH", "sha256")
+    assert PoolSettings().prefix_hash == "sha256"
+    assert parse(["--prefix-hash", "xxh3"]).prefix_hash == "xxh3"
+    with pytest.raises(SystemExit):
+        parse(["--prefix-hash", "md5"])
+    monkeypatch.setenv("KVPOOL_PREFIX_HASH", "md5")
+    with pytest.raises(ValidationError) as refused:
+        PoolSettings()
+    assert "--prefix-hash (KVPOOL_PREFIX_HASH)" in describe_error(refused.value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from kvpool.errors import InvalidRequest, PoolExhausted
 from kvpool.ids import block_of
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
-from kvpool.server.prefix import PrefixHasher, token_bytes
+from kvpool.server.prefix import DIGESTS, PrefixHasher, salt_tag, token_bytes
 
 BS = 4
 
@@ -112,6 +113,54 @@ def test_forced_collisions_never_share_a_block_across_different_tokens():
             owner[block] = tuple(seq[: (i + 1) * BS])
         pool.free(s, blocks)
     assert pool.counters.hit_blocks > 0  # collisions did not switch the cache off either
+
+
+def test_sha256_chains_are_sha256_over_the_same_bytes():
+    h = PrefixHasher("ns", BS, DIGESTS["sha256"])
+    tokens = list(range(8))
+    key = hashlib.sha256(b"ns").digest()
+    expected = []
+    for i in range(2):
+        key = hashlib.sha256(key + token_bytes(tokens[i * BS : (i + 1) * BS])).digest()
+        expected.append(key)
+    assert h.block_hashes(tokens) == expected
+    assert PrefixHasher("ns", BS).block_hashes(tokens) != expected  # xxh3, the default, is another chain
+
+
+def test_salt_tags_tell_every_salt_apart():
+    tags = [salt_tag(s) for s in (None, "a", "ab", "a\0", "é", "\ud800")]
+    assert tags[0] == b"" and salt_tag("") == b"" and len(set(tags)) == len(tags)
+
+
+def test_salted_chains_differ_from_the_first_block_on():
+    h = PrefixHasher("ns", BS)
+    tokens = list(range(3 * BS))
+    plain, a, b = h.block_hashes(tokens), h.block_hashes(tokens, "tenant-a"), h.block_hashes(tokens, "tenant-b")
+    assert all(len({x, y, z}) == 3 for x, y, z in zip(plain, a, b, strict=True))
+    assert h.block_hashes(tokens, "tenant-a") == a
+
+
+@pytest.mark.parametrize("digest", [None, DIGESTS["sha256"], weak_digest], ids=["xxh3", "sha256", "colliding"])
+def test_salted_chains_never_share_blocks_with_other_salts_or_none(digest):
+    """Even where every key collides (a 4-bit hash), a lookup finds only blocks committed with its own salt: the
+    salt is kept with the first block's node and compared, not only hashed."""
+    pool = make_pool(num_blocks=32, digest=digest)
+    s = pool.open_session("a", "prefill").session_id
+    prompt = [1] * (2 * BS)
+    committed = {}
+    for salt in (None, "tenant-a", "tenant-b", "lora:x"):
+        assert pool.lookup(s, prompt, salt=salt).block_ids == [], f"{salt!r} found another salt's blocks"
+        ids = pool.alloc(s, 2)
+        assert pool.commit(s, ids, prompt, salt=salt).committed == 2
+        committed[salt] = ids
+    for salt, ids in committed.items():
+        hit = pool.lookup(s, [*prompt, 2], salt=salt)
+        if digest is weak_digest:  # a key taken over by another chain costs a miss, never a wrong hit
+            assert hit.block_ids == ids[: len(hit.block_ids)]
+        else:
+            assert hit.block_ids == ids and hit.num_tokens == 2 * BS
+        pool.free(s, hit.block_ids)
+    assert pool.lookup(s, prompt, salt="tenant-c").block_ids == []
 
 
 # -- model-based test ------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ class PrefillWorker:
         time-sliced against them), a peer copy, a scatter on the other GPU, then one wait for it all. The
         originals are freed and stay cached here for prefix hits.
         """
-        flat = [b + self.pool.first for t in tables for b in t]
+        flat = self.pool.pool_ids([b for t in tables for b in t])
         moved = self.pool.pool.move(flat, device=self.push_to)  # type: ignore[arg-type]
         out, at = [], 0
         for t in tables:

@@ -41,6 +41,8 @@ def test_short_soak_passes_with_16_clients() -> None:
     assert all(s["ops"][op] > 50 for op in soak.OPS), s["ops"]
     assert s["samples"] >= 20, "the books must have been sampled all along"
     assert s["crashed_workers"] >= 1
+    refused = {k: n for k, n in s["ops"].items() if k.startswith("stale ")}
+    assert sum(refused.values()) == s["ops"]["stale"] and s["stale_refused"] > 0, s["ops"]
     assert s["end"]["in_use"] == 0 and s["end"]["handoffs"] == 0 and s["end"]["sessions"] == 0
     assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
 

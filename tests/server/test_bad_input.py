@@ -138,6 +138,11 @@ HTTP_CASES: list[tuple[str, str, str, Any, int, list[str]]] = [
      ["no arena on device 7"]),
     ("lookup-unknown-device", "POST", "/lookup", {"session_id": "{A}", "token_ids": PREFIX, "device": 3}, 400,
      ["no arena on device 3"]),
+    ("lookup-empty-salt", "POST", "/lookup", {"session_id": "{A}", "token_ids": PREFIX, "salt": ""}, 422, ["salt"]),
+    ("commit-salt-too-long", "POST", "/commit",
+     {"session_id": "{A}", "block_ids": [2], "token_ids": PREFIX, "salt": "x" * 257}, 422, ["salt"]),
+    ("lookup-salt-not-a-string", "POST", "/lookup", {"session_id": "{A}", "token_ids": PREFIX, "salt": 7}, 422,
+     ["salt"]),
     ("alloc-negative-device", "POST", "/alloc", {"session_id": "{A}", "num_blocks": 1, "device": -1}, 422,
      ["device"]),
     # malformed JSON and bodies that are not JSON at all
