@@ -273,6 +273,8 @@ class LeaseBooks:
         }
 
     def close(self) -> None:
+        if not hasattr(self, "table"):
+            return
         for lease in self.leases.values():
             if lease.box is not None:
                 Path(lease.box).unlink(missing_ok=True)
