@@ -143,10 +143,12 @@ class Slab:
             with self.lock:
                 self._answer_want()
                 slot = int(self.slot_of[block]) if 0 <= block < len(self.slot_of) and fenced >= 0 else -1
-                if slot < 0 or self.state[slot] != ALLOCATED:
+                if slot < 0:
                     return 0, [fenced]
                 if int(self.block[slot]) != fenced:
                     raise self._stale([fenced])
+                if self.state[slot] != ALLOCATED:
+                    raise self._not_held([fenced])
                 self.state[slot] = IDLE
                 self.idle[self.top] = slot
                 self.top += 1
@@ -155,30 +157,45 @@ class Slab:
         arr = as_ids(ids)
         with self.lock:
             self._answer_want()
-            slots = self._allocated(arr)
+            slots = self._owned(arr)
             local = slots >= 0
             if not local.any():
                 return 0, arr.tolist()
             mine = slots[local]
-            if len(np.unique(mine)) != len(mine):
-                raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
-            stale = self.block[mine] != arr[local]
-            if stale.any():
-                raise self._stale(arr[local][stale].tolist())
             self.state[mine] = IDLE
             self.idle[self.top : self.top + len(mine)] = mine
             self.top += len(mine)
             self._trim()
             return len(mine), arr[~local].tolist()
 
-    def _allocated(self, arr: np.ndarray) -> np.ndarray:
-        """The slot of each id that names an allocated block of this slab (any generation), else -1."""
+    def _owned(self, arr: np.ndarray) -> np.ndarray:
+        """The slot of each id that names a block of this slab, else -1 (a block the pool has to answer for).
+
+        Raises, changing nothing, if an id names a slab block that this session does not hold allocated: under an
+        old generation (StaleBlock), or idle, that is freed already (NotOwner), or twice. Such an id must never
+        reach the pool, which would take the block back while the slab still counts it as its own.
+        """
         blocks = arr & BLOCK_MASK
         inside = (arr >= 0) & (blocks < len(self.slot_of))
         slots = np.where(inside, self.slot_of[np.where(inside, blocks, 0)], -1)
-        ok = slots >= 0
-        ok[ok] = self.state[slots[ok]] == ALLOCATED
-        return np.where(ok, slots, -1)
+        ours = slots >= 0
+        if ours.any():
+            mine = slots[ours]
+            stale = self.block[mine] != arr[ours]
+            if stale.any():
+                raise self._stale(arr[ours][stale].tolist())
+            idle = self.state[mine] != ALLOCATED
+            if idle.any():
+                raise self._not_held(arr[ours][idle].tolist())
+            if len(np.unique(mine)) != len(mine):
+                raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        return slots
+
+    def _not_held(self, ids: list[int]) -> NotOwner:
+        return NotOwner(
+            f"the session holds no reference on blocks {sorted(ids)[:8]}: they were freed already (back into its "
+            "slab); nothing was changed"
+        )
 
     def _stale(self, ids: list[int]) -> StaleBlock:
         return StaleBlock(
@@ -191,8 +208,8 @@ class Slab:
         """Take these blocks out of the slab before they leave it through the pool (commit, a pool handoff)."""
         arr = as_ids(ids)
         with self.lock:
-            slots = self._allocated(arr)
-            mine = np.unique(slots[slots >= 0])
+            slots = self._owned(arr)
+            mine = slots[slots >= 0]
             if not mine.size:
                 return
             self.state[mine] = EMPTY

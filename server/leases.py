@@ -240,6 +240,13 @@ class LeaseBooks:
             self.counters.handed_released += len(drops)
         return int(handed.size)
 
+    def settle_session(self, session_id: str) -> None:
+        """Before a session frees, commits or hands off blocks through the pool: what it handed from its slab is
+        its consumers' (or back in the pool) first, so it cannot give those blocks up a second time."""
+        lease = self.leases.get(session_id)
+        if lease is not None:
+            self.settle(lease.region)
+
     def settle_all(self) -> int:
         states = self.table["slots"]["state"]
         regions = np.flatnonzero(np.any(states == HANDED, axis=1))
@@ -293,6 +300,7 @@ def open_leases(settings: PoolSettings, pool: Pool) -> LeaseBooks | None:
     books = LeaseBooks(pool, settings.shm_dir, settings.lease_regions, settings.slab_max_blocks,
                        sock.parent if sock is not None else None)  # fmt: skip
     pool.on_release = books.release
+    pool.on_gives_up = books.settle_session
     pool.on_exhausted = lambda session_id: books.want_back(exclude=session_id) and None
     log.info("lease table at %s: %d regions of %d slots", books.path, len(books.table), books.slots)
     return books

@@ -60,6 +60,8 @@ class Pool(Parking):
     #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
     on_release: Callable[[Session], None] | None = None
     on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
+    #: before a session's call gives up blocks (free, commit, handoff): what its slab handed must move first
+    on_gives_up: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -189,6 +191,8 @@ class Pool(Parking):
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
         self.allocator.free(holder, self.unfence(block_ids))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
@@ -212,6 +216,8 @@ class Pool(Parking):
         """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
         ``salt``'s chains: only lookups with the same salt find them."""
         holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
         num_full = len(token_ids) // self.layout.block_size
         if len(block_ids) < num_full:
             raise InvalidRequest(

@@ -38,6 +38,7 @@ def books(tmp_path: Path, clock: Clock) -> Iterator[LeaseBooks]:
     books = LeaseBooks(pool, tmp_path, regions=4, slots=16, box_dir=tmp_path)
     pool.on_release = books.release
     pool.on_exhausted = lambda sid: books.want_back(exclude=sid) and None
+    pool.on_gives_up = books.settle_session
     yield books
     books.close()
 
@@ -187,3 +188,16 @@ def test_the_table_is_private_to_the_pools_user_and_goes_with_the_pool(books: Le
     path = books.path
     books.close()
     assert not path.exists()
+
+
+def test_a_producer_cannot_free_what_its_slab_handed(books: LeaseBooks) -> None:
+    """Its free settles its region first: the handed blocks are the consumer's by then, and the free is refused."""
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 2, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots, seq=1)
+    with pytest.raises(NotOwner):
+        pool.free(p, ids)
+    pool.free(c, ids)
+    balanced(pool)
