@@ -12,8 +12,8 @@ compare-and-swap:
   which sequence.
 
 The pool trusts none of what a session writes about blocks: it acts on a slot only for a block its own books say
-that session holds in its slab (see :mod:`kvpool.server.leases`). A writer publishes a slot's other fields before
-its ``state``, and readers read ``state`` first.
+that session holds in its slab. A writer publishes a slot's other fields before its ``state``, and readers read
+``state`` first (docs/operations.md, "Slabs", says why this is safe).
 """
 
 from __future__ import annotations

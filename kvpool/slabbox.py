@@ -6,7 +6,7 @@ consumer takes the ids only if the seal holds, the sequence is newer than any it
 replay is dropped), and the producer's region, mapped read-only, says the same: those blocks, handed to this
 session under this sequence. If the region says otherwise because the pool already moved the refs (the producer
 ended, or reused settled slots), the consumer asks the pool whether it holds them now, and takes them only if so.
-The refs move in the pool's books afterwards (:meth:`kvpool.server.leases.LeaseBooks.settle`); this client has
+The refs move in the pool's books afterwards (the pool settles them: docs/operations.md, "Slabs"); this client has
 them settled before it names those blocks in any call.
 """
 
