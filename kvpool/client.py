@@ -118,6 +118,7 @@ class PoolClient:
         self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)
         self.slabs = Slabs(self.transport, SlabConfig.resolve(slab), spin_s)
+        self.session.on_beat = self.slabs.answer_want
         self._open_session()
         if heartbeat:
             self.session.start_heartbeat()

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.errors import InvalidRequest, NotOwner, StaleBlock
+from kvpool.errors import InvalidRequest, NotOwner, StaleBlock, UnknownSession
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import LeaseInfo, LeaseOpen, SettleRequest, SettleResponse, SlabRequest, SlabResponse
 from kvpool.leases import ALLOCATED, EMPTY, HANDED, IDLE, TableView
@@ -218,7 +218,18 @@ class Slab:
 
     # -- refills and drains -----------------------------------------------------------------------------
 
+    def answer_want(self) -> None:
+        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too)."""
+        with self.lock:
+            self._answer_want()
+
     def _answer_want(self) -> None:
+        """Also the check that the slab is still this session's: the pool zeroes the region of a session whose lease
+        ran out, and a client paused past its lease must not go on handing out blocks the pool took back."""
+        if int(self.mine["nonce"]) != self.info.nonce:
+            raise UnknownSession(
+                "this session's lease ran out and its slab went back to the pool: its ids are stale; reconnect()"
+            )
         want = int(self.mine["want"])
         if want != int(self.mine["done"]):
             self._drain(0)

@@ -105,6 +105,7 @@ class SlabHandoffs:
         if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
             return None
         with slab.lock:
+            slab._answer_want()
             # an id that is no allocated block of this slab fails one of the two comparisons (a block not in the
             # slab maps to slot -1, whose block field never holds an id that slot_of does not point back to)
             slots = slab.slot_of.take(arr & BLOCK_MASK, mode="clip")

@@ -49,6 +49,10 @@ class Slabs:
             self.slab.close()
         self.slab = self.handoffs = None
 
+    def answer_want(self) -> None:
+        if self.slab is not None:
+            self.slab.answer_want()
+
     @property
     def receiving(self) -> bool:
         return self.handoffs is not None and self.handoffs.box is not None

@@ -18,7 +18,7 @@ import pytest
 
 from kvpool import slabwire
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, NotOwner, PoolExhausted, StaleBlock
+from kvpool.errors import HandoffNotFound, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.slab import SlabConfig
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
 
@@ -203,4 +203,30 @@ def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consu
         got = heir.claim("req-from-the-dead", timeout_s=5)  # its region is gone: the pool vouches instead
         assert got.block_ids == handed
         assert heir.free(got.ids) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> None:
+    big = SlabConfig(blocks=40, low=1, high=48)
+    with PoolClient(pool.url, name="slab-i", slab=big) as idle, PoolClient(pool.url, name="plain-2", slab=False) as b:
+        idle.free(idle.alloc(1))  # a slab of 41 idle blocks, then nothing more from this client
+        with pytest.raises(PoolExhausted):
+            b.alloc(30)
+        deadline = time.monotonic() + 10
+        while stats(pool)["leases"]["slab_idle"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        b.free(b.alloc(30))
+    wait_idle(pool)
+
+
+def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-z", slab=SMALL, heartbeat=False) as z:
+        ids = z.alloc(1)
+        deadline = time.monotonic() + 10
+        while stats(pool)["sessions"] and time.monotonic() < deadline:  # its lease (1 s) runs out
+            time.sleep(0.05)
+        with pytest.raises(UnknownSession):
+            z.alloc(1)
+        with pytest.raises(UnknownSession):
+            z.free(ids)
     assert wait_idle(pool)["in_use"] == 0
