@@ -31,6 +31,7 @@ BLOCK_MASK = (1 << BLOCK_BITS) - 1
 GEN_BITS = 31
 GEN_MASK = (1 << GEN_BITS) - 1
 MAX_ID = (1 << (BLOCK_BITS + GEN_BITS)) - 1
+GEN_STEP = 1 << BLOCK_BITS  # what one more generation adds to an id
 ITEM = 8  # bytes of one packed id
 _INT64 = frozenset({"q", "<q", "=q", "l", "<l", "=l"} if array("l").itemsize == 8 else {"q", "<q", "=q"})
 _INT32 = frozenset({"i", "<i", "=i"})
@@ -74,6 +75,15 @@ def pack_ids(ids: Sequence[int] | Any) -> memoryview | None:
     if sys.byteorder != "little":
         packed.byteswap()
     return memoryview(packed).cast("B")
+
+
+def low_words(ids: list[int]) -> list[int]:
+    """Each id's low 32 bits (its block), read from the ids packed rather than masked one by one; OverflowError
+    when an id does not fit in int64 (a negative one gives a block past any arena)."""
+    packed = array("q", ids)
+    if sys.byteorder != "little":
+        return [i & BLOCK_MASK for i in packed]
+    return memoryview(packed).cast("B").cast("I")[::2].tolist()
 
 
 def unpack_ids(data: bytes | memoryview) -> array:

@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_BITS, BLOCK_MASK, MAX_ID
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID, low_words
 
 
 class BlockAllocator:
@@ -40,7 +40,6 @@ class BlockAllocator:
         self.ref_cnt: list[int] = [0] * self.num_blocks
         self.committed: list[bool] = [False] * self.num_blocks
         self.fence_of: list[int] = list(range(self.num_blocks))  # each block's current fenced id (generation 0)
-        self._block_at: dict[int, int] = {b: b for b in range(self.num_blocks)}  # and the other way
         self.arena_of: list[int] = [a for a, size in enumerate(sizes) for _ in range(size)]
         # Reversed so that a fresh pool hands out 0, 1, 2, ... (easier to read in logs and tests).
         self._free: list[list[int]] = [
@@ -140,6 +139,8 @@ class BlockAllocator:
             return 0
         held = self._holders[holder]
         released = 0
+        ref, committed, arena_of, fence_of = self.ref_cnt, self.committed, self.arena_of, self.fence_of
+        stacks = self._free
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
         for block in reversed(ids):
             left = held[block] - 1
@@ -147,14 +148,16 @@ class BlockAllocator:
                 held[block] = left
             else:
                 del held[block]
-            self.ref_cnt[block] -= 1
-            if self.ref_cnt[block] == 0:
+            ref[block] -= 1
+            if not ref[block]:
                 released += 1
-                if self.committed[block]:
-                    self._lru[self.arena_of[block]][block] = None
+                if committed[block]:
+                    self._lru[arena_of[block]][block] = None
                 else:
-                    self._recycled(block)
-                    self._free[self.arena_of[block]].append(block)
+                    fence_of[block] += GEN_STEP  # recycled: the next generation (wrapped past 2**31 - 1 below)
+                    stacks[arena_of[block]].append(block)
+                    if fence_of[block] > MAX_ID:
+                        fence_of[block] = block
         if not held:
             del self._holders[holder]
         return released
@@ -212,13 +215,8 @@ class BlockAllocator:
 
     def _recycled(self, block: int) -> None:
         """Its KV is no longer what any id handed out so far says: the next generation (after 2**31 - 1, 0)."""
-        fenced = self.fence_of[block] + (1 << BLOCK_BITS)
-        self._fence(block, fenced if fenced <= MAX_ID else block)
-
-    def _fence(self, block: int, fenced: int) -> None:
-        del self._block_at[self.fence_of[block]]
-        self._block_at[fenced] = block
-        self.fence_of[block] = fenced
+        fenced = self.fence_of[block] + GEN_STEP
+        self.fence_of[block] = fenced if fenced <= MAX_ID else block
 
     def fenced(self, blocks: Sequence[int]) -> list[int]:
         """Blocks as the ids that leave the pool: each with its current generation."""
@@ -227,19 +225,21 @@ class BlockAllocator:
     def unfence(self, ids: Sequence[int]) -> list[int]:
         """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
 
-        It runs on every call that names blocks, so the usual case is one dict lookup per id, in C.
+        It runs on every call that names blocks, so the usual case stays in C: the ids packed, their low halves
+        read back as the blocks, and those blocks' current ids compared with what was sent.
         """
+        ids = ids if type(ids) is list else list(ids)
         try:
-            return list(map(self._block_at.__getitem__, ids))
-        except KeyError:
+            blocks = low_words(ids)
+            if self.fenced(blocks) == ids:
+                return blocks
+        except (OverflowError, IndexError):
             pass
-        ids = list(ids)
-        blocks = [i & BLOCK_MASK for i in ids]
-        n = self.num_blocks
-        bad = [i for i, b in zip(ids, blocks, strict=True) if not 0 <= i <= MAX_ID or b >= n]
+        n, fence_of = self.num_blocks, self.fence_of
+        bad = [i for i in ids if not 0 <= i <= MAX_ID or i & BLOCK_MASK >= n]
         if bad:
             raise InvalidRequest(f"block ids out of range: {bad[:8]} (an id's low 32 bits are its block, in [0, {n}))")
-        stale = [i for i in ids if i not in self._block_at]
+        stale = [i for i in ids if fence_of[i & BLOCK_MASK] != i]
         raise StaleBlock(
             f"block ids {stale[:8]} are stale: their blocks were freed or evicted since the call that returned them "
             "(the high bits of an id are its block's generation), and may hold other KV now; nothing was changed. "
@@ -297,4 +297,4 @@ class BlockAllocator:
                 assert block in free, f"free block {block} missing from the free stack"
         assert self.num_free + self.num_in_use + self.num_cached == self.num_blocks
         assert all(f & BLOCK_MASK == b for b, f in enumerate(self.fence_of)), "a fenced id names another block"
-        assert self._block_at == {f: b for b, f in enumerate(self.fence_of)}, "the two maps of fenced ids differ"
+        assert all(0 <= f <= MAX_ID for f in self.fence_of), "a fenced id past int64"

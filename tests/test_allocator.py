@@ -170,7 +170,7 @@ def test_a_freed_id_is_stale_and_its_refusal_changes_nothing():
 
 def test_the_generation_wraps_within_its_31_bits():
     a = BlockAllocator(1)
-    a._fence(0, GEN_MASK << 32)  # block 0 at its last generation
+    a.fence_of[0] = GEN_MASK << 32  # block 0 at its last generation
     a.allocate("s", 1)
     assert a.fenced([0]) == [GEN_MASK << 32] and a.fenced([0])[0] <= MAX_ID
     a.free("s", [0])
