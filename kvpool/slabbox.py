@@ -17,9 +17,9 @@ import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
+from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -30,7 +30,7 @@ from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError, UnknownSe
 from kvpool.handoffs import Claim
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ALLOCATED, HANDED
+from kvpool.leases import ALLOCATED, HANDED, HSEQ, NONCE, PAGE
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 FLUSH_S = 0.0005
 #: how long a producer remembers that a consumer has no lease box before it asks the pool again
 NO_BOX_S = 1.0
-#: a slot's fields after its block, as kvpool.leases.SLOT lays them out: state, to_region, seq, to_nonce
-SLOT_TAIL = struct.Struct("<IIQQ")
+#: up to this many ids a handoff is checked and marked one id at a time (numpy's per-call cost is a microsecond)
+FEW = 128
+STATE_MASK = 0xFFFFFFFF
 
 
 @dataclass(slots=True)
@@ -82,7 +83,8 @@ class SlabHandoffs:
 
     def _peer(self, to: str) -> Peer | None:
         peer = self.peers.get(to)
-        if peer is not None and int(self.slab.view.table[peer.region]["nonce"]) == peer.nonce:
+        view = self.slab.view
+        if peer is not None and view.all_words[PAGE // 8 + peer.region * view.region_words + NONCE] == peer.nonce:
             return peer
         if self.no_box.get(to, 0.0) > time.monotonic():
             return None
@@ -100,30 +102,29 @@ class SlabHandoffs:
         """Hand the slab's allocated blocks ``ids`` to the session called ``to``; how many, or None when this path
         does not apply (not all slab blocks, or no lease box there): then the caller goes through the pool."""
         slab = self.slab
-        arr = as_ids(ids)
-        n = len(arr)
+        listed = ids if type(ids) is list else as_ids(ids).tolist()
+        n = len(listed)
         if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
             return None
         with slab.lock:
             slab._answer_want()
-            # an id that is no allocated block of this slab fails one of the two comparisons (a block not in the
-            # slab maps to slot -1, whose block field never holds an id that slot_of does not point back to)
-            slots = slab.slot_of.take(arr & BLOCK_MASK, mode="clip")
-            if not ((slab.state[slots] == ALLOCATED).all() and (slab.block[slots] == arr).all()):
-                return None
-            if n > 1 and len(set(slots.tolist())) != n:
+            slots = self._allocated_slots(listed) if n <= FEW else self._allocated_array(as_ids(listed))
+            if slots is None or (n > 1 and len(set(slots)) != n):
                 return None
             peer = self._peer(to)
             if peer is None:
                 return None
-            seq = int(slab.mine["hseq"]) + 1
-            slab.mine["hseq"] = seq
-            slab.words[slots, 2:] = (seq, peer.nonce)
-            slab.words[slots, 1] = HANDED | peer.region << 32  # the state last: readers read it first
-            slab.slot_of[arr & BLOCK_MASK] = -1
+            words = slab.view.words
+            seq = words[HSEQ] + 1
+            words[HSEQ] = seq
+            self._mark(slots, seq, peer)
+            slot_at = slab.slot_at
+            for fid in listed:
+                slot_at[fid & BLOCK_MASK] = -1
             slab.handed += n
             info = slab.info
-            datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, slots, arr)
+            packed = (array("i", slots).tobytes(), array("q", listed).tobytes())
+            datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, *packed)
             # under the lock: datagrams leave in sequence order, or the consumer would drop one as a replay
             if self.queued:
                 self.queued.append((datagram, peer.box))
@@ -140,6 +141,43 @@ class SlabHandoffs:
                     "they go to that session if it is still there, else back to the pool"
                 ) from None
         return n
+
+    def _allocated_slots(self, ids: list[int]) -> list[int] | None:
+        """The slots of these ids if each names an allocated block of this slab at its generation, else None."""
+        slot_at, words, n = self.slab.slot_at, self.slab.view.words, len(self.slab.slot_at)
+        slots = []
+        for fid in ids:
+            block = fid & BLOCK_MASK
+            slot = slot_at[block] if block < n and fid >= 0 else -1
+            if slot < 0 or words[8 + 4 * slot] != fid or words[9 + 4 * slot] & STATE_MASK != ALLOCATED:
+                return None
+            slots.append(slot)
+        return slots
+
+    def _allocated_array(self, arr: np.ndarray) -> list[int] | None:
+        """The same for many ids at once (an id that is no allocated block of this slab fails one of the two
+        comparisons: a block not in the slab maps to slot -1, whose block field never holds such an id)."""
+        slab = self.slab
+        slots = slab.slot_of.take(arr & BLOCK_MASK, mode="clip")
+        if not ((slab.state[slots] == ALLOCATED).all() and (slab.block[slots] == arr).all()):
+            return None
+        return slots.tolist()
+
+    def _mark(self, slots: list[int], seq: int, peer: Peer) -> None:
+        """Mark the slots handed to ``peer`` under ``seq``: the other fields first, the state last (readers read the
+        state first)."""
+        words, slab = self.slab.view.words, self.slab
+        tag = HANDED | peer.region << 32
+        if len(slots) <= FEW:
+            for slot in slots:
+                words[10 + 4 * slot] = seq
+                words[11 + 4 * slot] = peer.nonce
+            for slot in slots:
+                words[9 + 4 * slot] = tag
+            return
+        at = np.asarray(slots)
+        slab.words[at, 2:] = (seq, peer.nonce)
+        slab.words[at, 1] = tag
 
     def _flush(self) -> None:
         """Send the queued datagrams in order as their consumers make room; one whose consumer is gone is dropped
@@ -220,24 +258,36 @@ class SlabHandoffs:
 
     def _vouched(self, h: slabwire.SlabHandoff) -> bool:
         """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
-        must read (id, handed, this region, this sequence, this nonce), byte for byte."""
-        table, info = self.slab.view.table, self.slab.info
-        if not len(h.slots) or not 0 <= h.from_region < len(table):
+        must read (id, handed | this region, this sequence, this nonce), word for word."""
+        view, info, n = self.slab.view, self.slab.info, len(h.slots)
+        if not n or not 0 <= h.from_region < view.regions:
             return False
-        if h.slots.min() < 0 or h.slots.max() >= self.slab.capacity:
+        words, base = view.all_words, PAGE // 8 + h.from_region * view.region_words
+        if words[base + NONCE] != h.from_nonce:
             return False
-        region = table[h.from_region]
-        if int(region["nonce"]) != h.from_nonce:
-            return False
-        got = region["slots"][h.slots]
-        want = np.empty((len(h.ids), 4), "<u8")
-        want[:, 0] = h.ids
-        want[:, 1:] = np.frombuffer(SLOT_TAIL.pack(HANDED, info.region, h.seq, info.nonce), "<u8")
-        return bool(got.tobytes() == want.tobytes() and int(region["nonce"]) == h.from_nonce)
+        tag, seq, nonce, capacity = HANDED | info.region << 32, h.seq, info.nonce, self.slab.capacity
+        if n <= FEW:
+            for slot, fid in zip(h.slots, h.packed, strict=True):
+                at = base + 8 + 4 * slot
+                if not 0 <= slot < capacity or words[at] != fid or words[at + 1] != tag:
+                    return False
+                if words[at + 2] != seq or words[at + 3] != nonce:
+                    return False
+        else:
+            slots = np.frombuffer(h.slots, np.int32)
+            if slots.min() < 0 or slots.max() >= capacity:
+                return False
+            got = view.table[h.from_region]["slots"][slots]
+            want = np.empty((n, 4), "<u8")
+            want[:, 0] = np.frombuffer(h.packed, np.int64)
+            want[:, 1:] = (tag, seq, nonce)
+            if got.tobytes() != want.tobytes():
+                return False
+        return words[base + NONCE] == h.from_nonce
 
     def _held(self, h: slabwire.SlabHandoff) -> bool:
         try:
-            return self.slab.settle([h.from_region], h.ids.tolist())
+            return self.slab.settle([h.from_region], h.packed.tolist())
         except KvpoolError:
             return False
 

@@ -17,8 +17,6 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 MAGIC = b"KVL1"
 #: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes;
 #: then the slots (i32), the ids (i64), the request id, the meta JSON and the seal
@@ -35,9 +33,8 @@ class SlabHandoff:
     request_id: str
     num_tokens: int
     meta: dict[str, Any]
-    slots: np.ndarray
-    ids: np.ndarray  # a view of ``packed``
-    packed: array
+    slots: array  # int32
+    packed: array  # the ids, int64
 
 
 def pair_key(secret: bytes, producer: str, consumer: str) -> bytes:
@@ -53,13 +50,13 @@ def encode(
     request_id: str,
     num_tokens: int,
     meta: bytes,
-    slots: np.ndarray,
-    ids: np.ndarray,
+    slots: bytes,
+    ids: bytes,
 ) -> bytes:
+    """The sealed datagram; ``slots`` are int32 and ``ids`` int64, little-endian, already packed."""
     rid = request_id.encode()
-    head = HEAD.pack(MAGIC, region, len(ids), nonce, seq, num_tokens, len(rid), len(meta))
-    packed = (slots.astype("<i4", copy=False).tobytes(), ids.astype("<i8", copy=False).tobytes())
-    body = b"".join((head, *packed, rid, meta))
+    head = HEAD.pack(MAGIC, region, len(ids) // 8, nonce, seq, num_tokens, len(rid), len(meta))
+    body = b"".join((head, slots, ids, rid, meta))
     return body + hashlib.blake2b(body, key=key, digest_size=SEAL_BYTES).digest()
 
 
@@ -87,9 +84,8 @@ def decode(data: memoryview, key: bytes) -> SlabHandoff | None:
         meta = json.loads(data[at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
-    slots = np.frombuffer(data, dtype="<i4", count=n, offset=HEAD.size).copy()
-    packed = array("q")
+    slots, packed = array("i"), array("q")
+    slots.frombytes(data[HEAD.size : HEAD.size + 4 * n])
     packed.frombytes(data[HEAD.size + 4 * n : at])
-    ids = np.frombuffer(packed, dtype=np.int64) if n else np.zeros(0, np.int64)
     meta = meta if isinstance(meta, dict) else {}
-    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta, slots, ids, packed)
+    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta, slots, packed)
