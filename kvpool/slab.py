@@ -181,24 +181,32 @@ class Slab:
         reach the pool, which would take the block back while the slab still counts it as its own.
         """
         blocks = arr & BLOCK_MASK
-        inside = (arr >= 0) & (blocks < len(self.slot_of))
-        slots = np.where(inside, self.slot_of[np.where(inside, blocks, 0)], -1)
+        if len(arr) and arr.min() >= 0 and blocks.max() < len(self.slot_of):
+            slots = self.slot_of[blocks]
+        else:
+            inside = (arr >= 0) & (blocks < len(self.slot_of))
+            slots = np.where(inside, self.slot_of[np.where(inside, blocks, 0)], -1)
         ours = slots >= 0
-        if ours.any():
-            mine = slots[ours]
-            stale = self.block[mine] != arr[ours]
-            if stale.any():
-                raise self._stale(arr[ours][stale].tolist())
-            idle = self.state[mine] != ALLOCATED
-            if idle.any():
-                raise self._not_held(arr[ours][idle].tolist())
-            if len(mine) > self.capacity:
+        if ours.all():
+            mine, named = slots, arr
+        elif ours.any():
+            mine, named = slots[ours], arr[ours]
+        else:
+            return slots
+        rows = self.words[mine]  # block, state | to_region << 32, ...: one gather
+        stale = rows[:, 0] != named.view(np.uint64)
+        if stale.any():
+            raise self._stale(named[stale].tolist())
+        idle = (rows[:, 1] & 0xFFFFFFFF) != ALLOCATED
+        if idle.any():
+            raise self._not_held(named[idle].tolist())
+        if len(mine) > self.capacity:
+            raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        if len(mine) > 1:  # a slot named twice keeps the later position only (np.unique sorts: 20x dearer)
+            order = self._order[: len(mine)]
+            self._scratch[mine] = order
+            if (self._scratch[mine] != order).any():
                 raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
-            if len(mine) > 1:  # a slot named twice keeps the later position only (np.unique sorts: 20x dearer)
-                order = self._order[: len(mine)]
-                self._scratch[mine] = order
-                if (self._scratch[mine] != order).any():
-                    raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
         return slots
 
     def _not_held(self, ids: list[int]) -> NotOwner:
