@@ -23,6 +23,7 @@ TINY: dict[str, list[str]] = {
     "prefix": ["--tokens", "512", "--rounds", "1"],
     "e2e": ["--scenarios", "1,3", "--rates", "20", "--duration-s", "0.2", "--min-requests", "3", "--prompt-len", "40"],
     "copy": ["--sizes", "2MiB", "--rounds", "1"],
+    "lease": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
 
