@@ -77,15 +77,6 @@ def pack_ids(ids: Sequence[int] | Any) -> memoryview | None:
     return memoryview(packed).cast("B")
 
 
-def low_words(ids: list[int]) -> list[int]:
-    """Each id's low 32 bits (its block), read from the ids packed rather than masked one by one; OverflowError
-    when an id does not fit in int64 (a negative one gives a block past any arena)."""
-    packed = array("q", ids)
-    if sys.byteorder != "little":
-        return [i & BLOCK_MASK for i in packed]
-    return memoryview(packed).cast("B").cast("I")[::2].tolist()
-
-
 def unpack_ids(data: bytes | memoryview) -> array:
     if len(data) % ITEM:
         raise InvalidRequest(

@@ -26,7 +26,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID, low_words
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID
 
 
 class BlockAllocator:
@@ -225,15 +225,14 @@ class BlockAllocator:
     def unfence(self, ids: Sequence[int]) -> list[int]:
         """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
 
-        It runs on every call that names blocks, so the usual case stays in C: the ids packed, their low halves
-        read back as the blocks, and those blocks' current ids compared with what was sent.
+        It runs on every call that names blocks, so the usual case is a mask per id and a comparison of lists.
         """
         ids = ids if type(ids) is list else list(ids)
+        blocks = [i & BLOCK_MASK for i in ids]
         try:
-            blocks = low_words(ids)
             if self.fenced(blocks) == ids:
                 return blocks
-        except (OverflowError, IndexError):
+        except IndexError:  # a block past the arena (a negative id lands there too)
             pass
         n, fence_of = self.num_blocks, self.fence_of
         bad = [i for i in ids if not 0 <= i <= MAX_ID or i & BLOCK_MASK >= n]
