@@ -131,6 +131,8 @@ class LeaseBooks:
         lease = self._lease(session_id)
         holder = self.pool.session(session_id).holder
         allocator = self.pool.allocator
+        if give:
+            self.settle(lease.region)  # a block it handed is its consumer's: never back to the pool from here
         blocks = self.pool.unfence(give) if give else []
         if len(set(blocks)) != len(blocks):
             raise InvalidRequest("give lists a block twice")

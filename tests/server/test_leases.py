@@ -201,3 +201,16 @@ def test_a_producer_cannot_free_what_its_slab_handed(books: LeaseBooks) -> None:
         pool.free(p, ids)
     pool.free(c, ids)
     balanced(pool)
+
+
+def test_a_handed_block_given_back_with_the_idle_ones_is_refused(books: LeaseBooks) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 3, [])
+    slots = place(books, p, ids, IDLE)
+    hand(books, p, c, slots[:1], seq=1)
+    with pytest.raises(NotOwner):
+        books.grant(p, 0, ids)
+    books.grant(p, 0, ids[1:])
+    pool.free(c, ids[:1])
+    balanced(pool)
