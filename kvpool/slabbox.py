@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 #: how often a producer tries again to send handoffs a consumer had no room for
 FLUSH_S = 0.0005
+FLUSH_MAX_S = 0.05
 #: how long a producer remembers that a consumer has no lease box before it asks the pool again
 NO_BOX_S = 1.0
 #: up to this many ids a handoff is checked and marked one id at a time (numpy's per-call cost is a microsecond)
@@ -182,6 +183,7 @@ class SlabHandoffs:
     def _flush(self) -> None:
         """Send the queued datagrams in order as their consumers make room; one whose consumer is gone is dropped
         (the pool gives its blocks back when it settles)."""
+        pause = FLUSH_S
         while True:
             with self.slab.lock:
                 if not self.queued or self.out.fileno() < 0:
@@ -191,14 +193,15 @@ class SlabHandoffs:
                 try:
                     self.out.sendto(datagram, box)
                 except BlockingIOError:
-                    pass
+                    pause = min(2 * pause, FLUSH_MAX_S)  # a consumer that does not read: no busy loop meanwhile
                 except OSError as exc:
                     log.warning("dropped a slab handoff to %s: %s", box, exc)
                     self.queued.popleft()
                 else:
                     self.queued.popleft()
+                    pause = FLUSH_S
                     continue
-            time.sleep(FLUSH_S)
+            time.sleep(pause)
 
     # -- the consumer's side ----------------------------------------------------------------------------
 
