@@ -39,8 +39,6 @@ class DeviceSession:
         """This arena's indices as the pool's (fenced) ids, for a call made on the :class:`PoolClient` itself."""
         return self.fences.restore(ids)
 
-    _global = pool_ids
-
     def _local(self, ids: Sequence[int]) -> list[int]:
         return self.fences.strip(ids)
 
@@ -48,10 +46,10 @@ class DeviceSession:
         return self._local(self.pool.alloc(num_blocks, device=self.device))
 
     def free(self, block_ids: Sequence[int]) -> int:
-        return self.pool.free(self._global(block_ids))
+        return self.pool.free(self.pool_ids(block_ids))
 
     def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
-        return self.pool.commit(self._global(block_ids), token_ids, salt)
+        return self.pool.commit(self.pool_ids(block_ids), token_ids, salt)
 
     def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> LookupResponse:
         hit = self.pool.lookup(token_ids, device=self.device, salt=salt)
@@ -66,7 +64,7 @@ class DeviceSession:
         ttl_s: float | None = None,
         to: str | None = None,
     ) -> HandoffResponse:
-        return self.pool.handoff(request_id, self._global(block_ids), num_tokens, meta, ttl_s, to)
+        return self.pool.handoff(request_id, self.pool_ids(block_ids), num_tokens, meta, ttl_s, to)
 
     def confirm(self) -> None:
         self.pool.confirm()

@@ -98,11 +98,6 @@ def arena_ids(block_ids: Sequence[int], first: int, num_blocks: int) -> list[int
     return local
 
 
-def pool_ids(arena_ids: Sequence[int], first: int) -> Sequence[int]:
-    """An arena's block indices as the pool numbers them (with no generation: see :class:`Fences`)."""
-    return [b + first for b in arena_ids] if first else arena_ids
-
-
 class Fences:
     """The fenced id last handed to this process for each block of one arena, so that worker code can hold plain
     arena indices and the pool still gets fenced ids back.

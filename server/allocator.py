@@ -154,7 +154,7 @@ class BlockAllocator:
                 if committed[block]:
                     self._lru[arena_of[block]][block] = None
                 else:
-                    fence_of[block] += GEN_STEP  # recycled: the next generation (wrapped past 2**31 - 1 below)
+                    fence_of[block] += GEN_STEP  # _recycled(block), inline on this hot path
                     stacks[arena_of[block]].append(block)
                     if fence_of[block] > MAX_ID:
                         fence_of[block] = block
