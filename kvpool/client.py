@@ -209,13 +209,11 @@ class PoolClient:
         return self._call(b"alloc", "/alloc", req, AllocResponse)[0].block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
-        local, rest = self.slabs.free(block_ids)
-        if rest is not None:
-            if not rest:
-                return local
-            block_ids = rest
+        return self.slabs.free(block_ids, self._free_in_pool)
+
+    def _free_in_pool(self, block_ids: Sequence[int]) -> int:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
-        return local + self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
+        return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
     def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
         """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished);

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,8 +139,9 @@ class Slab:
             self.state[taken] = ALLOCATED
             return self.block[taken].tolist()
 
-    def free(self, ids: Sequence[int] | Any) -> tuple[int, list[int]]:
-        """Put the slab's allocated blocks among ``ids`` back; (how many, the others for the pool to free)."""
+    def free(self, ids: Sequence[int] | Any, in_pool: Callable[[list[int]], int]) -> int:
+        """Free ``ids``: the slab's allocated blocks among them back into the slab, the others through
+        ``in_pool``, and none of either if the pool refuses its share (a rejected call changes nothing)."""
         if len(ids) == 1:
             fenced = int(ids[0])
             block = fenced & BLOCK_MASK
@@ -148,7 +149,7 @@ class Slab:
                 self._answer_want()
                 slot = self.slot_at[block] if 0 <= block < len(self.slot_at) and fenced >= 0 else -1
                 if slot < 0:
-                    return 0, [fenced]
+                    return in_pool([fenced])
                 words = self.view.words
                 if words[8 + 4 * slot] != fenced:
                     raise self._stale([fenced])
@@ -158,20 +159,19 @@ class Slab:
                 self.idle[self.top] = slot
                 self.top += 1
                 self._trim()
-                return 1, []
+                return 1
         arr = as_ids(ids)
-        with self.lock:
+        with self.lock:  # held across the pool's share, so that nothing moves the slab's share meanwhile
             self._answer_want()
             slots = self._owned(arr)
             local = slots >= 0
-            if not local.any():
-                return 0, arr.tolist()
+            freed = in_pool(arr[~local].tolist()) if not local.all() else 0
             mine = slots[local]
             self.state[mine] = IDLE
             self.idle[self.top : self.top + len(mine)] = mine
             self.top += len(mine)
             self._trim()
-            return len(mine), arr[~local].tolist()
+            return freed + len(mine)
 
     def _owned(self, arr: np.ndarray) -> np.ndarray:
         """The slot of each id that names a block of this slab, else -1 (a block the pool has to answer for).

@@ -60,14 +60,16 @@ class Slabs:
     def alloc(self, n: int) -> list[int] | None:
         return self.slab.alloc(n) if self.slab is not None else None
 
-    def free(self, ids: Sequence[int] | Any) -> tuple[int, list[int] | None]:
-        """(blocks freed into the slab, the ids left for the pool; None: all of them, untouched)."""
+    def free(self, ids: Sequence[int] | Any, in_pool: Callable[[Sequence[int] | Any], int]) -> int:
+        """Free ``ids``, into the slab what is the slab's and through ``in_pool`` the rest."""
         if self.slab is None or not len(ids):
-            return 0, None
-        local, rest = self.slab.free(ids)
-        if rest:
+            return in_pool(ids)
+
+        def rest(others: list[int]) -> int:
             self.leaving(())
-        return local, rest
+            return in_pool(others)
+
+        return self.slab.free(ids, rest)
 
     def leaving(self, ids: Sequence[int] | Any) -> None:
         """Before a call names blocks at the pool: take slab blocks out of the slab, and have the refs of blocks

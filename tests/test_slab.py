@@ -88,6 +88,12 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
         with pytest.raises(StaleBlock):
             c.free(ids[:1])
         assert c.free(ids[1:]) == 1
+        mine, plain = c.alloc(1), c.alloc(40)  # too many for the slab: through the pool
+        c.free(plain)
+        with pytest.raises(StaleBlock):
+            c.free([*mine, plain[0]])  # the pool refuses its share: the slab's share stays allocated too
+        assert stats(pool)["leases"]["slab_allocated"] == 1
+        assert c.free(mine) == 1
     wait_idle(pool)
 
 
