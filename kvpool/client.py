@@ -218,10 +218,10 @@ class PoolClient:
     def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
         """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished);
         with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt."""
-        self.slabs.leaving(block_ids)
         tokens = _as_list(token_ids)
         req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=tokens, salt=salt)
-        return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
+        call = self._call
+        return self.slabs.through_pool(block_ids, lambda: call(b"commit", "/commit", req, CommitResponse, ids=ids)[0])
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
@@ -249,7 +249,13 @@ class PoolClient:
             done = self.slabs.handoff(request_id, block_ids, num_tokens, meta, to)
             if done is not None:
                 return done
-        self.slabs.leaving(block_ids)
+        return self.slabs.through_pool(block_ids, lambda: self._handoff_in_pool(request_id, block_ids, num_tokens,
+                                                                                meta, ttl_s, to))  # fmt: skip
+
+    def _handoff_in_pool(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any] | None,
+        ttl_s: float | None, to: str | None,
+    ) -> HandoffResponse:  # fmt: skip
         if self.transport.fast_path is not None and to is not None:
             ids = pack_ids(block_ids)
             if ids is not None:

@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,8 @@ from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, Tab
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,17 +224,20 @@ class Slab:
             stale=tuple(ids),
         )
 
-    def forget(self, ids: Sequence[int] | Any) -> None:
-        """Take these blocks out of the slab before they leave it through the pool (commit, a pool handoff)."""
+    def leave(self, ids: Sequence[int] | Any, call: Callable[[], T]) -> T:
+        """Run ``call``, which gives these blocks up at the pool (commit, a handoff through it); once it succeeded,
+        the slab's blocks among them leave the slab. Refused first, changing nothing, for ids the slab knows are
+        not this session's to give."""
         arr = as_ids(ids)
         with self.lock:
             slots = self._owned(arr)
+            done = call()
             mine = slots[slots >= 0]
-            if not mine.size:
-                return
-            self.state[mine] = EMPTY
-            self.slot_of[self.block[mine] & BLOCK_MASK] = -1
-            self.empty.extend(mine.tolist())
+            if mine.size:
+                self.state[mine] = EMPTY
+                self.slot_of[self.block[mine] & BLOCK_MASK] = -1
+                self.empty.extend(mine.tolist())
+            return done
 
     # -- refills and drains -----------------------------------------------------------------------------
 

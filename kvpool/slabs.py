@@ -7,7 +7,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError
 from kvpool.handoffs import Claim
@@ -17,6 +17,8 @@ from kvpool.slabbox import SlabHandoffs
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: how often a claim waiting on the lease box also asks the pool (for a handoff its producer parked there)
 POLL_S = 0.02
@@ -66,20 +68,22 @@ class Slabs:
             return in_pool(ids)
 
         def rest(others: list[int]) -> int:
-            self.leaving(())
+            self.settle()
             return in_pool(others)
 
         return self.slab.free(ids, rest)
 
-    def leaving(self, ids: Sequence[int] | Any) -> None:
-        """Before a call names blocks at the pool: take slab blocks out of the slab, and have the refs of blocks
-        handed to this session moved to it."""
+    def through_pool(self, ids: Sequence[int] | Any, call: Callable[[], T]) -> T:
+        """A call that gives ``ids`` up at the pool (commit, a handoff through it): the slab's blocks among them
+        leave the slab once the pool took them, and blocks this session was handed are settled first."""
         if self.slab is None:
-            return
-        if len(ids):
-            self.slab.forget(ids)
-        assert self.handoffs is not None
-        self.handoffs.settle()
+            return call()
+        self.settle()
+        return self.slab.leave(ids, call)
+
+    def settle(self) -> None:
+        if self.handoffs is not None:
+            self.handoffs.settle()
 
     def handoff(
         self, request_id: str, ids: Sequence[int] | Any, num_tokens: int, meta: dict[str, Any] | None, to: str

@@ -18,7 +18,7 @@ import pytest
 
 from kvpool import slabwire
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, NotOwner, PoolExhausted, StaleBlock, UnknownSession
+from kvpool.errors import HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.leases import DONE, WANT
 from kvpool.slab import SlabConfig
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
@@ -100,6 +100,9 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
 def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-d", slab=SMALL) as d:
         ids = d.alloc(2)
+        with pytest.raises(InvalidRequest):
+            d.commit(ids[:1], list(range(8)))  # tokens for two blocks, one id: refused, and both stay in the slab
+        assert stats(pool)["leases"]["slab_allocated"] == 2
         d.commit(ids, list(range(8)))
         assert d.free(ids) == 2
         s = stats(pool)
