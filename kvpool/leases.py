@@ -34,12 +34,11 @@ FILE_HEAD = struct.Struct("<8sIIQ16s")
 PAGE = mmap.ALLOCATIONGRANULARITY
 
 EMPTY, IDLE, ALLOCATED, HANDED = 0, 1, 2, 3
-STATE_NAMES = ("empty", "idle", "allocated", "handed")
 
 SLOT = np.dtype([("block", "<i8"), ("state", "<u4"), ("to_region", "<u4"), ("seq", "<u8"), ("to_nonce", "<u8")])
 HEAD_BYTES = 64
-NONCE, WANT, DONE, HSEQ = 0, 1, 2, 3  # the header's words
-SLOT_WORDS = 4  # a slot: block, state | to_region << 32, seq, to_nonce
+NONCE, WANT, DONE, HSEQ = 0, 1, 2, 3  # the header's words; then each slot is 4: block, state | to_region << 32,
+# seq, to_nonce
 
 
 def region_dtype(slots: int) -> np.dtype:

@@ -93,7 +93,7 @@ class Slab:
         self.mine = self.view.mine
         slots = self.mine["slots"]
         self.block, self.state = slots["block"], slots["state"]
-        self.to_region, self.to_nonce, self.seq = slots["to_region"], slots["to_nonce"], slots["seq"]
+        self.seq = slots["seq"]
         self.settled = self.mine["settled"]
         #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.leases)
         self.words = np.frombuffer(self.mine["slots"].data, "<u8").reshape(-1, 4)
