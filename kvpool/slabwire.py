@@ -17,12 +17,12 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.inbox import MAX_DATAGRAM, SEAL_BYTES
+
 MAGIC = b"KVL1"
 #: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes;
 #: then the slots (i32), the ids (i64), the request id, the meta JSON and the seal
 HEAD = struct.Struct("<4sIIQQQHI")
-SEAL_BYTES = 16
-MAX_DATAGRAM = 1 << 20
 
 
 @dataclass(slots=True)
@@ -89,3 +89,6 @@ def decode(data: memoryview, key: bytes) -> SlabHandoff | None:
     packed.frombytes(data[HEAD.size + 4 * n : at])
     meta = meta if isinstance(meta, dict) else {}
     return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta, slots, packed)
+
+
+__all__ = ["MAX_DATAGRAM", "SEAL_BYTES", "SlabHandoff", "decode", "encode", "pair_key", "peek"]
