@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from kvpool.errors import InvalidRequest, NotOwner, StaleBlock, UnknownSession
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import LeaseInfo, LeaseOpen, SettleRequest, SettleResponse, SlabRequest, SlabResponse
 from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
@@ -126,7 +126,11 @@ class Slab:
             if n > self.capacity // 2:
                 return None
             if self.top - n < self.config.low:
-                self._refill(self.config.blocks + n - self.top)
+                try:
+                    self._refill(self.config.blocks + n - self.top)
+                except PoolExhausted:
+                    if self.top < n:
+                        raise
                 if self.top < n:
                     return None
             top = self.top

@@ -126,8 +126,8 @@ class LeaseBooks:
     # -- slabs ------------------------------------------------------------------------------------------
 
     def grant(self, session_id: str, take: int, give: Sequence[int], arena: int = 0) -> list[int]:
-        """Take up to ``take`` more blocks into the session's slab (as many as it has room for), and return ``give``
-        (idle slab blocks) to the pool."""
+        """Take up to ``take`` more blocks into the session's slab (as many as it has room for and the arena has
+        free or evictable), and return ``give`` (idle slab blocks) to the pool."""
         lease = self._lease(session_id)
         holder = self.pool.session(session_id).holder
         allocator = self.pool.allocator
@@ -142,6 +142,8 @@ class LeaseBooks:
         allocator.check_held(holder, blocks)
         self._prune(lease, holder)
         take = min(take, max(0, self.slots - len(lease.slab) + len(blocks)))  # a slab holds at most `slots` blocks
+        if 0 < allocator.available(arena) < take:
+            take = allocator.available(arena)  # what there is; none at all is PoolExhausted (507) below
         new: list[int] = []
         if take:
             try:

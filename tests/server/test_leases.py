@@ -214,3 +214,13 @@ def test_a_handed_block_given_back_with_the_idle_ones_is_refused(books: LeaseBoo
     books.grant(p, 0, ids[1:])
     pool.free(c, ids[:1])
     balanced(pool)
+
+
+def test_a_refill_takes_what_the_arena_has_and_none_at_all_is_507(books: LeaseBooks) -> None:
+    pool = books.pool
+    a, b = session(books, "a"), session(books, "b")
+    pool.alloc(a, 20)
+    assert len(books.grant(b, 16, [])) == 12
+    with pytest.raises(PoolExhausted):
+        books.grant(b, 1, [])
+    balanced(pool)
