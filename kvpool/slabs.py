@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import platform
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -22,6 +23,8 @@ T = TypeVar("T")
 
 #: how often a claim waiting on the lease box also asks the pool (for a handoff its producer parked there)
 POLL_S = 0.02
+#: where stores reach other processes in program order, which the lease table's one-writer fields rely on
+X86_64 = frozenset({"x86_64", "amd64"})
 
 
 class Slabs:
@@ -36,6 +39,9 @@ class Slabs:
         """Take a region of the pool's lease table for this session; without one (a pool without ``--leases``,
         all regions taken, a table this process may not map) the client works through the pool."""
         if self.config is None:
+            return
+        if platform.machine().lower() not in X86_64:
+            log.warning("no slab on %s: the lease table relies on x86-64 store order", platform.machine())
             return
         try:
             self.slab = Slab.open(self.transport, session_id, epoch, self.config)
