@@ -22,6 +22,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "prefix": ("kvpool.benchmarks.prefix", "lookup and commit of a 32k-token prompt, in process and via the pool"),
     "copy": ("kvpool.benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
     "host-tier": ("kvpool.benchmarks.hosttier", "the host tier's offloads and restores against a plain pinned copy"),
+    "lease": ("kvpool.benchmarks.lease", "slab alloc/free and slab-to-slab handoffs against the datagram floor"),
 }
 # Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
 DELEGATED: dict[str, tuple[str, str]] = {"soak": ("kvpool.benchmarks.soak", "long-running load on a pool")}

@@ -20,6 +20,9 @@ What it checks, and exits non-zero on:
   books and every later check above must not notice;
 * direct handoffs: the fast-channel clients have inboxes, and half the handoffs are addressed to one of them, so
   their ids go producer to consumer while ownership moves in the pool; every claim checks what it got;
+* with ``--slabs``, those clients also have reservation slabs: their allocs and frees stay local, handoffs among
+  them go slab to slab, a full pool asks them for their idle blocks back, and the killed workers hand a block
+  from their own slab to one of them before they die;
 * at the end, after every client closed: nothing in use, no handoff parked, no session left.
 
 It shows its progress, prints ops/s by kind and errors by kind, and writes JSON and a PNG into ``--out`` like
@@ -34,6 +37,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -56,6 +60,7 @@ from kvpool.benchmarks.soak_client import (
 )
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.slab import SlabConfig
 
 SMALL_LAYOUT = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block-size", "4",
                 "--dtype", "float32"]  # fmt: skip
@@ -75,6 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between killed workers (0: none) [1.5]")  # fmt: skip
     parser.add_argument("--no-verify-data", action="store_true", help="do not map the arena to stamp and check bytes")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary alone here")
+    parser.add_argument("--slabs", action="store_true", help="start the pool with --leases and give the fast-channel "
+                        "clients and the killed workers a small slab each (alloc, free, handoffs between them local)")
 
 
 # -- the side jobs: sampling the books, killing workers -----------------------------------------------------
@@ -115,14 +122,19 @@ def check_balance(stats: dict[str, Any], tally: Tally, when: str) -> None:
                             f"{total}")  # fmt: skip
 
 
-def crash_worker_main(url: str, block_size: int, ttl_s: float) -> int:
-    """The doomed worker (run in a subprocess): take blocks, prefix refs and a parked handoff, then wait."""
+def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = None) -> int:
+    """The doomed worker (run in a subprocess): take blocks, prefix refs and a parked handoff, then wait.
+
+    With ``to`` (a client with a slab), it also hands a block from its own slab straight to that client: the pool
+    must then give it to ``to`` once this worker is killed, or free it if ``to`` is gone too."""
     client = None
     with contextlib.suppress(KvpoolError):
         client = PoolClient(url, name="soak-doomed", role="prefill")
         with contextlib.suppress(PoolExhausted):
             ids = client.alloc(2)
             client.handoff(f"doomed-{os.getpid()}", ids[:1], num_tokens=1, ttl_s=ttl_s)
+            if to is not None:
+                client.handoff(f"doomed-slab-{os.getpid()}", ids[1:], num_tokens=1, to=to)
         client.lookup(family_tokens(0, block_size))
     print("ready", flush=True)
     # Killed while these are in flight: with a host tier, some land while the pool copies the prefix back for it.
@@ -134,11 +146,16 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float) -> int:
         time.sleep(3600)
 
 
-def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: Tally, stop: threading.Event) -> None:
-    """Every ``every`` seconds, start a worker, wait until it holds its refs, and SIGKILL it."""
+def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: Tally, stop: threading.Event,
+                 slab_to: list[str] | None = None) -> None:  # fmt: skip
+    """Every ``every`` seconds, start a worker, wait until it holds its refs, and SIGKILL it. With ``slab_to`` the
+    workers have slabs, and hand one block to one of those clients before they die."""
+    env = harness.child_env({"KVPOOL_SLAB_BLOCKS": "4"} if slab_to else None)
+    rng = random.Random(len(slab_to or ()))
     while not stop.wait(every):
         cmd = [sys.executable, "-m", "kvpool.benchmarks.soak", "--crash-worker", url, str(block_size), str(ttl_s)]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=harness.child_env(),
+        cmd += [rng.choice(slab_to)] if slab_to else []
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                                 cwd=machine.ROOT, text=True)  # fmt: skip
         try:
             assert proc.stdout is not None
@@ -183,7 +200,7 @@ def pool_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str | None,
         return
     argv = ["kvpool", "serve", "--backend", "cpu", "--log-level", "warning", "--num-blocks", str(args.num_blocks),
             "--lease-ttl-s", str(args.lease_ttl_s), "--handoff-ttl-s", str(args.handoff_ttl_s),
-            *SMALL_LAYOUT]  # fmt: skip
+            *SMALL_LAYOUT, *(["--leases", "--slab-max-blocks", "16"] if args.slabs else [])]  # fmt: skip
     if args.host_blocks:
         argv += ["--host-blocks", str(args.host_blocks)]
     server = harness.start_server("pool", argv, timeout_s=120)
@@ -202,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             layout = http.get("/arena").json()["layout"]
         check_balance(start, tally, "start")
         shared = Shared(tally, int(layout["block_size"]), args.handoff_ttl_s, args.seed, not args.no_verify_data)
+        shared.slab = SlabConfig(blocks=4, low=1, high=8) if args.slabs else None
         # A quarter of the clients on plain HTTP over the Unix socket, a quarter over loopback TCP (when there is
         # one), the rest on the fast channel: all three transports carry the same calls into the same books.
         kinds = []
@@ -218,8 +236,9 @@ def run(args: argparse.Namespace) -> int:
         threads = [threading.Thread(target=c.run, args=(stop,), name=f"soak-{c.index}") for c in clients]
         side = [threading.Thread(target=sample_books, args=(url, token, tally, side_stop, args.sample_interval))]
         if args.crash_every > 0:
-            side.append(threading.Thread(target=kill_workers, args=(url, shared.block_size, args.handoff_ttl_s,
-                                                                    args.crash_every, tally, side_stop)))  # fmt: skip
+            slab_to = [f"soak-{i}" for i in shared.addressable] if args.slabs else None
+            kill_args = (url, shared.block_size, args.handoff_ttl_s, args.crash_every, tally, side_stop, slab_to)
+            side.append(threading.Thread(target=kill_workers, args=kill_args))
         t0 = tally.t0 = time.monotonic()
         for t in threads + side:
             t.start()
@@ -254,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
     config = {k: getattr(args, k) for k in ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s",
-                                            "sample_interval", "crash_every", "seed", "host_blocks")}  # fmt: skip
+                                            "sample_interval", "crash_every", "seed", "host_blocks", "slabs")}  # fmt: skip
     report = harness.Report("soak", args, machine.Device("cpu"), config)
     ops, rates = summary["ops"], summary["ops_per_s"]
     report.results = [{"op": k, "count": ops[k], "ops_per_s": rates[k]} for k in ops]
@@ -345,7 +364,7 @@ def print_summary(s: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--crash-worker"]:
-        return crash_worker_main(argv[1], int(argv[2]), float(argv[3]))
+        return crash_worker_main(argv[1], int(argv[2]), float(argv[3]), argv[4] if len(argv) > 4 else None)
     parser = argparse.ArgumentParser(prog="kvpool bench soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     harness.add_output_arguments(parser)

@@ -113,7 +113,8 @@ class Client:
         self.index = index
         self.shared = shared
         self.rng = random.Random(shared.seed * 1000 + index)
-        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast)
+        slab = shared.slab if fast else False
+        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast, slab=slab)
         self.stamps = Stamps(self.pool.arena() if shared.verify_data else None)
         self.refs: list[Ref] = []
         self.retired: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)
@@ -238,7 +239,10 @@ class Client:
             to = self.rng.choice(self.shared.addressable)
         ttl_s = self.shared.handoff_ttl_s
         blocks = [r.block for r in refs]
-        self.pool.handoff(request_id, blocks, num_tokens, meta, ttl_s=ttl_s, to=None if to is None else f"soak-{to}")
+        addressee = None if to is None else f"soak-{to}"
+        sent = self.pool.handoff(request_id, blocks, num_tokens, meta, ttl_s=ttl_s, to=addressee)
+        if sent.slab:
+            self.shared.tally.op("handoff, slab to slab")
         self.drop(refs)
         self.retired.extend(blocks)
         self.shared.park(request_id, to)
@@ -310,6 +314,7 @@ class Shared:
     seed: int
     verify_data: bool
     addressable: list[int] = field(default_factory=list)  # clients with an inbox
+    slab: Any = None  # the SlabConfig of the clients with an inbox, if they have slabs
     parked: list[tuple[str, int | None]] = field(default_factory=list)  # (request id, the client it is for)
     lock: threading.Lock = field(default_factory=threading.Lock)
 

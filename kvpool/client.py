@@ -8,7 +8,9 @@ Block ids are fenced (each carries its block's generation, see :mod:`kvpool.ids`
 packed as int64: hand them over as an ``array('q')``, an int64 numpy array or CPU tensor, and no id is converted
 on the way. :class:`DeviceSession` gives workers plain arena indices instead, and fences them again on the way
 back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it (``handoff(..., to=name)``)
-in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`).
+in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`). A client given a
+``slab`` (where the pool serves them, ``--leases``) allocates and frees uncommitted blocks locally and hands them to
+other slab sessions with no round trip (:mod:`kvpool.slab`, :mod:`kvpool.slabbox`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from kvpool.protocol import (
     SessionSummary,
 )
 from kvpool.session import Session
+from kvpool.slab import SlabConfig
+from kvpool.slabs import Slabs
 from kvpool.transport import Transport, http_client
 
 __all__ = ["Claim", "DeviceSession", "PoolClient", "http_client", "raise_for"]
@@ -82,6 +86,8 @@ class PoolClient:
             soon as the pool parked them (needs the fast channel; give the session a name no other live session has).
         spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
+        slab: keep a reservation slab (a :class:`SlabConfig`, or True for the defaults; default from
+            ``KVPOOL_SLAB_BLOCKS``): alloc, free and handoffs to other slab sessions then skip the round trip.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class PoolClient:
         heartbeat: bool = True,
         inbox: bool = False,
         spin_s: float = 0.001,
+        slab: SlabConfig | bool | None = None,
     ) -> None:
         self.url = url or default_url()
         self.name = name
@@ -111,6 +118,8 @@ class PoolClient:
         self.transport = Transport(self.url, self.token, timeout_s)
         self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)
+        self.slabs = Slabs(self.transport, SlabConfig.resolve(slab), spin_s)
+        self.session.on_beat = self.slabs.answer_want
         self._open_session()
         if heartbeat:
             self.session.start_heartbeat()
@@ -136,6 +145,7 @@ class PoolClient:
         self.transport.fast_path = fast
         if info.inbox is not None and fast is not None:
             self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
+        self.slabs.open(self.session_id, self.epoch, os.stat(fast).st_mode & 0o777 if fast else 0o600)
 
     def reconnect(self) -> None:
         """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand.
@@ -147,6 +157,7 @@ class PoolClient:
             old_epoch = self.epoch
             self.transport.reset()
             self.direct.close_inbox()
+            self.slabs.close()
             self._arenas.clear()
             self._open_session()
             if self.epoch != old_epoch:
@@ -156,6 +167,7 @@ class PoolClient:
         if self._closed:
             return
         self._closed = True
+        self.slabs.close()
         self.session.close()
         self.direct.close()
         self.transport.close()
@@ -205,10 +217,16 @@ class PoolClient:
     # -- blocks -----------------------------------------------------------------------------------------
 
     def alloc(self, num_blocks: int, device: int | None = None) -> list[int]:
+        got = self.slabs.alloc(num_blocks) if device is None and self.session.lost is None else None
+        if got is not None:
+            return got
         req = _req(AllocRequest, session_id=self.session_id, num_blocks=num_blocks, device=device)
         return self._call(b"alloc", "/alloc", req, AllocResponse)[0].block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
+        return self.slabs.free(block_ids, self._free_in_pool)
+
+    def _free_in_pool(self, block_ids: Sequence[int]) -> int:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
         return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
@@ -217,7 +235,8 @@ class PoolClient:
         with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt."""
         tokens = _as_list(token_ids)
         req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=tokens, salt=salt)
-        return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
+        call = self._call
+        return self.slabs.through_pool(block_ids, lambda: call(b"commit", "/commit", req, CommitResponse, ids=ids)[0])
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
@@ -239,7 +258,19 @@ class PoolClient:
 
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
+        From a slab to a session with a slab, the ids go straight to it and the pool settles the refs later.
         """
+        if to is not None:
+            done = self.slabs.handoff(request_id, block_ids, num_tokens, meta, to)
+            if done is not None:
+                return done
+        return self.slabs.through_pool(block_ids, lambda: self._handoff_in_pool(request_id, block_ids, num_tokens,
+                                                                                meta, ttl_s, to))  # fmt: skip
+
+    def _handoff_in_pool(
+        self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any] | None,
+        ttl_s: float | None, to: str | None,
+    ) -> HandoffResponse:  # fmt: skip
         if self.transport.fast_path is not None and to is not None:
             ids = pack_ids(block_ids)
             if ids is not None:
@@ -254,8 +285,14 @@ class PoolClient:
         With an inbox, a handoff delivered to it returns at once, while the pool's answer to the claim is still
         on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
         known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
-        first, the ids in the inbox or the pool's answer, ends the wait.
+        first, the ids in the inbox or the pool's answer, ends the wait. With a slab, a handoff from another slab
+        comes to its lease box, which the claim watches first (and between short looks at the pool).
         """
+        if self.slabs.receiving:
+            return self.slabs.claim(request_id, timeout_s, self._claim_usual)
+        return self._claim_usual(request_id, timeout_s)
+
+    def _claim_usual(self, request_id: str | None, timeout_s: float) -> Claim:
         if self.direct.inbox is None:
             return self._claim_from_pool(request_id, timeout_s)
         if request_id is not None:

@@ -50,6 +50,7 @@ class Session:
         self.lock = threading.Lock()  # orders a reopen against the heartbeat marking a session lost
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
+        self.on_beat: Callable[[], None] | None = None  # after each heartbeat the pool answered
 
     def open(self, inbox: bool) -> SessionInfo:
         req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=inbox)
@@ -71,6 +72,8 @@ class Session:
             session_id = self.session_id
             try:
                 self.transport.fetch("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
+                if self.on_beat is not None:
+                    self.on_beat()
             except UnknownSession as exc:
                 # Under the lock a reopen takes: a beat for the old session that comes back after the new one
                 # opened must not mark the new one lost.

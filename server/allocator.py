@@ -23,7 +23,7 @@ are plain numbers.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
 from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID
@@ -72,6 +72,10 @@ class BlockAllocator:
         """(free, in_use, cached) of one arena."""
         free, cached = len(self._free[arena]), len(self._lru[arena])
         return free, self.sizes[arena] - free - cached, cached
+
+    def refs_of(self, holder: str) -> Mapping[int, int]:
+        """{block: refs} that ``holder`` holds, live (not a copy): read it, never keep it across a change."""
+        return self._holders.get(holder, {})
 
     def held(self, holder: str) -> dict[int, int]:
         """{block: refs} that ``holder`` holds (a copy)."""

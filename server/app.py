@@ -38,6 +38,7 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
+from kvpool.server.lease_api import lease_router
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
 
@@ -312,6 +313,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return Response(encoder(registry), media_type=content_type)
 
     app.include_router(api)
+    app.include_router(lease_router(plane))
     return app
 
 

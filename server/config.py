@@ -81,6 +81,11 @@ class PoolSettings(BaseSettings):
     max_claims_per_session: int = Field(64, ge=1, description="claims of one session waiting in the pool at once")
     max_fast_connections: int = Field(4096, ge=1, description="fast-channel connections open at once")
     hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
+    leases: bool = Field(False, description="serve reservation slabs and a lease table in shared memory, so that "
+                         "alloc, free and handoffs between live sessions skip the round trip (docs/operations.md)")
+    lease_regions: int = Field(256, ge=1, le=1 << 16, description="sessions that may hold a slab at once")
+    slab_max_blocks: int = Field(4096, ge=1, le=1 << 20, description="most blocks one session's slab holds, "
+                                 "handed blocks not yet settled included")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     # KV events in vLLM's format, for KV-aware routers (docs/kv-events.md)

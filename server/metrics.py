@@ -74,6 +74,18 @@ class PoolCollector(Collector):
             for field, (name, doc) in KV_EVENTS.items():
                 yield CounterMetricFamily(name, doc, value=events[field])
             yield GaugeMetricFamily("kvpool_kv_events_pending", "KV events not sent yet", value=events["pending"])
+        leases = s.get("leases")
+        if leases is not None:
+            slab = GaugeMetricFamily("kvpool_slab_blocks", "blocks in reservation slabs, by state", labels=["state"])
+            for state in ("idle", "allocated", "handed"):
+                slab.add_metric([state], leases[f"slab_{state}"])
+            yield slab
+            yield GaugeMetricFamily("kvpool_lease_regions", "sessions holding a slab", value=leases["regions"])
+            c = leases["counters"]
+            yield CounterMetricFamily("kvpool_slab_handed_settled", "handed slab blocks moved to their consumer",
+                                      value=c["handed_settled"])  # fmt: skip
+            yield CounterMetricFamily("kvpool_slab_wants_raised", "slabs asked for their idle blocks back",
+                                      value=c["wants_raised"])  # fmt: skip
         yield from tier_metrics(s["tiers"])
 
 

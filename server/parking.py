@@ -26,6 +26,7 @@ class Parking:
     handoff_ttl_s: float
     clock: Callable[[], float]
     on_handoff: Callable[[str], None] | None
+    on_gives_up: Callable[[str], None] | None
     sessions: dict[str, Session]
     handoffs: dict[str, Handoff]
     refused: OrderedDict[str, Refusal]
@@ -65,6 +66,8 @@ class Parking:
         limits = self.limits
         try:
             session = self.session(session_id)
+            if self.on_gives_up is not None:
+                self.on_gives_up(session_id)
             if request_id in self.handoffs:
                 raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
             refusal = self.refused.get(request_id)

@@ -45,6 +45,7 @@ from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_bac
 from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.hostarena import HostTierMemory, open_host_tier
+from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS
 from kvpool.server.records import Handoff, Limits, Session
@@ -79,6 +80,7 @@ class ControlPlane:
         self._waiting: Counter[str] = Counter()  # claims waiting, by session
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
+        self.leases: LeaseBooks | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -127,6 +129,7 @@ class ControlPlane:
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
         )
+        self.leases = open_leases(s, self._pool)
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
@@ -166,6 +169,8 @@ class ControlPlane:
         self.host_arenas = []
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.leases is not None:
+            self.leases.close()
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
@@ -188,6 +193,8 @@ class ControlPlane:
         return self._descriptor
 
     def expire(self) -> None:
+        if self.leases is not None:
+            self.leases.settle_all()
         if self._pool is not None:
             sessions, handoffs = self._pool.expire()
             if sessions or handoffs:
@@ -387,7 +394,8 @@ class ControlPlane:
 
     def stats(self) -> dict[str, Any]:
         events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
-        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events}
+        leases = {"leases": self.leases.stats()} if self.leases is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events, **leases}
 
     def prefix_blocks(self, limit: int) -> dict[str, Any]:
         d = self.descriptor

@@ -58,6 +58,11 @@ class Pool(Parking):
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
+    #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
+    on_release: Callable[[Session], None] | None = None
+    on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
+    #: before a session's call gives up blocks (free, commit, handoff): what its slab handed must move first
+    on_gives_up: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)
     index_listener: IndexListener | None = None  # told what the index finds (KV events)
     host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
@@ -137,6 +142,8 @@ class Pool(Parking):
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
+        if self.on_release is not None:
+            self.on_release(session)
         released = self.allocator.release_holder(session.holder)
         self._ended(session)
         return released
@@ -182,6 +189,8 @@ class Pool(Parking):
             blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
+            if self.on_exhausted is not None:
+                self.on_exhausted(session_id)
             raise
         if self.host_tier is not None:
             self.host_tier.flush()
@@ -190,6 +199,8 @@ class Pool(Parking):
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
         self.allocator.free(holder, self.unfence(block_ids))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
@@ -213,6 +224,8 @@ class Pool(Parking):
         """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
         ``salt``'s chains: only lookups with the same salt find them."""
         holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
         num_full = len(token_ids) // self.layout.block_size
         if len(block_ids) < num_full:
             raise InvalidRequest(
@@ -297,6 +310,8 @@ class Pool(Parking):
 
     def _expire_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
+        if self.on_release is not None:
+            self.on_release(session)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
         self._ended(session)

@@ -92,3 +92,15 @@ def test_balance_check_flags_books_that_do_not_add_up() -> None:
     soak.check_balance({"free": 17, "in_use": -1, "cached": 0, "num_blocks": 16}, tally, "sample")
     assert tally.violation_count == 2
     assert "do not balance" in tally.violations[0]
+
+
+def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
+    """Slabs hold blocks outside the free list and hand them over with no pool on the way: the books must still
+    balance at every sample, killed workers' slabs (and what they handed) must come back, and nothing may be left."""
+    proc, s = run_soak("--duration", "8", "--clients", "16", "--crash-every", "2", "--slabs")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert s["violations"] == 0, s["violation_messages"]
+    assert s["ops"].get("handoff, slab to slab", 0) > 20, s["ops"]
+    assert s["samples"] >= 20 and s["crashed_workers"] >= 1
+    assert s["end"]["in_use"] == 0 and s["end"]["handoffs"] == 0 and s["end"]["sessions"] == 0
+    assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]

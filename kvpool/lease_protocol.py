@@ -1,0 +1,60 @@
+"""Request and response models of the lease endpoints (``/leases/...``): slabs and the lease table.
+
+These are control calls, made once per session, per slab refill or drain, per producer-consumer pair, and by a
+consumer before it names blocks it was handed; the hot path (alloc, free, a handoff between slabs) makes none.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from kvpool.protocol import MAX_IDS, SessionId, _Request
+
+
+class LeaseOpen(_Request):
+    session_id: SessionId = Field(max_length=64)
+
+
+class LeaseInfo(BaseModel):
+    table: str = Field(description="path of the lease table (shared memory, mode 0600)")
+    region: int = Field(description="this session's region of the table: it alone writes the region's slots")
+    nonce: int = Field(description="identifies this session in its region; peers check it before trusting it")
+    slots: int = Field(description="slots per region: the most blocks a slab and its unsettled handoffs hold")
+    num_blocks: int
+    box: str | None = Field(None, description="where to bind this session's lease box (handoffs from slabs)")
+
+
+class SlabRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    take: int = Field(0, ge=0, le=1 << 24, description="blocks to add to the slab")
+    give: list[int] = Field(default_factory=list, max_length=MAX_IDS, description="idle slab blocks returned")
+    device: int | None = Field(None, ge=0, le=1 << 16)
+
+
+class SlabResponse(BaseModel):
+    block_ids: list[int]
+
+
+class PairRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    to: str | None = Field(None, min_length=1, max_length=128, description="a producer: the consumer's name")
+    from_region: int | None = Field(None, ge=0, le=1 << 20, description="a consumer: the producer's region")
+    from_nonce: int | None = Field(None, ge=0, lt=1 << 64)
+
+
+class PairResponse(BaseModel):
+    key: str = Field(description="hex key that seals this pair's handoffs; issued to its two sessions alone")
+    region: int | None = None
+    nonce: int | None = None
+    box: str | None = None
+
+
+class SettleRequest(_Request):
+    session_id: SessionId = Field(max_length=64)
+    regions: list[int] = Field(default_factory=list, max_length=4096, description="producers' regions to settle")
+    holds: list[int] = Field(default_factory=list, max_length=MAX_IDS, description="ids to check this session holds")
+
+
+class SettleResponse(BaseModel):
+    settled: int
+    holds: bool

@@ -1,0 +1,119 @@
+"""The lease table: a shared-memory file the pool owns, one region per session that holds a reservation slab.
+
+One file per pool epoch (``kvpool-leases-<epoch>`` in the pool's shm directory, mode 0600). Its first page says
+what it is; then come ``regions`` regions of equal size, each page-aligned so that a session maps its own region
+read-write and the whole table read-only. Every field has one writer, so nobody needs a cross-process
+compare-and-swap:
+
+* the pool writes a region's ``nonce`` (which session occupies it; 0: nobody), ``want`` (raised when the pool
+  needs idle slab blocks back) and, per slot, ``settled`` (the handoff sequence whose ownership it has moved);
+* the session writes ``done`` (the ``want`` it has answered), ``hseq`` (its last handoff's sequence) and its
+  slots: the block a slot holds and its ``state``, and for a handed block to whom (region and nonce) and under
+  which sequence.
+
+The pool trusts none of what a session writes about blocks: it acts on a slot only for a block its own books say
+that session holds in its slab. A writer publishes a slot's other fields before its ``state``, and readers read
+``state`` first (docs/operations.md, "Slabs", says why this is safe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from kvpool.errors import InvalidRequest
+
+MAGIC = b"KVLT0001"
+#: magic, regions, slots per region, region bytes, epoch (16 bytes, ascii)
+FILE_HEAD = struct.Struct("<8sIIQ16s")
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+EMPTY, IDLE, ALLOCATED, HANDED = 0, 1, 2, 3
+
+SLOT = np.dtype([("block", "<i8"), ("state", "<u4"), ("to_region", "<u4"), ("seq", "<u8"), ("to_nonce", "<u8")])
+HEAD_BYTES = 64
+NONCE, WANT, DONE, HSEQ = 0, 1, 2, 3  # the header's words; then each slot is 4: block, state | to_region << 32,
+# seq, to_nonce
+
+
+def region_dtype(slots: int) -> np.dtype:
+    """One region: its header (pool: nonce, want; session: done, hseq), the session's slots, the pool's settled."""
+    settled_at = HEAD_BYTES + SLOT.itemsize * slots
+    size = settled_at + 8 * slots
+    size = (size + PAGE - 1) // PAGE * PAGE
+    return np.dtype(
+        {
+            "names": ["nonce", "want", "done", "hseq", "slots", "settled"],
+            "formats": ["<u8", "<u8", "<u8", "<u8", (SLOT, (slots,)), ("<u8", (slots,))],
+            "offsets": [0, 8, 16, 24, HEAD_BYTES, settled_at],
+            "itemsize": size,
+        }
+    )
+
+
+def table_name(epoch: str) -> str:
+    return f"kvpool-leases-{epoch}"
+
+
+def create_table(directory: Path, epoch: str, regions: int, slots: int) -> tuple[Path, mmap.mmap, np.ndarray]:
+    """The pool's side: a new table, mode 0600, zeroed (sparse until written), and its regions as an array."""
+    dtype = region_dtype(slots)
+    path = Path(directory) / table_name(epoch)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.ftruncate(fd, PAGE + regions * dtype.itemsize)
+        mm = mmap.mmap(fd, PAGE + regions * dtype.itemsize)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    mm[: FILE_HEAD.size] = FILE_HEAD.pack(MAGIC, regions, slots, dtype.itemsize, epoch[:16].encode())
+    return path, mm, np.frombuffer(mm, dtype=dtype, count=regions, offset=PAGE)
+
+
+class TableView:
+    """A session's side: its own region mapped read-write, and the whole table read-only (to check a producer's
+    region before taking the ids it sent)."""
+
+    def __init__(self, path: str, region: int, epoch: str) -> None:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077:
+                raise InvalidRequest(f"the lease table {path} must be this user's, mode 0600")
+            head = os.pread(fd, FILE_HEAD.size, 0)
+            magic, regions, slots, region_bytes, ep = FILE_HEAD.unpack(head)
+            if magic != MAGIC or ep.rstrip(b"\0") != epoch[:16].encode() or not 0 <= region < regions:
+                raise InvalidRequest(f"{path} is not the lease table of pool epoch {epoch}")
+            self.dtype = region_dtype(slots)
+            assert self.dtype.itemsize == region_bytes
+            self._ro = mmap.mmap(fd, PAGE + regions * region_bytes, prot=mmap.PROT_READ)
+            self._rw = mmap.mmap(fd, region_bytes, offset=PAGE + region * region_bytes)
+        finally:
+            os.close(fd)
+        self.regions = regions
+        self.slots = slots
+        self.region = region
+        self.region_words = region_bytes // 8
+        self.table = np.frombuffer(self._ro, dtype=self.dtype, count=regions, offset=PAGE)
+        self.mine = np.frombuffer(self._rw, dtype=self.dtype, count=1)[0]
+        # the same memory as 8-byte words, for the hot path (a memoryview item costs tens of nanoseconds, a numpy
+        # field of a record a microsecond): own header nonce, want, done, hseq at 0..3, slot s at 8 + 4 s
+        self.words = memoryview(self._rw).cast("Q")
+        self.all_words = memoryview(self._ro).cast("Q")  # region r starts at PAGE / 8 + r * region_words
+
+    def close(self) -> None:
+        # numpy views keep the maps' buffers exported: drop them first, and leave the maps to the collector if a
+        # caller still holds a view
+        del self.table, self.mine
+        self.words.release()
+        self.all_words.release()
+        for mm in (self._ro, self._rw):
+            with contextlib.suppress(BufferError):
+                mm.close()

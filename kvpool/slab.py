@@ -1,0 +1,313 @@
+"""A session's reservation slab, the client's side: alloc and free of uncommitted blocks without a round trip.
+
+The pool grants the slab blocks in bulk (they are this session's in its books); ``alloc`` takes idle ones and
+``free`` puts them back, each writing the slots' states into the session's region of the lease table
+(:mod:`kvpool.leases`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
+drains back to ``blocks`` when it grows past ``high``, one call each; when the pool raises the region's ``want``
+flag, the next alloc or free returns every idle block first. Blocks that leave the slab through the pool (commit,
+a handoff through the pool) are forgotten here first, and then are plain session blocks.
+
+A block freed into the slab and taken again keeps its fenced id: the generation moves when a block goes back to
+the pool, and within a slab the only holder is this session (see docs/operations.md, "Slabs").
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
+from kvpool.ids import BLOCK_MASK
+from kvpool.lease_protocol import LeaseInfo, LeaseOpen, SettleRequest, SettleResponse, SlabRequest, SlabResponse
+from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
+from kvpool.transport import Transport
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class SlabConfig:
+    """How many idle blocks a slab keeps: refilled to ``blocks`` below ``low``, drained to it above ``high``."""
+
+    blocks: int = 256
+    low: int = 32
+    high: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low <= self.blocks <= self.high or self.blocks < 1:
+            raise InvalidRequest(
+                f"a slab needs 0 <= low <= blocks <= high and blocks >= 1, got low={self.low}, blocks={self.blocks}, "
+                f"high={self.high} (KVPOOL_SLAB_LOW, KVPOOL_SLAB_BLOCKS, KVPOOL_SLAB_HIGH)"
+            )
+
+    @classmethod
+    def resolve(cls, slab: SlabConfig | bool | None) -> SlabConfig | None:
+        """A client's ``slab`` argument: a config, True (the defaults), False (none) or None (the environment)."""
+        if slab is None:
+            return cls.from_env()
+        return cls() if slab is True else slab or None
+
+    @classmethod
+    def from_env(cls) -> SlabConfig | None:
+        """``KVPOOL_SLAB_BLOCKS`` (unset or 0: no slab), ``KVPOOL_SLAB_LOW`` and ``KVPOOL_SLAB_HIGH``."""
+        try:
+            blocks = int(os.environ.get("KVPOOL_SLAB_BLOCKS") or 0)
+            if blocks <= 0:
+                return None
+            low = int(os.environ.get("KVPOOL_SLAB_LOW") or max(1, blocks // 8))
+            high = int(os.environ.get("KVPOOL_SLAB_HIGH") or 4 * blocks)
+        except ValueError as exc:
+            raise InvalidRequest(f"KVPOOL_SLAB_BLOCKS, _LOW and _HIGH must be integers: {exc}") from None
+        return cls(blocks, low, high)
+
+
+def as_ids(ids: Sequence[int] | Any) -> np.ndarray:
+    if type(ids).__module__.startswith("torch"):
+        ids = ids.cpu().numpy()
+    try:
+        arr = np.fromiter(ids, np.int64, len(ids)) if type(ids) is list else np.asarray(ids, dtype=np.int64)
+    except (OverflowError, TypeError, ValueError):
+        raise InvalidRequest("block ids must be integers that fit in int64") from None
+    if arr.ndim != 1:
+        raise InvalidRequest(f"block ids must be a flat sequence, got shape {arr.shape}")
+    return arr
+
+
+class Slab:
+    """This session's slab and its region; ``lock`` orders alloc, free and handoffs across threads."""
+
+    def __init__(self, transport: Transport, session_id: str, epoch: str, config: SlabConfig, info: LeaseInfo) -> None:
+        self.transport = transport
+        self.session_id = session_id
+        self.config = config
+        self.info = info
+        self.view = TableView(info.table, info.region, epoch)
+        self.mine = self.view.mine
+        slots = self.mine["slots"]
+        self.block, self.state = slots["block"], slots["state"]
+        self.seq = slots["seq"]
+        self.settled = self.mine["settled"]
+        #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.leases)
+        self.words = np.frombuffer(self.mine["slots"].data, "<u8").reshape(-1, 4)
+        self.capacity = info.slots
+        self.slot_of = np.full(info.num_blocks, -1, np.int32)
+        self.slot_at = memoryview(self.slot_of)  # the same, for one id at a time
+        self.idle = np.empty(self.capacity, np.int32)
+        self.top = 0
+        self._scratch = np.empty(self.capacity, np.int32)
+        self._order = np.arange(self.capacity, dtype=np.int32)
+        self.empty = list(range(self.capacity - 1, -1, -1))
+        self.handed = 0
+        self.lock = threading.RLock()
+
+    @classmethod
+    def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
+        info = transport.fetch("POST", "/leases", LeaseOpen(session_id=session_id), LeaseInfo)
+        return cls(transport, session_id, epoch, config, info)
+
+    @property
+    def num_idle(self) -> int:
+        return self.top
+
+    # -- alloc and free ---------------------------------------------------------------------------------
+
+    def alloc(self, n: int) -> list[int] | None:
+        """``n`` blocks from the slab (refilled first if it would fall below ``low``); None if it cannot hold them."""
+        with self.lock:
+            self._answer_want()
+            if n > self.capacity // 2:
+                return None
+            if self.top - n < self.config.low:
+                try:
+                    self._refill(self.config.blocks + n - self.top)
+                except PoolExhausted:
+                    if self.top < n:
+                        raise
+                if self.top < n:
+                    return None
+            top = self.top
+            if n == 1:
+                slot = int(self.idle[top - 1])
+                self.top = top - 1
+                words = self.view.words
+                words[9 + 4 * slot] = ALLOCATED
+                return [words[8 + 4 * slot]]
+            taken = self.idle[top - n : top]
+            self.top = top - n
+            self.state[taken] = ALLOCATED
+            return self.block[taken].tolist()
+
+    def free(self, ids: Sequence[int] | Any, in_pool: Callable[[list[int]], int]) -> int:
+        """Free ``ids``: the slab's allocated blocks among them back into the slab, the others through
+        ``in_pool``, and none of either if the pool refuses its share (a rejected call changes nothing)."""
+        if len(ids) == 1:
+            fenced = int(ids[0])
+            block = fenced & BLOCK_MASK
+            with self.lock:
+                self._answer_want()
+                slot = self.slot_at[block] if 0 <= block < len(self.slot_at) and fenced >= 0 else -1
+                if slot < 0:
+                    return in_pool([fenced])
+                words = self.view.words
+                if words[8 + 4 * slot] != fenced:
+                    raise self._stale([fenced])
+                if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
+                    raise self._not_held([fenced])
+                words[9 + 4 * slot] = IDLE
+                self.idle[self.top] = slot
+                self.top += 1
+                self._trim()
+                return 1
+        arr = as_ids(ids)
+        with self.lock:  # held across the pool's share, so that nothing moves the slab's share meanwhile
+            self._answer_want()
+            slots = self._owned(arr)
+            local = slots >= 0
+            freed = in_pool(arr[~local].tolist()) if not local.all() else 0
+            mine = slots[local]
+            self.state[mine] = IDLE
+            self.idle[self.top : self.top + len(mine)] = mine
+            self.top += len(mine)
+            self._trim()
+            return freed + len(mine)
+
+    def _owned(self, arr: np.ndarray) -> np.ndarray:
+        """The slot of each id that names a block of this slab, else -1 (a block the pool has to answer for).
+
+        Raises, changing nothing, if an id names a slab block that this session does not hold allocated: under an
+        old generation (StaleBlock), or idle, that is freed already (NotOwner), or twice. Such an id must never
+        reach the pool, which would take the block back while the slab still counts it as its own.
+        """
+        blocks = arr & BLOCK_MASK
+        if len(arr) and arr.min() >= 0 and blocks.max() < len(self.slot_of):
+            slots = self.slot_of[blocks]
+        else:
+            inside = (arr >= 0) & (blocks < len(self.slot_of))
+            slots = np.where(inside, self.slot_of[np.where(inside, blocks, 0)], -1)
+        ours = slots >= 0
+        if ours.all():
+            mine, named = slots, arr
+        elif ours.any():
+            mine, named = slots[ours], arr[ours]
+        else:
+            return slots
+        rows = self.words[mine]  # block, state | to_region << 32, ...: one gather
+        stale = rows[:, 0] != named.view(np.uint64)
+        if stale.any():
+            raise self._stale(named[stale].tolist())
+        idle = (rows[:, 1] & 0xFFFFFFFF) != ALLOCATED
+        if idle.any():
+            raise self._not_held(named[idle].tolist())
+        if len(mine) > self.capacity:
+            raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        if len(mine) > 1:  # a slot named twice keeps the later position only (np.unique sorts: 20x dearer)
+            order = self._order[: len(mine)]
+            self._scratch[mine] = order
+            if (self._scratch[mine] != order).any():
+                raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        return slots
+
+    def _not_held(self, ids: list[int]) -> NotOwner:
+        return NotOwner(
+            f"the session holds no reference on blocks {sorted(ids)[:8]}: they were freed already (back into its "
+            "slab); nothing was changed"
+        )
+
+    def _stale(self, ids: list[int]) -> StaleBlock:
+        return StaleBlock(
+            f"block ids {ids[:8]} name blocks of this session's slab under an old generation: they were handed out "
+            "before, and nothing was freed; free the ids you were given",
+            stale=tuple(ids),
+        )
+
+    def leave(self, ids: Sequence[int] | Any, call: Callable[[], T]) -> T:
+        """Run ``call``, which gives these blocks up at the pool (commit, a handoff through it); once it succeeded,
+        the slab's blocks among them leave the slab. Refused first, changing nothing, for ids the slab knows are
+        not this session's to give."""
+        arr = as_ids(ids)
+        with self.lock:
+            slots = self._owned(arr)
+            done = call()
+            mine = slots[slots >= 0]
+            if mine.size:
+                self.state[mine] = EMPTY
+                self.slot_of[self.block[mine] & BLOCK_MASK] = -1
+                self.empty.extend(mine.tolist())
+            return done
+
+    # -- refills and drains -----------------------------------------------------------------------------
+
+    def answer_want(self) -> None:
+        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too)."""
+        with self.lock:
+            self._answer_want()
+
+    def _answer_want(self) -> None:
+        """Also the check that the slab is still this session's: the pool zeroes the region of a session whose lease
+        ran out, and a client paused past its lease must not go on handing out blocks the pool took back."""
+        words = self.view.words
+        if words[NONCE] != self.info.nonce:
+            raise UnknownSession(
+                "this session's lease ran out and its slab went back to the pool: its ids are stale; reconnect()"
+            )
+        want = words[WANT]
+        if want != words[DONE]:
+            self._drain(0)
+            words[DONE] = want
+
+    def _trim(self) -> None:
+        if self.top > self.config.high:
+            self._drain(self.config.blocks)
+
+    def _reuse_handed(self) -> None:
+        """Slots whose handoff the pool has settled are empty again."""
+        if not self.handed:
+            return
+        done = np.flatnonzero((self.state == HANDED) & (self.settled == self.seq))
+        if done.size:
+            self.state[done] = EMPTY
+            self.empty.extend(done.tolist())
+            self.handed -= len(done)
+
+    def _refill(self, want: int) -> None:
+        self._reuse_handed()
+        take = min(want, len(self.empty))
+        if take <= 0:
+            return
+        req = SlabRequest(session_id=self.session_id, take=take)
+        ids = np.asarray(self.transport.fetch("POST", "/leases/slab", req, SlabResponse).block_ids, np.int64)
+        slots = np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32)[::-1]
+        del self.empty[len(self.empty) - len(ids) :]
+        self.block[slots] = ids
+        self.state[slots] = IDLE
+        self.slot_of[ids & BLOCK_MASK] = slots
+        self.idle[self.top : self.top + len(slots)] = slots
+        self.top += len(slots)
+
+    def _drain(self, keep: int) -> None:
+        if self.top <= keep:
+            return
+        slots = self.idle[keep : self.top].copy()
+        ids = self.block[slots]
+        self.transport.fetch("POST", "/leases/slab", SlabRequest(session_id=self.session_id, give=ids.tolist()),
+                             SlabResponse)  # fmt: skip
+        self.top = keep
+        self.state[slots] = EMPTY
+        self.slot_of[ids & BLOCK_MASK] = -1
+        self.empty.extend(slots.tolist())
+
+    def settle(self, regions: Sequence[int], holds: Sequence[int] = ()) -> bool:
+        """Have the pool move the refs handed from ``regions`` now; whether this session holds ``holds``."""
+        req = SettleRequest(session_id=self.session_id, regions=list(regions), holds=list(holds))
+        return self.transport.fetch("POST", "/leases/settle", req, SettleResponse).holds
+
+    def close(self) -> None:
+        self.view.close()

@@ -1,0 +1,226 @@
+"""The pool's side of slabs and the lease table: grants and returns in the books, what the pool does with what a
+session wrote into its region when it settles handoffs, when a session dies, and when the pool needs room."""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.errors import NotOwner, PoolExhausted, StaleBlock
+from kvpool.ids import BLOCK_MASK
+from kvpool.layout import KVLayout
+from kvpool.leases import ALLOCATED, HANDED, IDLE
+from kvpool.server.leases import LeaseBooks
+from kvpool.server.pool import Pool
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def books(tmp_path: Path, clock: Clock) -> Iterator[LeaseBooks]:
+    pool = Pool(32, KVLayout(block_size=4), lease_ttl_s=2.0, clock=clock)
+    books = LeaseBooks(pool, tmp_path, regions=4, slots=16, box_dir=tmp_path)
+    pool.on_release = books.release
+    pool.on_exhausted = lambda sid: books.want_back(exclude=sid) and None
+    pool.on_gives_up = books.settle_session
+    yield books
+    books.close()
+
+
+def balanced(pool: Pool) -> None:
+    s = pool.stats()
+    assert s["free"] + s["in_use"] + s["cached"] == s["num_blocks"]
+    pool.allocator.check()
+
+
+def place(books: LeaseBooks, sid: str, ids: list[int], state: int) -> list[int]:
+    """Write granted ids into the session's region as its client does; the slots they took."""
+    slots = books.table[books.leases[sid].region]["slots"]
+    used = np.flatnonzero(slots["state"] != 0)
+    free = [i for i in range(books.slots) if i not in set(used.tolist())][: len(ids)]
+    slots["block"][free] = ids
+    slots["state"][free] = state
+    return free
+
+
+def hand(books: LeaseBooks, producer: str, consumer: str, slots: list[int], seq: int) -> None:
+    """Mark slots handed as a producer's client does: the other fields first, the state last."""
+    p, c = books.leases[producer], books.leases[consumer]
+    region = books.table[p.region]
+    region["slots"]["to_region"][slots] = c.region
+    region["slots"]["to_nonce"][slots] = c.nonce
+    region["slots"]["seq"][slots] = seq
+    region["slots"]["state"][slots] = HANDED
+    region["hseq"] = seq
+
+
+def session(books: LeaseBooks, name: str) -> str:
+    sid = books.pool.open_session(name, "other").session_id
+    books.open(sid)
+    return sid
+
+
+def test_a_slab_is_the_sessions_blocks_and_goes_back_in_bulk(books: LeaseBooks) -> None:
+    pool = books.pool
+    sid = session(books, "a")
+    ids = books.grant(sid, 10, [])
+    assert len(ids) == 10 and pool.stats()["in_use"] == 10
+    balanced(pool)
+    books.grant(sid, 0, ids[:6])
+    assert pool.stats()["in_use"] == 4 and pool.stats()["free"] == 28
+    balanced(pool)
+    with pytest.raises(StaleBlock):  # given back, its generation moved: the old id names nothing
+        books.grant(sid, 0, ids[:1])
+    assert len(books.grant(sid, 100, [])) == 12  # at most `slots` blocks, the 4 still held included
+    balanced(pool)
+
+
+def test_give_refuses_blocks_outside_the_slab_and_changes_nothing(books: LeaseBooks) -> None:
+    pool = books.pool
+    sid = session(books, "a")
+    slab = books.grant(sid, 4, [])
+    plain = pool.alloc(sid, 2)
+    before = pool.stats()
+    with pytest.raises(NotOwner):
+        books.grant(sid, 3, [slab[0], plain[0]])
+    after = pool.stats()
+    assert (after["free"], after["in_use"]) == (before["free"], before["in_use"])
+    assert books.leases[sid].slab == {i & BLOCK_MASK for i in slab}
+
+
+def test_settle_moves_handed_blocks_to_their_consumer(books: LeaseBooks) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 6, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots[:3], seq=1)
+    assert books.settle(books.leases[p].region) == 3
+    with pytest.raises(NotOwner):
+        pool.free(p, ids[:3])
+    pool.free(c, ids[:3])  # the consumer holds them now
+    region = books.table[books.leases[p].region]
+    assert region["settled"][slots[:3]].tolist() == [1, 1, 1]  # the producer may reuse those slots
+    assert books.settle(books.leases[p].region) == 0  # settled once only
+    balanced(pool)
+
+
+def test_a_dead_producers_handed_blocks_go_to_the_consumer_and_the_rest_come_back(
+    books: LeaseBooks, clock: Clock
+) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 8, [])
+    slots = place(books, p, ids, IDLE)
+    books.table[books.leases[p].region]["slots"]["state"][slots[:5]] = ALLOCATED
+    hand(books, p, c, slots[:2], seq=7)
+    region = books.leases[p].region
+    clock.now += 1.5
+    pool.heartbeat(c)
+    clock.now += 1.0  # the producer's lease ran out, the consumer's did not
+    assert pool.expire() == (1, 0)
+    assert pool.stats()["in_use"] == 2  # the two handed blocks, now the consumer's
+    pool.free(c, ids[:2])
+    assert pool.stats()["in_use"] == 0
+    assert int(books.table[region]["nonce"]) == 0 and p not in books.leases  # the region is free and zeroed
+    balanced(pool)
+
+
+def test_blocks_handed_to_a_consumer_that_ended_come_back(books: LeaseBooks) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 4, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots[:3], seq=1)
+    pool.close_session(c)
+    assert books.settle_all() == 3
+    assert pool.stats()["in_use"] == 1 and books.counters.handed_released == 3
+    balanced(pool)
+
+
+def test_settle_ignores_what_a_region_says_about_blocks_outside_its_slab(books: LeaseBooks) -> None:
+    """A session can write anything into its region: the pool acts only on blocks its books put in that slab."""
+    pool = books.pool
+    p, c, victim = session(books, "p"), session(books, "c"), session(books, "victim")
+    theirs = pool.alloc(victim, 2)
+    slots = place(books, p, theirs, ALLOCATED)
+    hand(books, p, c, slots, seq=1)
+    books.settle(books.leases[p].region)
+    assert books.counters.handed_ignored == 2
+    pool.free(victim, theirs)  # still the victim's
+    balanced(pool)
+
+
+def test_a_full_pool_raises_the_want_flag_of_slabs_with_idle_blocks(books: LeaseBooks) -> None:
+    pool = books.pool
+    a, b, idle_none = session(books, "a"), session(books, "b"), session(books, "c")
+    ids = books.grant(a, 16, [])
+    place(books, a, ids, IDLE)
+    books.grant(idle_none, 4, [])  # nothing written to its region: no idle slot for the pool to see
+    pool.alloc(b, 12)
+    with pytest.raises(PoolExhausted):
+        pool.alloc(b, 1)
+    assert int(books.table[books.leases[a].region]["want"]) == 1
+    assert int(books.table[books.leases[idle_none].region]["want"]) == 0
+    books.grant(a, 0, ids)  # what its client does at its next call
+    pool.alloc(b, 1)
+    balanced(pool)
+
+
+def test_the_table_is_private_to_the_pools_user_and_goes_with_the_pool(books: LeaseBooks) -> None:
+    mode = stat.S_IMODE(os.stat(books.path).st_mode)
+    assert mode == 0o600
+    path = books.path
+    books.close()
+    assert not path.exists()
+
+
+def test_a_producer_cannot_free_what_its_slab_handed(books: LeaseBooks) -> None:
+    """Its free settles its region first: the handed blocks are the consumer's by then, and the free is refused."""
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 2, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots, seq=1)
+    with pytest.raises(NotOwner):
+        pool.free(p, ids)
+    pool.free(c, ids)
+    balanced(pool)
+
+
+def test_a_handed_block_given_back_with_the_idle_ones_is_refused(books: LeaseBooks) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 3, [])
+    slots = place(books, p, ids, IDLE)
+    hand(books, p, c, slots[:1], seq=1)
+    with pytest.raises(NotOwner):
+        books.grant(p, 0, ids)
+    books.grant(p, 0, ids[1:])
+    pool.free(c, ids[:1])
+    balanced(pool)
+
+
+def test_a_refill_takes_what_the_arena_has_and_none_at_all_is_507(books: LeaseBooks) -> None:
+    pool = books.pool
+    a, b = session(books, "a"), session(books, "b")
+    pool.alloc(a, 20)
+    assert len(books.grant(b, 16, [])) == 12
+    with pytest.raises(PoolExhausted):
+        books.grant(b, 1, [])
+    balanced(pool)

@@ -1,0 +1,245 @@
+"""Slabs as a client sees them, against a real pool started with ``--leases``: alloc and free with no round trip,
+refills and drains in bulk, handoffs from slab to slab (and the forged or replayed ones refused), the pool's flag
+that drains a slab, and a killed session's slab and handed blocks coming back."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvpool import slabwire
+from kvpool.client import PoolClient
+from kvpool.errors import HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
+from kvpool.leases import DONE, WANT
+from kvpool.slab import SlabConfig
+from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
+
+SMALL = SlabConfig(blocks=8, low=2, high=16)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[PoolProcess]:
+    server = start_pool(*SMALL_POOL, "--leases", "--slab-max-blocks", "48", "--lease-ttl-s", "1")
+    yield server
+    server.stop()
+
+
+def stats(pool: PoolProcess) -> dict[str, Any]:
+    s = pool.stats()
+    assert s["free"] + s["in_use"] + s["cached"] == s["num_blocks"]
+    return s
+
+
+def wait_idle(pool: PoolProcess, within_s: float = 10.0) -> dict[str, Any]:
+    """The pool's books once every session of this test has ended (closed, or expired after its lease)."""
+    deadline = time.monotonic() + within_s
+    while (s := stats(pool))["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return s
+
+
+def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-a", slab=SMALL) as a:
+        first = a.alloc(1)
+        before = stats(pool)
+        for _ in range(100):
+            a.free(a.alloc(1))
+        ids = a.alloc(3)
+        after = stats(pool)
+        assert after["counters"]["alloc_requests"] == before["counters"]["alloc_requests"]
+        assert after["counters"]["free_requests"] == before["counters"]["free_requests"]
+        assert after["leases"]["counters"]["grants"] == before["leases"]["counters"]["grants"]
+        assert after["leases"]["slab_allocated"] == 4 and after["in_use"] == before["in_use"]
+        assert a.free([*ids, *first]) == 4
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-b", slab=SMALL) as b:
+        held = [b.alloc(1)[0] for _ in range(20)]  # runs below `low` now and then: a refill of several blocks each
+        s = stats(pool)["leases"]["counters"]
+        assert s["grants"] > 1 and s["blocks_granted"] >= 20
+        grants = s["grants"]
+        b.free(held)  # past `high`: back down to `blocks`, in one call
+        s = stats(pool)
+        assert s["leases"]["counters"]["grants"] == grants + 1 and s["leases"]["slab_idle"] == SMALL.blocks
+    wait_idle(pool)
+
+
+def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-c", slab=SMALL) as c:
+        ids = c.alloc(2)
+        with pytest.raises(NotOwner):
+            c.free([ids[0], ids[0]])  # it holds one ref on each
+        c.free(ids[:1])
+        with pytest.raises(NotOwner):
+            c.free(ids)  # the first was freed already: nothing is freed
+        assert stats(pool)["leases"]["slab_allocated"] == 1
+        c.slabs.slab._drain(0)  # type: ignore[union-attr]  # the idle one goes back to the pool: a new generation
+        with pytest.raises(StaleBlock):
+            c.free(ids[:1])
+        assert c.free(ids[1:]) == 1
+        mine, plain = c.alloc(1), c.alloc(40)  # too many for the slab: through the pool
+        c.free(plain)
+        with pytest.raises(StaleBlock):
+            c.free([*mine, plain[0]])  # the pool refuses its share: the slab's share stays allocated too
+        assert stats(pool)["leases"]["slab_allocated"] == 1
+        assert c.free(mine) == 1
+    wait_idle(pool)
+
+
+def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-d", slab=SMALL) as d:
+        ids = d.alloc(2)
+        with pytest.raises(InvalidRequest):
+            d.commit(ids[:1], list(range(8)))  # tokens for two blocks, one id: refused, and both stay in the slab
+        assert stats(pool)["leases"]["slab_allocated"] == 2
+        d.commit(ids, list(range(8)))
+        assert d.free(ids) == 2
+        s = stats(pool)
+        assert s["cached"] >= 2 and s["leases"]["slab_allocated"] == 0
+    wait_idle(pool)
+
+
+def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-p", slab=SMALL) as p, PoolClient(pool.url, name="slab-q", slab=SMALL) as q:
+        ids = p.alloc(3)
+        sent = p.handoff("req-slab-1", ids, 10, {"first_token": 7}, to="slab-q")
+        assert sent.slab and sent.num_blocks == 3
+        got = q.claim("req-slab-1", timeout_s=5)
+        assert got.block_ids == ids and got.num_tokens == 10 and got.meta == {"first_token": 7} and got.direct
+        with pytest.raises(NotOwner):
+            p.free(ids)  # handed: no longer the producer's
+        assert q.free(got.ids) == 3  # settled first, then freed through the pool
+        assert stats(pool)["leases"]["counters"]["handed_settled"] >= 3
+    assert wait_idle(pool)["in_use"] == 0
+
+
+class Recorder:
+    """Stands in for a producer's sending socket, keeping what it sends."""
+
+    def __init__(self, real: socket.socket) -> None:
+        self.real = real
+        self.sent: list[tuple[bytes, str]] = []
+
+    def sendto(self, data: bytes, path: str) -> int:
+        self.sent.append((data, path))
+        return self.real.sendto(data, path)
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-f", slab=SMALL) as p, PoolClient(pool.url, name="slab-g", slab=SMALL) as q:
+        box = p.slabs.handoffs
+        assert box is not None
+        recorder = Recorder(box.out)
+        box.out = recorder  # type: ignore[assignment]
+        ids = p.alloc(2)
+        p.handoff("req-real", ids, 4, to="slab-g")
+        assert q.claim("req-real", timeout_s=5).block_ids == ids
+        (datagram, path), out = recorder.sent[0], socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        out.sendto(datagram, path)  # the same datagram again: a replay
+        tampered = bytearray(datagram)
+        tampered[slabwire.HEAD.size + 8] ^= 1  # another block id, under the pair's seal
+        out.sendto(bytes(tampered), path)
+        h = slabwire.decode(memoryview(datagram), q.slabs.handoffs.keys[slabwire.peek(memoryview(datagram))])
+        assert h is not None
+        forged = slabwire.encode(secrets.token_bytes(32), h.from_region, h.from_nonce, h.seq + 1, "req-forged", 4, b"",
+                                 h.slots.tobytes(), h.packed.tobytes())  # fmt: skip
+        out.sendto(forged, path)
+        out.close()
+        for request_id in ("req-real", "req-forged", None):
+            with pytest.raises(HandoffNotFound):
+                q.claim(request_id, timeout_s=0.2)
+        assert q.free(ids) == 2
+    wait_idle(pool)
+
+
+def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -> None:
+    big = SlabConfig(blocks=40, low=1, high=48)
+    with PoolClient(pool.url, name="slab-h", slab=big) as hoarder, PoolClient(pool.url, name="plain", slab=False) as b:
+        mine = hoarder.alloc(1)
+        assert stats(pool)["in_use"] >= 41
+        with pytest.raises(PoolExhausted):
+            b.alloc(30)  # 507: the hoarder's slab holds most of the pool, and is asked for its idle blocks back
+        region = hoarder.slabs.slab
+        assert region is not None and region.view.words[WANT] > region.view.words[DONE]
+        hoarder.free(mine)  # its next call answers the flag: every idle block goes back
+        assert region.num_idle == 1 and region.view.words[WANT] == region.view.words[DONE]
+        b.free(b.alloc(30))
+    wait_idle(pool)
+
+
+DOOMED = """
+import sys, time
+from kvpool.client import PoolClient
+from kvpool.leases import DONE, WANT
+from kvpool.slab import SlabConfig
+c = PoolClient(sys.argv[1], name="slab-doomed", slab=SlabConfig(8, 2, 16), heartbeat=False)
+ids = c.alloc(5)
+c.handoff("req-from-the-dead", ids[:2], 8, to="slab-heir")
+print(" ".join(map(str, ids[:2])), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consumer(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-heir", slab=SMALL) as heir:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.Popen([sys.executable, "-c", DOOMED, pool.url], stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proc.stdout is not None
+            handed = [int(x) for x in proc.stdout.readline().split()]
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        assert len(handed) == 2
+        deadline = time.monotonic() + 10
+        while stats(pool)["sessions"] > 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = stats(pool)
+        assert s["sessions"] == 1 and s["in_use"] == 2  # its slab came back; the two it handed are the heir's
+        got = heir.claim("req-from-the-dead", timeout_s=5)  # its region is gone: the pool vouches instead
+        assert got.block_ids == handed
+        assert heir.free(got.ids) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> None:
+    big = SlabConfig(blocks=40, low=1, high=48)
+    with PoolClient(pool.url, name="slab-i", slab=big) as idle, PoolClient(pool.url, name="plain-2", slab=False) as b:
+        idle.free(idle.alloc(1))  # a slab of 41 idle blocks, then nothing more from this client
+        with pytest.raises(PoolExhausted):
+            b.alloc(30)
+        deadline = time.monotonic() + 10
+        while stats(pool)["leases"]["slab_idle"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        b.free(b.alloc(30))
+    wait_idle(pool)
+
+
+def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-z", slab=SMALL, heartbeat=False) as z:
+        ids = z.alloc(1)
+        deadline = time.monotonic() + 10
+        while stats(pool)["sessions"] and time.monotonic() < deadline:  # its lease (1 s) runs out
+            time.sleep(0.05)
+        with pytest.raises(UnknownSession):
+            z.alloc(1)
+        with pytest.raises(UnknownSession):
+            z.free(ids)
+    assert wait_idle(pool)["in_use"] == 0
