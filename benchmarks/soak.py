@@ -272,8 +272,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
-    config = {k: getattr(args, k) for k in ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s",
-                                            "sample_interval", "crash_every", "seed", "host_blocks", "slabs")}  # fmt: skip
+    names = ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s", "sample_interval",
+             "crash_every", "seed", "host_blocks", "slabs")
+    config = {k: getattr(args, k) for k in names}
     report = harness.Report("soak", args, machine.Device("cpu"), config)
     ops, rates = summary["ops"], summary["ops_per_s"]
     report.results = [{"op": k, "count": ops[k], "ops_per_s": rates[k]} for k in ops]
