@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +13,7 @@ from kvpool.client import PoolClient
 from kvpool.integrations.vllm.kvviews import kv_views
 from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -27,8 +30,9 @@ class Engine:
 
     def __init__(self, url: str, name: str, **settings: object) -> None:
         self.settings = ConnectorSettings(url=url, **settings)
-        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name)
-        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8)
+        pdir = self.settings.profile_dir
+        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name, Profile(pdir, "scheduler"))
+        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8, profile=Profile(pdir, "worker"))
         shape = (ENGINE_BLOCKS, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_dim)
         self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(LAYOUT.num_layers)}
         self.worker.register(self.caches, lambda n: int(n.split(".")[2]))
@@ -218,3 +222,40 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
     finally:
         a.close()
         b.close()
+
+
+def test_a_lookup_not_answered_in_time_is_asked_again_next_step(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a7"), Engine(pool.url, "b7", lookup_wait_ms=1)
+    gate = threading.Event()
+    try:
+        prompt = prompt_of(11, 13)
+        serve(a, "r", prompt)
+        b.sched._pool.submit(gate.wait, 30)  # the lookup thread busy with an earlier request
+        b.sched.prefetch("x", prompt, None)
+        assert b.sched.match("x", prompt, 0, None) is None
+        gate.set()
+        b.sched.drain()
+        assert b.sched.match("x", prompt, 0, None) == 12
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+
+
+def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> None:
+    a, b = Engine(pool.url, "a8"), Engine(pool.url, "b8", profile_dir=str(tmp_path))
+    try:
+        prompt = prompt_of(12, 13)
+        serve(a, "r", prompt)
+        b.sched.prefetch("x", prompt, None)
+        _, ext = serve(b, "x", prompt)
+        assert ext == 12
+    finally:
+        a.close()
+        b.close()
+    seen = {}
+    for f in tmp_path.glob("*.json"):
+        seen.update(json.loads(f.read_text()))
+    assert seen["lookup_call"]["n"] == 1
+    assert seen["load_launch_cpu"]["n"] == 1
+    assert seen["saver_pool_calls"]["n"] == 1

@@ -77,3 +77,12 @@ class BlockCopier:
         for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
             dk.index_copy_(0, d, sk.index_select(0, s))
             dv.index_copy_(0, d, sv.index_select(0, s))
+
+    def index(self, ids: list[int]) -> torch.Tensor:
+        return self._index(ids)
+
+    def load_layer(self, layer: int, arena_index: torch.Tensor, engine_index: torch.Tensor) -> None:
+        """One layer's share of :meth:`load`, with indices from :meth:`index`, on the current stream."""
+        (sk, sv), (dk, dv) = self.arena[layer], self.engine[layer]
+        dk.index_copy_(0, engine_index, sk.index_select(0, arena_index))
+        dv.index_copy_(0, engine_index, sv.index_select(0, arena_index))

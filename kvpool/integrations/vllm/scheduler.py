@@ -12,14 +12,17 @@ an engine loads can never be evicted and rewritten while it is being read.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Load, Save, StepPlan, Tracked, blocks_for, prompt_digest
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.settings import ConnectorSettings
 
 #: kv_transfer_params keys: a prefill engine's answer carries the handoff to the decode engine's request
@@ -40,8 +43,12 @@ class Scheduled:
 
 
 class SchedulerSide:
-    def __init__(self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+    def __init__(
+        self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str,
+        profile: Profile | None = None,
+    ) -> None:  # fmt: skip
         self.link, self.settings, self.block_size, self.engine_id = link, settings, block_size, engine_id
+        self.profile = profile or Profile(None, "scheduler")
         self.reqs: dict[str, Tracked] = {}
         self._loads: list[Load] = []
         self._frees: deque[list[int]] = deque([[] for _ in range(settings.free_delay_steps)])
@@ -56,8 +63,19 @@ class SchedulerSide:
         loaded from the pool, never saved to it."""
         self.reqs[req_id] = Tracked(prompt=[], saved=True)
 
-    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int:
-        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them)."""
+    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
+        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them; None:
+        the answer is not there after ``lookup_wait_ms``, ask again next step)."""
+        ahead = self._ahead.get(req_id)
+        if ahead is not None and not ahead.done():
+            t0 = time.perf_counter()
+            try:
+                ahead.result(None if self.settings.lookup_wait_ms is None else self.settings.lookup_wait_ms / 1e3)
+            except FutureTimeout:
+                self.profile.add("match_not_ready", (time.perf_counter() - t0) * 1e3)
+                return None
+            finally:
+                self.profile.add("match_wait", (time.perf_counter() - t0) * 1e3)
         old = self.reqs.get(req_id)
         if old is not None:
             self._release(old.held)  # asked again (vLLM could not place it, or it was preempted)
@@ -79,7 +97,15 @@ class SchedulerSide:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
         calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in."""
         if len(prompt) > self.block_size and req_id not in self._ahead:
-            self._ahead[req_id] = self._pool.submit(self._find, list(prompt), dict(params or {}))
+            queued = time.perf_counter()
+            self._ahead[req_id] = self._pool.submit(self._timed_find, list(prompt), dict(params or {}), queued)
+
+    def _timed_find(self, prompt: list[int], params: dict[str, Any], queued: float) -> tuple[list[int], int]:
+        t0 = time.perf_counter()
+        found = self._find(prompt, params)
+        self.profile.add("lookup_queued", (t0 - queued) * 1e3)
+        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
+        return found
 
     def _find(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken) and the tokens they hold."""
@@ -129,6 +155,7 @@ class SchedulerSide:
 
     def build(self, scheduled: Iterable[Scheduled]) -> StepPlan:
         """The worker's plan for this step; also lets go of refs whose delay has run out."""
+        self.profile.maybe_write()
         plan = StepPlan(epoch=self.epoch, loads=self._loads)
         self._loads = []
         for s in scheduled:
@@ -193,4 +220,5 @@ class SchedulerSide:
         held = [b for t in self.reqs.values() for b in t.held] + [b for d in self._frees for b in d]
         if held:
             self.link.call("free", lambda c: c.free(held), 0)
+        self.profile.maybe_write(force=True)
         self.link.close()
