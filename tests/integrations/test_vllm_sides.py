@@ -247,8 +247,9 @@ def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> No
     try:
         prompt = prompt_of(12, 13)
         serve(a, "r", prompt)
-        b.sched.prefetch("x", prompt, None)
-        _, ext = serve(b, "x", prompt)
+        longer = prompt + prompt_of(13, 4)  # one full block more than the pool holds: saved
+        b.sched.prefetch("x", longer, None)
+        _, ext = serve(b, "x", longer)
         assert ext == 12
     finally:
         a.close()
