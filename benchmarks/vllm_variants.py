@@ -112,7 +112,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvp-vllm-"))
     model = work / "llama-1b-random"
     build_model(model)
-    variants = [("new", NEW_MODULE, {}, 0), ("new_wait_2ms", NEW_MODULE, {"lookup_wait_ms": 2}, 200),
+    variants = [("new", NEW_MODULE, {}, 0), ("new_one_lookup_lane", NEW_MODULE, {"lookup_threads": 1}, 200),
                 ("new_no_layerwise", NEW_MODULE, {"layerwise": False}, 300)]  # fmt: skip
     if args.baseline_module:
         variants.insert(0, ("baseline", args.baseline_module, {}, 100))

@@ -225,12 +225,12 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
 
 
 def test_a_lookup_not_answered_in_time_is_asked_again_next_step(pool: PoolProcess) -> None:
-    a, b = Engine(pool.url, "a7"), Engine(pool.url, "b7", lookup_wait_ms=1)
+    a, b = Engine(pool.url, "a7"), Engine(pool.url, "b7", lookup_wait_ms=1, lookup_threads=1)
     gate = threading.Event()
     try:
         prompt = prompt_of(11, 13)
         serve(a, "r", prompt)
-        b.sched._pool.submit(gate.wait, 30)  # the lookup thread busy with an earlier request
+        b.sched._lanes[0].submit(gate.wait, 30)  # the lookup thread busy with an earlier request
         b.sched.prefetch("x", prompt, None)
         assert b.sched.match("x", prompt, 0, None) is None
         gate.set()
@@ -260,3 +260,25 @@ def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> No
     assert seen["lookup_call"]["n"] == 1
     assert seen["load_launch_cpu"]["n"] == 1
     assert seen["saver_pool_calls"]["n"] == 1
+
+
+def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a9"), Engine(pool.url, "b9", lookup_threads=3, free_delay_steps=1)
+    try:
+        prompts = [prompt_of(20 + i, 13) for i in range(4)]
+        for i, p in enumerate(prompts):
+            serve(a, f"r{i}", p)
+        before = stats(pool)["in_use"]
+        for i, p in enumerate(prompts):
+            b.sched.prefetch(f"x{i}", p, None)
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12] * 4
+        assert {b.sched.reqs[f"x{i}"].lane for i in range(4)} == {0, 1, 2}
+        assert stats(pool)["in_use"] == before + 12
+        for i in range(4):
+            b.sched.finished(f"x{i}")
+        b.sched.build([])  # the delay of one step runs out: each lane frees its own refs
+        b.sched.drain()
+        assert stats(pool)["in_use"] == before
+    finally:
+        a.close()
+        b.close()

@@ -58,7 +58,12 @@ class BlockCopier:
         self.device = engine[0][0].device
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        """On the device, through pinned memory: a copy from pageable memory waits for the stream's queued work,
+        which after a forward held the engine's thread for as long as the forward ran (45-60 ms on an H100)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def load(self, arena_ids: list[int], engine_ids: list[int]) -> None:
         """arena blocks ``arena_ids[i]`` -> vLLM blocks ``engine_ids[i]``, on the current stream."""
