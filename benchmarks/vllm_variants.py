@@ -107,6 +107,8 @@ def main() -> None:
         metavar="ROUNDS",
         help="repeat the token comparison with vLLM's batch-invariant kernels, this many rounds",
     )
+    ap.add_argument("--variants", nargs="*", default=["new_one_lookup_lane", "new_no_layerwise"],
+                    help="settings tried besides this revision's defaults")  # fmt: skip
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvp-vllm-"))
@@ -114,6 +116,7 @@ def main() -> None:
     build_model(model)
     variants = [("new", NEW_MODULE, {}, 0), ("new_one_lookup_lane", NEW_MODULE, {"lookup_threads": 1}, 200),
                 ("new_no_layerwise", NEW_MODULE, {"layerwise": False}, 300)]  # fmt: skip
+    variants = [v for v in variants if v[0] == "new" or v[0] in args.variants]
     if args.baseline_module:
         variants.insert(0, ("baseline", args.baseline_module, {}, 100))
     out: dict[str, Any] = {"device": torch.cuda.get_device_name()}
