@@ -107,6 +107,7 @@ def main() -> None:
         metavar="ROUNDS",
         help="repeat the token comparison with vLLM's batch-invariant kernels, this many rounds",
     )
+    ap.add_argument("--no-plain", action="store_true", help="only the pool's variants (no cold or own-cache figures)")
     ap.add_argument("--variants", nargs="*", default=["new_one_lookup_lane", "new_no_layerwise"],
                     help="settings tried besides this revision's defaults")  # fmt: skip
     args = ap.parse_args()
@@ -129,8 +130,9 @@ def main() -> None:
         flags = ["--socket", str(sock), "--port", "0", "--backend", "cuda", "--num-blocks", "20480",
                  "--num-layers", "16", "--num-kv-heads", "8", "--head-dim", "64", "--block-size", str(BS),
                  "--dtype", "bf16", "--model", str(model), "--log-level", "warning"]  # fmt: skip
-        out[f"plain{tag}"] = plain(model, list(range(rounds)))
-        save()
+        if not args.no_plain:
+            out[f"plain{tag}"] = plain(model, list(range(rounds)))
+            save()
         pool = spawn(["kvpool", "serve", *flags], socket=sock, port=0, log=args.out / f"pool{tag}.log", timeout_s=120)
         try:
             vs = variants if not tag else [v for v in variants if v[0] == "new"]
@@ -153,8 +155,12 @@ def main() -> None:
 
 
 def summary(out: dict, tag: str) -> dict[str, Any]:
-    pl, po = out[f"plain{tag}"], out[f"pool{tag}"]
+    po = out[f"pool{tag}"]
     cat = lambda runs, f: [x for r in runs for x in r[f]]  # noqa: E731
+    if f"plain{tag}" not in out:
+        return {name: {"ttft_p50_ms": p50(cat(v["runs"], "ttft_ms")), "tpot_p50_ms": p50(cat(v["runs"], "tpot_ms")),
+                       "pool": v["pool"], "profile": v["profile"]} for name, v in po.items()}  # fmt: skip
+    pl = out[f"plain{tag}"]
     toks = lambda runs: [t for r in runs for t in r["tokens"]]  # noqa: E731
     cold = p50(cat(pl["B_cold"], "ttft_ms"))
     s: dict[str, Any] = {
