@@ -48,7 +48,7 @@ class ConnectorSettings(BaseModel):
         "again next step (default: wait for the answer)",
     )
     lookup_threads: int = Field(
-        4, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
+        1, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
     )
     profile_dir: str | None = Field(None, description="write where the connector's time goes to this directory")
     name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
