@@ -115,7 +115,8 @@ class WorkerSide:
         if self._stream is None:
             self._stream = torch.cuda.Stream(dev)
         self._stream.wait_stream(main)
-        events = []
+        events: list[torch.cuda.Event] = []
+        self._layer_events = events  # as they are recorded: a failure midway still orders the stream after them
         timed = self.profile.on
         with torch.cuda.stream(self._stream):
             start = torch.cuda.Event(enable_timing=timed)
@@ -128,13 +129,12 @@ class WorkerSide:
                 events.append(ev)
         if timed:
             self.profile.gpu("load_gpu", start, events[-1])
-        self._layer_events = events
 
     def wait_layer(self, name: str) -> None:
         """The forward's stream waits for this layer's loads (those of the step, if any)."""
         if self._layer_events:
-            i = self._layer_of.get(name)
-            ev = self._layer_events[i] if i is not None else self._layer_events[-1]
+            i = self._layer_of.get(name, len(self._layer_events))
+            ev = self._layer_events[min(i, len(self._layer_events) - 1)]
             assert self.copier is not None
             torch.cuda.current_stream(self.copier.device).wait_event(ev)
 
