@@ -63,15 +63,18 @@ def prompts(seed: int) -> dict[str, list[list[int]]]:
     }
 
 
-def engine(model: Path, pool_url: str | None, util: float) -> Any:
+def engine(
+    model: Path, pool_url: str | None, util: float, extra: dict | None = None, module: str = "kvpool.integrations.vllm"
+) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = {}
     if pool_url:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
-            kv_load_failure_policy="recompute", kv_connector_extra_config={"url": pool_url, "reserve_blocks": 4096},
+            kv_connector="KvpoolConnector", kv_connector_module_path=module, kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"url": pool_url, "reserve_blocks": 4096, **(extra or {})},
         )  # fmt: skip
     return LLM(
         model=str(model), skip_tokenizer_init=True, attention_backend="TRITON_ATTN", gpu_memory_utilization=util,

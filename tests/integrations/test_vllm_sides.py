@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -11,6 +13,7 @@ from kvpool.client import PoolClient
 from kvpool.integrations.vllm.kvviews import kv_views
 from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -27,8 +30,9 @@ class Engine:
 
     def __init__(self, url: str, name: str, **settings: object) -> None:
         self.settings = ConnectorSettings(url=url, **settings)
-        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name)
-        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8)
+        pdir = self.settings.profile_dir
+        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name, Profile(pdir, "scheduler"))
+        self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8, profile=Profile(pdir, "worker"))
         shape = (ENGINE_BLOCKS, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_dim)
         self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(LAYOUT.num_layers)}
         self.worker.register(self.caches, lambda n: int(n.split(".")[2]))
@@ -237,6 +241,66 @@ def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolPr
         assert ext_b == len(shared) and b.worker.stats["load_failures"] == 0
         for ka, kb in zip(a.kv(blocks_a, len(shared)), b.kv(blocks_b, len(shared)), strict=True):
             assert torch.equal(ka, kb)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lookup_not_answered_in_time_is_asked_again_next_step(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a7"), Engine(pool.url, "b7", lookup_wait_ms=1, lookup_threads=1)
+    gate = threading.Event()
+    try:
+        prompt = prompt_of(11, 13)
+        serve(a, "r", prompt)
+        b.sched._lanes[0].submit(gate.wait, 30)  # the lookup thread busy with an earlier request
+        b.sched.prefetch("x", prompt, None)
+        assert b.sched.match("x", prompt, 0, None) is None
+        gate.set()
+        b.sched.drain()
+        assert b.sched.match("x", prompt, 0, None) == 12
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+
+
+def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> None:
+    a, b = Engine(pool.url, "a8"), Engine(pool.url, "b8", profile_dir=str(tmp_path))
+    try:
+        prompt = prompt_of(12, 13)
+        serve(a, "r", prompt)
+        longer = prompt + prompt_of(13, 4)  # one full block more than the pool holds: saved
+        b.sched.prefetch("x", longer, None)
+        _, ext = serve(b, "x", longer)
+        assert ext == 12
+    finally:
+        a.close()
+        b.close()
+    seen = {}
+    for f in tmp_path.glob("*.json"):
+        seen.update(json.loads(f.read_text()))
+    assert seen["lookup_call"]["n"] == 1
+    assert seen["load_launch_cpu"]["n"] == 1
+    assert seen["saver_pool_calls"]["n"] == 1
+
+
+def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a9"), Engine(pool.url, "b9", lookup_threads=3, free_delay_steps=1)
+    try:
+        prompts = [prompt_of(20 + i, 13) for i in range(4)]
+        for i, p in enumerate(prompts):
+            serve(a, f"r{i}", p)
+        before = stats(pool)["in_use"]
+        for i, p in enumerate(prompts):
+            b.sched.prefetch(f"x{i}", p, None)
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12] * 4
+        assert {b.sched.reqs[f"x{i}"].lane for i in range(4)} == {0, 1, 2}
+        assert stats(pool)["in_use"] == before + 12
+        for i in range(4):
+            b.sched.finished(f"x{i}")
+        b.sched.build([])  # the delay of one step runs out: each lane frees its own refs
+        b.sched.drain()
+        assert stats(pool)["in_use"] == before
     finally:
         a.close()
         b.close()

@@ -21,6 +21,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from kvpool.errors import LayoutMismatch
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -73,6 +74,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.layout = engine_layout(vllm_config)
         engine_id = str(tc.engine_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
+        profile = Profile(self.settings.profile_dir, side)
         link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
         if tc.kv_load_failure_policy != "recompute":
             log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
@@ -81,9 +83,14 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
-            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
+            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, profile)
         else:
-            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks)
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, self.settings.layerwise, profile)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads are waited for in each attention layer's hook, which a full CUDA graph skips."""
+        return ConnectorSettings.parse(extra_config).layerwise
 
     def _check_pool(self, link: PoolLink, config: VllmConfig) -> None:
         """Refuse at start-up an engine that does not fit the pool; a pool not there is only warned about."""
@@ -159,7 +166,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._worker.load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads run on the forward's stream before it starts
+        assert self._worker is not None
+        self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves run in wait_for_save, one batched copy per layer for the step

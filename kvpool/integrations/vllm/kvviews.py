@@ -58,7 +58,12 @@ class BlockCopier:
         self.device = engine[0][0].device
 
     def _index(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        """On the device, through pinned memory: a copy from pageable memory can wait for the stream's queued work,
+        after a forward for as long as the forward runs (saves held the engine's thread up to 60 ms on an H100)."""
+        host = torch.tensor(ids, dtype=torch.long)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        return host.to(self.device, non_blocking=True)
 
     def load(self, arena_ids: list[int], engine_ids: list[int]) -> None:
         """arena blocks ``arena_ids[i]`` -> vLLM blocks ``engine_ids[i]``, on the current stream."""
@@ -77,3 +82,12 @@ class BlockCopier:
         for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
             dk.index_copy_(0, d, sk.index_select(0, s))
             dv.index_copy_(0, d, sv.index_select(0, s))
+
+    def index(self, ids: list[int]) -> torch.Tensor:
+        return self._index(ids)
+
+    def load_layer(self, layer: int, arena_index: torch.Tensor, engine_index: torch.Tensor) -> None:
+        """One layer's share of :meth:`load`, with indices from :meth:`index`, on the current stream."""
+        (sk, sv), (dk, dv) = self.arena[layer], self.engine[layer]
+        dk.index_copy_(0, engine_index, sk.index_select(0, arena_index))
+        dv.index_copy_(0, engine_index, sv.index_select(0, arena_index))

@@ -65,3 +65,4 @@ class Tracked:
     park: str | None = None  # handoff key, for a prefill whose decode runs elsewhere
     saved: bool = False
     pool_blocks: int = 0  # leading blocks the pool held at the match
+    lane: int = 0  # the scheduler's session whose refs ``held`` are

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import Any
 
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Save
+from kvpool.integrations.vllm.profile import Profile
 
 
 @dataclass
@@ -28,8 +30,9 @@ class Job:
 
 
 class Saver:
-    def __init__(self, link: PoolLink, block_size: int, reserve: int) -> None:
+    def __init__(self, link: PoolLink, block_size: int, reserve: int, profile: Profile | None = None) -> None:
         self.link, self.block_size, self.target = link, block_size, reserve
+        self.profile = profile or Profile(None, "saver")
         self._reserve: deque[int] = deque()
         self._lock = threading.Lock()
         self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -74,8 +77,10 @@ class Saver:
                 _, done, jobs = item
                 if done is not None:
                     done.synchronize()
+                t0 = time.perf_counter()
                 for job in jobs:
                     self._finish(job)
+                self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
             if self._jobs.empty() or item[0] == "flush":
                 self.refill()
             if item[0] == "flush":

@@ -12,14 +12,17 @@ an engine loads can never be evicted and rewritten while it is being read.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Load, Save, StepPlan, Tracked, blocks_for, prompt_digest
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.settings import ConnectorSettings
 
 #: kv_transfer_params keys: a prefill engine's answer carries the handoff to the decode engine's request
@@ -40,13 +43,23 @@ class Scheduled:
 
 
 class SchedulerSide:
-    def __init__(self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+    def __init__(
+        self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str,
+        profile: Profile | None = None,
+    ) -> None:  # fmt: skip
         self.link, self.settings, self.block_size, self.engine_id = link, settings, block_size, engine_id
+        self.profile = profile or Profile(None, "scheduler")
         self.reqs: dict[str, Tracked] = {}
         self._loads: list[Load] = []
-        self._frees: deque[list[int]] = deque([[] for _ in range(settings.free_delay_steps)])
-        self._ahead: dict[str, Future[tuple[list[int], int]]] = {}
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-lookup")
+        # lanes: a burst of arrivals looks up on several sessions at once; a lane's refs go back through it
+        self.links = [link] + [
+            PoolLink(link.url, f"{link.name}-{i}", link.token, link.layout, link.retry_s, link._connect)
+            for i in range(1, settings.lookup_threads)
+        ]
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"kvpool-lookup-{i}") for i in range(len(self.links))]
+        self._next_lane = 0
+        self._frees: deque[list[tuple[int, list[int]]]] = deque([[] for _ in range(settings.free_delay_steps)])
+        self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
         self.epoch = ""
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -56,50 +69,76 @@ class SchedulerSide:
         loaded from the pool, never saved to it."""
         self.reqs[req_id] = Tracked(prompt=[], saved=True)
 
-    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int:
-        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them)."""
+    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
+        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them; None:
+        the answer is not there after ``lookup_wait_ms``, ask again next step)."""
+        ahead = self._ahead.get(req_id)
+        if ahead is not None and not ahead.done():
+            t0 = time.perf_counter()
+            try:
+                ahead.result(None if self.settings.lookup_wait_ms is None else self.settings.lookup_wait_ms / 1e3)
+            except FutureTimeout:
+                self.profile.add("match_not_ready", (time.perf_counter() - t0) * 1e3)
+                return None
+            finally:
+                self.profile.add("match_wait", (time.perf_counter() - t0) * 1e3)
         old = self.reqs.get(req_id)
         if old is not None:
-            self._release(old.held)  # asked again (vLLM could not place it, or it was preempted)
+            self._release(old.held, lane=old.lane)  # asked again (vLLM could not place it, or it was preempted)
         t = self.reqs[req_id] = Tracked(prompt=list(prompt), saved=old is not None and old.saved)
         params = params or {}
         if params.get("do_remote_decode"):
             t.park = f"{self.engine_id}:{req_id}"
         ahead = self._ahead.pop(req_id, None)
-        ids, tokens = ahead.result() if ahead is not None else self._find(prompt, params)
+        ids, tokens, lane = ahead.result() if ahead is not None else self._find(prompt, params, 0)
         usable = min((len(prompt) - 1) // self.block_size * self.block_size, tokens)
         t.pool_blocks = len(ids)
         if not ids or usable <= num_computed:
-            self._release(ids, now=True)
+            self._release(ids, now=True, lane=lane)
             return 0
-        t.held, t.first_block, t.external = ids, num_computed // self.block_size, usable - num_computed
+        t.held, t.lane, t.first_block, t.external = ids, lane, num_computed // self.block_size, usable - num_computed
         return t.external
 
     def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
         calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in."""
         if len(prompt) > self.block_size and req_id not in self._ahead:
-            self._ahead[req_id] = self._pool.submit(self._find, list(prompt), dict(params or {}))
+            queued, lane = time.perf_counter(), self._next_lane
+            self._next_lane = (lane + 1) % len(self._lanes)
+            self._ahead[req_id] = self._lanes[lane].submit(
+                self._timed_find, list(prompt), dict(params or {}), queued, lane
+            )
 
-    def _find(self, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], int]:
-        """The pool's blocks for the prompt's loadable prefix (refs taken) and the tokens they hold."""
+    def _timed_find(
+        self, prompt: list[int], params: dict[str, Any], queued: float, lane: int
+    ) -> tuple[list[int], int, int]:
+        t0 = time.perf_counter()
+        found = self._find(prompt, params, lane)
+        self.profile.add("lookup_queued", (t0 - queued) * 1e3)
+        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
+        return found
+
+    def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
+        """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
+        hold, and the lane."""
         usable = (len(prompt) - 1) // self.block_size * self.block_size
         if usable <= 0:
-            return [], 0
+            return [], 0, lane
         if params.get(HANDOFF_KEY):
-            return self._claim(params, prompt), usable
+            return self._claim(params, prompt, lane), usable, lane
         if self.settings.load:
-            return self.link.call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
-        return [], 0
+            ids, tokens = self.links[lane].call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
+            return ids, tokens, lane
+        return [], 0, lane
 
     def _lookup(self, client: Any, tokens: list[int]) -> tuple[list[int], int]:
         hit = client.lookup(tokens)
         self.epoch = client.epoch
         return list(hit.block_ids), hit.num_tokens
 
-    def _claim(self, params: dict[str, Any], prompt: list[int]) -> list[int]:
+    def _claim(self, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
         key = str(params[HANDOFF_KEY])
-        claim = self.link.call("claim", lambda c: (c.claim(key, self.settings.claim_timeout_s), c.epoch), None)
+        claim = self.links[lane].call("claim", lambda c: (c.claim(key, self.settings.claim_timeout_s), c.epoch), None)
         if claim is None:
             log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
             return []
@@ -109,7 +148,7 @@ class SchedulerSide:
         full = len(prompt) // self.block_size * self.block_size
         if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
             log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
-            self._release(ids, now=True)
+            self._release(ids, now=True, lane=lane)
             return []
         return ids
 
@@ -118,7 +157,7 @@ class SchedulerSide:
         if t is None or not t.held:
             return
         if num_external <= 0:
-            self._release(t.held)
+            self._release(t.held, lane=t.lane)
             t.held = []
             return
         start = t.first_block
@@ -129,6 +168,7 @@ class SchedulerSide:
 
     def build(self, scheduled: Iterable[Scheduled]) -> StepPlan:
         """The worker's plan for this step; also lets go of refs whose delay has run out."""
+        self.profile.maybe_write()
         plan = StepPlan(epoch=self.epoch, loads=self._loads)
         self._loads = []
         for s in scheduled:
@@ -142,9 +182,8 @@ class SchedulerSide:
             if save is not None:
                 plan.saves.append(save)
         self._frees.append([])
-        due = self._frees.popleft()
-        if due:
-            self._release(due, now=True)
+        for lane, ids in self._frees.popleft():
+            self._release(ids, now=True, lane=lane)
         return plan
 
     def _save_of(self, s: Scheduled, t: Tracked) -> Save | None:
@@ -165,32 +204,43 @@ class SchedulerSide:
         """Let go of the request; a parked prefill answers with what its decode engine needs to claim it."""
         ahead = self._ahead.pop(req_id, None)
         if ahead is not None:  # finished before vLLM asked: the refs the answer took go back when it comes
-            ahead.add_done_callback(lambda f: self._release(f.result()[0], now=True))
+            ahead.add_done_callback(lambda f: self._release(f.result()[0], now=True, lane=f.result()[2]))
         t = self.reqs.pop(req_id, None)
         if t is None:
             return None
-        self._release(t.held)
+        self._release(t.held, lane=t.lane)
         if t.park and t.saved:
             return {HANDOFF_KEY: t.park, DIGEST_KEY: prompt_digest(t.prompt), "num_tokens": len(t.prompt)}
         return None
 
-    def _release(self, ids: list[int], now: bool = False) -> None:
+    def _release(self, ids: list[int], now: bool = False, lane: int = 0) -> None:
         if not ids:
             return
-        if now:  # on the lookup thread: the scheduler's thread makes no pool call
-            self._pool.submit(self.link.call, "free", lambda c: c.free(ids), 0)
+        if now:  # on the lane's thread: the scheduler's thread makes no pool call
+            link = self.links[lane]
+            self._lanes[lane].submit(link.call, "free", lambda c: c.free(ids), 0)
         else:
-            self._frees[-1].extend(ids)
+            self._frees[-1].append((lane, ids))
 
     def drain(self) -> None:
         """Wait until the lookups and frees asked for so far reached the pool."""
-        self._pool.submit(lambda: None).result()
+        for ex in self._lanes:
+            ex.submit(lambda: None).result()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        for ex in self._lanes:
+            ex.shutdown(wait=True)
+        held: list[list[int]] = [[] for _ in self.links]
         for ahead in self._ahead.values():
-            self._frees[-1].extend(ahead.result()[0])
-        held = [b for t in self.reqs.values() for b in t.held] + [b for d in self._frees for b in d]
-        if held:
-            self.link.call("free", lambda c: c.free(held), 0)
-        self.link.close()
+            ids, _, lane = ahead.result()
+            held[lane] += ids
+        for t in self.reqs.values():
+            held[t.lane] += t.held
+        for due in self._frees:
+            for lane, ids in due:
+                held[lane] += ids
+        for link, ids in zip(self.links, held, strict=True):
+            if ids:
+                link.call("free", lambda c, ids=ids: c.free(ids), 0)
+            link.close()
+        self.profile.maybe_write(force=True)

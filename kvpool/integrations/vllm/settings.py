@@ -39,6 +39,18 @@ class ConnectorSettings(BaseModel):
     reserve_blocks: int = Field(
         1024, ge=0, le=1 << 20, description="arena blocks the worker keeps allocated to copy finished prompts into"
     )
+    layerwise: bool = Field(
+        True, description="load each layer's blocks on a side stream, waited for just before that layer's attention"
+    )
+    lookup_wait_ms: float | None = Field(
+        None, ge=0, le=60_000,
+        description="how long the scheduler waits for a lookup started on arrival; past it the request is asked "
+        "again next step (default: wait for the answer)",
+    )
+    lookup_threads: int = Field(
+        1, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
+    )
+    profile_dir: str | None = Field(None, description="write where the connector's time goes to this directory")
     name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
 
     @classmethod

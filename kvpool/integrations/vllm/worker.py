@@ -1,6 +1,8 @@
 """The connector's worker side: copies between vLLM's paged cache and the arena, and the pool calls for saves.
 
-Loads run on the forward's stream before the forward, so attention reads loaded KV without a wait. Saves are
+Loads run on a side stream layer by layer, and each layer's attention waits (``wait_for_layer_load``) only for
+its own layer's copies, so the copies of later layers overlap the forward of earlier ones; with ``layerwise``
+off they run on the forward's stream before the forward. Saves are
 copied after the forward on the same stream into blocks of a reserve, and committed (or parked) by the saver's
 thread once an event says the copies ran (:mod:`.saver`): the engine's thread makes no pool call in a step. A
 load that cannot run (pool restarted, arena gone, a copy failing) reports its vLLM blocks as failed, and vLLM
@@ -9,6 +11,7 @@ recomputes those tokens.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -18,14 +21,22 @@ from kvpool.errors import LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
+from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.saver import Job, Saver
 from kvpool.integrations.vllm.settings import check_engine
 from kvpool.layout import KVLayout
 
 
 class WorkerSide:
-    def __init__(self, link: PoolLink, layout: KVLayout, reserve: int = 1024) -> None:
-        self.link, self.layout = link, layout
+    def __init__(
+        self, link: PoolLink, layout: KVLayout, reserve: int = 1024, layerwise: bool = False,
+        profile: Profile | None = None,
+    ) -> None:  # fmt: skip
+        self.link, self.layout, self.layerwise = link, layout, layerwise
+        self.profile = profile or Profile(None, "worker")
+        self._layer_of: dict[str, int] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self._layer_events: list[torch.cuda.Event] = []
         self.copier: BlockCopier | None = None
         self.arena: Arena | None = None
         self._engine: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -38,8 +49,9 @@ class WorkerSide:
         """Take vLLM's per-layer caches (refused at start-up if the arena cannot hold them) and map the arena."""
         names = sorted(caches, key=layer_of)
         self._engine = [kv_views(caches[n], self.layout, n) for n in names]
+        self._layer_of = {n: i for i, n in enumerate(names)}
         self._bind()
-        self.saver = Saver(self.link, self.layout.block_size, self.reserve)
+        self.saver = Saver(self.link, self.layout.block_size, self.reserve, self.profile)
         self.saver.refill()
 
     def _bind(self) -> bool:
@@ -78,17 +90,62 @@ class WorkerSide:
             return
         arena_ids = [b for ld in plan.loads for b in ld.arena_ids]
         engine_ids = [b for ld in plan.loads for b in ld.engine_ids]
+        t0 = time.perf_counter()
         try:
             if not self._ready(plan.epoch):
                 raise PoolUnavailable("the pool restarted or cannot be reached")
             assert self.copier is not None
             assert self.arena is not None
-            self.copier.load(self.arena.local_ids(arena_ids), engine_ids)  # pool ids carry generations
+            local = self.arena.local_ids(arena_ids)  # pool ids carry generations: the arena is indexed by block
+            if self.layerwise and self.copier.device.type == "cuda":
+                self._load_layerwise(local, engine_ids)
+            else:
+                self.copier.load(local, engine_ids)
             self.stats["loaded_blocks"] += len(arena_ids)
         except Exception as exc:
             log.warning("kvpool: loading %d blocks failed (%s); vLLM recomputes them", len(engine_ids), exc)
             self.failed.update(engine_ids)
             self.stats["load_failures"] += 1
+        self.profile.add("load_launch_cpu", (time.perf_counter() - t0) * 1e3)
+
+    def _load_layerwise(self, arena_ids: list[int], engine_ids: list[int]) -> None:
+        """Every layer's copies on a side stream, which first waits for what the forward's stream queued before
+        (the vLLM blocks given to these requests may have been read by an earlier step), an event per layer."""
+        assert self.copier is not None
+        dev = self.copier.device
+        main = torch.cuda.current_stream(dev)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(dev)
+        self._stream.wait_stream(main)
+        events: list[torch.cuda.Event] = []
+        self._layer_events = events  # as they are recorded: a failure midway still orders the stream after them
+        timed = self.profile.on
+        with torch.cuda.stream(self._stream):
+            start = torch.cuda.Event(enable_timing=timed)
+            start.record(self._stream)
+            a, e = self.copier.index(arena_ids), self.copier.index(engine_ids)
+            for i in range(len(self._engine)):
+                self.copier.load_layer(i, a, e)
+                ev = torch.cuda.Event(enable_timing=timed)
+                ev.record(self._stream)
+                events.append(ev)
+        if timed:
+            self.profile.gpu("load_gpu", start, events[-1])
+
+    def wait_layer(self, name: str) -> None:
+        """The forward's stream waits for this layer's loads (those of the step, if any)."""
+        if self._layer_events:
+            i = self._layer_of.get(name, len(self._layer_events))
+            ev = self._layer_events[min(i, len(self._layer_events) - 1)]
+            assert self.copier is not None
+            torch.cuda.current_stream(self.copier.device).wait_event(ev)
+
+    def _join_loads(self) -> None:
+        """After the forward: the stream waits for all of the step's loads (a layer vLLM did not wait for)."""
+        if self._layer_events:
+            assert self.copier is not None
+            torch.cuda.current_stream(self.copier.device).wait_event(self._layer_events[-1])
+            self._layer_events = []
 
     def take_failed(self) -> set[int]:
         failed, self.failed = self.failed, set()
@@ -98,8 +155,11 @@ class WorkerSide:
 
     def save(self, plan: StepPlan) -> None:
         """Copy the step's finished prompts into reserve blocks; the saver commits them once the copies ran."""
+        self._join_loads()
+        self.profile.maybe_write()
         if not plan.saves or self.saver is None or not self._ready(""):
             return
+        t0 = time.perf_counter()
         bs, src, dst, jobs = self.layout.block_size, [], [], []
         for s in plan.saves:
             full = len(s.token_ids) // bs
@@ -127,6 +187,7 @@ class WorkerSide:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.copier.device))
         self.saver.submit(done, jobs)
+        self.profile.add("save_launch_cpu", (time.perf_counter() - t0) * 1e3)
 
     def flush(self) -> None:
         if self.saver is not None:
@@ -135,4 +196,5 @@ class WorkerSide:
     def close(self) -> None:
         if self.saver is not None:
             self.saver.close()
+        self.profile.maybe_write(force=True)
         self.link.close()

@@ -1,0 +1,59 @@
+"""Where a connector's time goes on an engine, for benchmarks: counters and summed milliseconds per kind of
+work, written as JSON to ``profile_dir`` (at most twice a second, and at shutdown) when that setting is given.
+
+The engine core runs in its own process, so a file is how a benchmark reads what the connector saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Profile:
+    def __init__(self, directory: str | None, side: str) -> None:
+        self.path = Path(directory) / f"{side}-{os.getpid()}.json" if directory else None
+        self._sums: dict[str, list[float]] = {}  # kind -> [count, total ms, max ms]
+        self._lock = threading.Lock()
+        self._written = 0.0
+        self.pending: list[tuple[str, Any, Any]] = []  # (kind, start event, end event): GPU times, read when done
+
+    @property
+    def on(self) -> bool:
+        return self.path is not None
+
+    def add(self, kind: str, ms: float) -> None:
+        if self.path is None:
+            return
+        with self._lock:
+            s = self._sums.setdefault(kind, [0, 0.0, 0.0])
+            s[0] += 1
+            s[1] += ms
+            s[2] = max(s[2], ms)
+
+    def gpu(self, kind: str, start: Any, end: Any) -> None:
+        """Times two CUDA events apart once the GPU passed them (never waits for them)."""
+        if self.path is not None:
+            self.pending.append((kind, start, end))
+
+    def maybe_write(self, force: bool = False) -> None:
+        if self.path is None or (not force and time.monotonic() - self._written < 0.5):
+            return
+        self._written = time.monotonic()
+        left = []
+        for kind, start, end in self.pending:
+            if end.query():
+                self.add(kind, start.elapsed_time(end))
+            else:
+                left.append((kind, start, end))
+        self.pending = left
+        with self._lock:
+            data = {k: {"n": int(n), "total_ms": round(t, 3), "max_ms": round(m, 3)} for k, (n, t, m) in
+                    self._sums.items()}  # fmt: skip
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(self.path)
