@@ -259,6 +259,20 @@ def pyplot() -> Any:
     return plt
 
 
+def bandwidth_plot(report: Report, variants: Sequence[str], title: str, suite: str) -> Any:
+    """GB/s p50 against the bytes moved, one line per variant (rows with ``variant``, ``bytes``, ``gb_per_s_p50``)."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for v in variants:
+        rows = [r for r in report.results if r["variant"] == v]
+        ax.plot([r["bytes"] / 2**20 for r in rows], [r["gb_per_s_p50"] for r in rows], marker="o", label=v)
+    ax.set(xscale="log", title=title, xlabel="KV (MiB)", ylabel="GB/s")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.suptitle(f"kvpool {suite} ({describe_device(device_info(report.device))})")
+    return fig
+
+
 # -- servers in subprocesses ----------------------------------------------------------------------------------
 
 

@@ -171,13 +171,4 @@ def _body(report: harness.Report) -> str:
 
 
 def _plot(report: harness.Report) -> Any:
-    plt = harness.pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for v in VARIANTS:
-        rows = [r for r in report.results if r["variant"] == v]
-        ax.plot([r["bytes"] / MIB for r in rows], [r["gb_per_s_p50"] for r in rows], marker="o", label=v)
-    ax.set(xscale="log", title="arena <-> host tier (p50)", xlabel="KV (MiB)", ylabel="GB/s")
-    ax.legend()
-    ax.grid(True, alpha=0.3)
-    fig.suptitle(f"kvpool host tier ({machine.describe_device(machine.device_info(report.device))})")
-    return fig
+    return harness.bandwidth_plot(report, VARIANTS, "arena <-> host tier (p50)", "host tier")
