@@ -138,6 +138,10 @@ class CudaHostArena(HostArena):
         props = torch.cuda.get_device_properties(device)
         self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
 
+    def mapped(self) -> int:
+        """The arena's address in the pool, for the pool's own copies (the host tier's)."""
+        return self.ptr
+
     def close(self) -> None:
         from kvpool import cuda
 

@@ -105,8 +105,7 @@ def _blocks_view(part: ArenaDescriptor, arena: HostArena) -> tuple[torch.Tensor,
         from kvpool import cuda
 
         assert arena.device is not None
-        ptr = arena.mapped() if isinstance(arena, VmmHostArena) else arena.ptr
-        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, arena.nbytes), device=f"cuda:{arena.device.index}")
+        raw = torch.as_tensor(cuda.DeviceBuffer(arena.mapped(), arena.nbytes), device=f"cuda:{arena.device.index}")
     elif arena.backend == "cpu":
         raw = torch.from_file(arena.handle, shared=True, size=arena.nbytes, dtype=torch.uint8)
     else:

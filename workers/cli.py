@@ -85,7 +85,7 @@ def load_model(args: argparse.Namespace, layout: KVLayout, device: torch.device)
         model = LlamaModel.from_pretrained(args.model, device=device, dtype=dtype)
     else:
         model = LlamaModel.random(config, seed=args.seed, device=device, dtype=dtype)
-    model.batch_invariant = bool(getattr(args, "batch_invariant", False))
+    model.batch_invariant = args.batch_invariant
     return model
 
 
