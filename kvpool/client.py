@@ -260,7 +260,7 @@ class PoolClient:
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         From a slab to a session with a slab, the ids go straight to it and the pool settles the refs later.
         """
-        if to is not None:
+        if to is not None and to != self.name:  # to itself, the refs must wait for the claim in the pool
             done = self.slabs.handoff(request_id, block_ids, num_tokens, meta, to)
             if done is not None:
                 return done

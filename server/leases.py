@@ -188,6 +188,8 @@ class LeaseBooks:
         lease = self.leases.get(consumer.session_id)
         if lease is None or lease.box is None:
             raise InvalidRequest(f"session {to!r} has no lease box: hand off to it through the pool")
+        if consumer.session_id == session_id:  # its refs would stay its own: a handed id would still free
+            raise InvalidRequest("a session hands off to itself through the pool, where the refs wait for its claim")
         return lease, pair_key(self._secret, session_id, consumer.session_id)
 
     def pair_from(self, session_id: str, region: int, nonce: int) -> bytes:

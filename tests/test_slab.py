@@ -124,6 +124,21 @@ def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(po
     assert wait_idle(pool)["in_use"] == 0
 
 
+def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -> None:
+    """From a slab to itself the refs would never leave the session: until its claim, an id it handed would still
+    free, and the block would be freed under the claim's feet. Parked in the pool, the refs are the handoff's."""
+    with PoolClient(pool.url, name="slab-self", slab=SMALL) as a:
+        ids = a.alloc(2)
+        sent = a.handoff("req-self", ids, 1, to="slab-self")
+        assert not sent.slab
+        with pytest.raises(NotOwner):
+            a.free(ids)  # handed: parked, not the session's until it claims them
+        got = a.claim("req-self", timeout_s=5)
+        assert got.block_ids == ids
+        assert a.free(got.ids) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
 class Recorder:
     """Stands in for a producer's sending socket, keeping what it sends."""
 

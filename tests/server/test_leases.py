@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.errors import NotOwner, PoolExhausted, StaleBlock
+from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
 from kvpool.ids import BLOCK_MASK
 from kvpool.layout import KVLayout
 from kvpool.leases import ALLOCATED, HANDED, IDLE
@@ -224,3 +224,11 @@ def test_a_refill_takes_what_the_arena_has_and_none_at_all_is_507(books: LeaseBo
     with pytest.raises(PoolExhausted):
         books.grant(b, 1, [])
     balanced(pool)
+
+
+def test_a_session_gets_no_pair_key_to_hand_off_to_itself(books: LeaseBooks) -> None:
+    """Its slab's refs would stay its own, so a handed id would still free before the claim: through the pool."""
+    p, c = session(books, "p"), session(books, "c")
+    with pytest.raises(InvalidRequest, match="itself"):
+        books.pair_to(p, "p")
+    assert books.pair_to(p, "c")[0] is books.leases[c]
