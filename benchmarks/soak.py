@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
                 kinds.append(("fast", url, True))
         shared.addressable = [i for i, (_, _, fast) in enumerate(kinds) if fast]
         clients = [Client(i, u, fast, shared) for i, (_, u, fast) in enumerate(kinds)]
+        shared.stopped = threading.Barrier(len(clients))
         stop, side_stop = threading.Event(), threading.Event()
         threads = [threading.Thread(target=c.run, args=(stop,), name=f"soak-{c.index}") for c in clients]
         side = [threading.Thread(target=sample_books, args=(url, token, tally, side_stop, args.sample_interval))]

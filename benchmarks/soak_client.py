@@ -122,11 +122,14 @@ class Client:
 
     def run(self, stop: threading.Event) -> None:
         try:
-            while not stop.is_set():
-                kind = self.rng.choices(OPS, WEIGHTS)[0]
-                if len(self.refs) > MAX_REFS:
-                    kind = "free"
-                self.step(kind)
+            try:
+                while not stop.is_set():
+                    kind = self.rng.choices(OPS, WEIGHTS)[0]
+                    if len(self.refs) > MAX_REFS:
+                        kind = "free"
+                    self.step(kind)
+            finally:
+                self.shared.all_stopped()
             self.release_all()
         except Exception:
             self.shared.tally.violation(f"client {self.index} crashed: {traceback.format_exc(limit=6)}")
@@ -162,9 +165,10 @@ class Client:
                 f"({ref.kind}): someone wrote into a block this client held"
             )
 
-    def take(self, k: int) -> list[Ref]:
-        picked = self.rng.sample(range(len(self.refs)), min(k, len(self.refs)))
-        return [self.refs[i] for i in sorted(picked)]
+    def take(self, k: int, among: list[Ref] | None = None) -> list[Ref]:
+        refs = self.refs if among is None else among
+        picked = self.rng.sample(range(len(refs)), min(k, len(refs)))
+        return [refs[i] for i in sorted(picked)]
 
     def drop(self, refs: Sequence[Ref]) -> None:
         gone = {id(r) for r in refs}
@@ -225,7 +229,13 @@ class Client:
         return True
 
     def do_handoff(self) -> bool:
-        refs = self.take(self.rng.randint(1, 3))
+        to = None
+        if self.shared.addressable and self.rng.random() < 0.5:
+            to = self.rng.choice(self.shared.addressable)
+        own = [r for r in self.refs if r.kind == "own"]
+        # an addressed handoff is mostly what this client wrote, as a prefill hands its KV (and, with slabs, what
+        # can go slab to slab)
+        refs = self.take(self.rng.randint(1, 3), own if to is not None and own and self.rng.random() < 0.7 else None)
         if not refs:
             return False
         for ref in refs:
@@ -234,9 +244,6 @@ class Client:
         request_id = f"soak-{self.index}-{self.seq}"
         meta = {"refs": [[r.block, r.kind, r.stamp] for r in refs]}
         num_tokens = self.rng.randint(0, len(refs) * self.shared.block_size)
-        to = None
-        if self.shared.addressable and self.rng.random() < 0.5:
-            to = self.rng.choice(self.shared.addressable)
         ttl_s = self.shared.handoff_ttl_s
         blocks = [r.block for r in refs]
         addressee = None if to is None else f"soak-{to}"
@@ -317,6 +324,14 @@ class Shared:
     slab: Any = None  # the SlabConfig of the clients with an inbox, if they have slabs
     parked: list[tuple[str, int | None]] = field(default_factory=list)  # (request id, the client it is for)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    stopped: threading.Barrier | None = None  # every client's loop ended
+
+    def all_stopped(self) -> None:
+        """Wait until no client may still hand anything to another: none ends its session before that (a handoff to
+        a session that ended is refused, as it should be, and is no fault of the pool's)."""
+        if self.stopped is not None:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                self.stopped.wait(timeout=60)
 
     def park(self, request_id: str, to: int | None) -> None:
         with self.lock:

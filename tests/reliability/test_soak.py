@@ -94,11 +94,6 @@ def test_balance_check_flags_books_that_do_not_add_up() -> None:
     assert "do not balance" in tally.violations[0]
 
 
-@pytest.mark.xfail(
-    reason="a known race in slab-to-slab handoffs: in about 1 run in 4 a block ends up held twice, or an id the "
-    "client let go of is accepted (docs/operations.md, Slabs: a known bug); slabs stay off by default",
-    strict=False,
-)
 def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
     """Slabs hold blocks outside the free list and hand them over with no pool on the way: the books must still
     balance at every sample, killed workers' slabs (and what they handed) must come back, and nothing may be left."""
