@@ -7,8 +7,9 @@ drains back to ``blocks`` when it grows past ``high``, one call each; when the p
 flag, the next alloc or free returns every idle block first. Blocks that leave the slab through the pool (commit,
 a handoff through the pool) are forgotten here first, and then are plain session blocks.
 
-A block freed into the slab and taken again keeps its fenced id: the generation moves when a block goes back to
-the pool, and within a slab the only holder is this session (see docs/operations.md, "Slabs").
+A block freed into the slab gets its next generation there, as one freed into the pool does, so an id kept past
+its free is stale in the slab too; the pool takes the slot's generation into its books before it acts on the block
+(see docs/operations.md, "Slabs").
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
-from kvpool.ids import BLOCK_MASK
+from kvpool.ids import BLOCK_MASK, GEN_STEP, MAX_ID
 from kvpool.lease_protocol import LeaseInfo, LeaseOpen, SettleRequest, SettleResponse, SlabRequest, SlabResponse
 from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
 from kvpool.transport import Transport
@@ -161,6 +162,8 @@ class Slab:
                     raise self._stale([fenced])
                 if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
                     raise self._not_held([fenced])
+                nxt = fenced + GEN_STEP
+                words[8 + 4 * slot] = nxt if nxt <= MAX_ID else block
                 words[9 + 4 * slot] = IDLE
                 self.idle[self.top] = slot
                 self.top += 1
@@ -173,6 +176,8 @@ class Slab:
             local = slots >= 0
             freed = in_pool(arr[~local].tolist()) if not local.all() else 0
             mine = slots[local]
+            old = self.block[mine]
+            self.block[mine] = np.where(old > MAX_ID - GEN_STEP, old & BLOCK_MASK, old + GEN_STEP)
             self.state[mine] = IDLE
             self.idle[self.top : self.top + len(mine)] = mine
             self.top += len(mine)
@@ -223,18 +228,24 @@ class Slab:
 
     def _stale(self, ids: list[int]) -> StaleBlock:
         return StaleBlock(
-            f"block ids {ids[:8]} name blocks of this session's slab under an old generation: they were handed out "
-            "before, and nothing was freed; free the ids you were given",
+            f"block ids {ids[:8]} are stale: their blocks were freed since the call that returned them (into this "
+            "session's slab, where a freed block gets its next generation as in the pool), and may hold other KV now; "
+            "nothing was changed. Drop these ids: look the prefix up again or allocate anew",
             stale=tuple(ids),
         )
 
     def leave(self, ids: Sequence[int] | Any, call: Callable[[], T]) -> T:
         """Run ``call``, which gives these blocks up at the pool (commit, a handoff through it); once it succeeded,
         the slab's blocks among them leave the slab. Refused first, changing nothing, for ids the slab knows are
-        not this session's to give."""
+        not this session's to give; an old generation goes to the pool all the same, which refuses it too (it
+        takes the slab's generations in before it checks an id) and so tells an addressee of a handoff."""
         arr = as_ids(ids)
         with self.lock:
-            slots = self._owned(arr)
+            try:
+                slots = self._owned(arr)
+            except StaleBlock:
+                call()
+                raise
             done = call()
             mine = slots[slots >= 0]
             if mine.size:

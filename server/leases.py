@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import InvalidRequest, LimitExceeded, NotOwner, UnknownSession
-from kvpool.ids import BLOCK_MASK
-from kvpool.leases import ALLOCATED, HANDED, IDLE, create_table
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_BITS, GEN_MASK
+from kvpool.leases import ALLOCATED, EMPTY, HANDED, IDLE, create_table
 from kvpool.server.config import PoolSettings
 from kvpool.server.pool import Pool
 from kvpool.server.records import Session
@@ -50,6 +50,7 @@ class Lease:
     nonce: int
     box: str | None
     slab: set[int] = field(default_factory=set)  # blocks granted to the slab (a superset: pruned on each grant)
+    seen: np.ndarray | None = None  # the slots' ids as the pool last took their generations in
 
 
 @dataclass(slots=True)
@@ -61,6 +62,7 @@ class LeaseCounters:
     handed_settled: int = 0
     handed_released: int = 0
     handed_ignored: int = 0
+    generations_taken: int = 0
 
 
 class LeaseBooks:
@@ -94,7 +96,7 @@ class LeaseBooks:
         self.table[region] = np.zeros((), self.table.dtype)
         nonce = secrets.randbits(63) | 1
         box = str(self.box_dir / f"lease-{secrets.token_hex(8)}.sock") if self.box_dir is not None else None
-        lease = Lease(session_id, region, nonce, box)
+        lease = Lease(session_id, region, nonce, box, seen=np.zeros(self.slots, np.int64))
         self.table[region]["nonce"] = nonce
         self.leases[session_id] = lease
         self.at[region] = lease
@@ -208,6 +210,7 @@ class LeaseBooks:
             return 0
         mine = self.table[region]
         slots = mine["slots"]
+        self._sync(lease, slots)
         handed = np.flatnonzero(slots["state"] == HANDED)
         if not handed.size:
             return 0
@@ -222,6 +225,8 @@ class LeaseBooks:
         held, committed, fence_of = allocator.refs_of(holder), allocator.committed, allocator.fence_of
         moves: dict[str, list[int]] = {}
         drops: list[int] = []
+        claimed: set[int] = set()  # the sequences of the handoffs whose refs reach their consumer
+        made: set[int] = set()
         for slot, entry in zip(handed.tolist(), seen.tolist(), strict=True):
             fenced, _, to_region, seq, to_nonce = entry
             block = fenced & BLOCK_MASK
@@ -233,8 +238,10 @@ class LeaseBooks:
                 consumer = self.at.get(to_region)
                 if consumer is not None and consumer.nonce == to_nonce and consumer.session_id in pool.sessions:
                     moves.setdefault(f"s:{consumer.session_id}", []).append(block)
+                    claimed.add(seq)
                 else:
                     drops.append(block)
+                made.add(seq)
             else:
                 self.counters.handed_ignored += 1
             settled[slot] = seq
@@ -244,7 +251,34 @@ class LeaseBooks:
         if drops:
             allocator.free(holder, drops)
             self.counters.handed_released += len(drops)
+        # in the pool's own counters as a handoff and its claim, as if they had passed through /handoff and /claim
+        pool.counters.handoffs += len(made)
+        pool.counters.claims += len(claimed)
         return int(handed.size)
+
+    def _sync(self, lease: Lease, slots: np.ndarray) -> None:
+        """Take in the generations the session moved in its slab: a block freed into a slab gets its next one there,
+        written into its slot, and from then on the pool must refuse the old id too. Believed only for a block the
+        books put in that slab, uncommitted and held by it, and only forward (serial arithmetic, 31 bits): whatever
+        a session writes can make only its own ids stale."""
+        ids = slots["block"].copy()  # the session keeps writing
+        assert lease.seen is not None
+        changed = np.flatnonzero(ids != lease.seen)
+        if not changed.size:
+            return
+        changed = changed[slots["state"][changed] != EMPTY]
+        lease.seen[changed] = ids[changed]
+        allocator = self.pool.allocator
+        held, committed, fence_of, n = allocator.refs_of(f"s:{lease.session_id}"), allocator.committed, \
+            allocator.fence_of, allocator.num_blocks  # fmt: skip
+        for fenced in ids[changed].tolist():
+            block = fenced & BLOCK_MASK
+            if fenced < 0 or block >= n or block not in lease.slab or block not in held or committed[block]:
+                continue
+            ahead = ((fenced >> BLOCK_BITS) - (fence_of[block] >> BLOCK_BITS)) & GEN_MASK
+            if 0 < ahead < 1 << (GEN_BITS - 1):
+                fence_of[block] = fenced
+                self.counters.generations_taken += 1
 
     def settle_session(self, session_id: str) -> None:
         """Before a session frees, commits or hands off blocks through the pool: what it handed from its slab is

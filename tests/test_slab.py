@@ -19,6 +19,7 @@ import pytest
 from kvpool import slabwire
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
+from kvpool.ids import block_of, generation_of
 from kvpool.leases import DONE, WANT
 from kvpool.slab import SlabConfig
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
@@ -81,10 +82,10 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
         with pytest.raises(NotOwner):
             c.free([ids[0], ids[0]])  # it holds one ref on each
         c.free(ids[:1])
-        with pytest.raises(NotOwner):
-            c.free(ids)  # the first was freed already: nothing is freed
+        with pytest.raises(StaleBlock):
+            c.free(ids)  # the first was freed already (into the slab: a new generation, as in the pool)
         assert stats(pool)["leases"]["slab_allocated"] == 1
-        c.slabs.slab._drain(0)  # type: ignore[union-attr]  # the idle one goes back to the pool: a new generation
+        c.slabs.slab._drain(0)  # type: ignore[union-attr]  # the idle one goes back to the pool
         with pytest.raises(StaleBlock):
             c.free(ids[:1])
         assert c.free(ids[1:]) == 1
@@ -95,6 +96,25 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
         assert stats(pool)["leases"]["slab_allocated"] == 1
         assert c.free(mine) == 1
     wait_idle(pool)
+
+
+def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_knows(pool: PoolProcess) -> None:
+    """An id kept past a free into the slab is refused in the slab and at the pool alike, whichever way it comes."""
+    with PoolClient(pool.url, name="slab-gen", slab=SMALL) as c:
+        old = c.alloc(1)
+        c.free(old)
+        new = c.alloc(1)
+        assert block_of(new[0]) == block_of(old[0]) and generation_of(new[0]) == generation_of(old[0]) + 1
+        with pytest.raises(StaleBlock):
+            c.free(old)
+        with pytest.raises(StaleBlock):
+            c.commit(old, list(range(4)))
+        r = c.transport.http.post("/free", json={"session_id": c.session_id, "block_ids": old})  # past the slab
+        assert r.status_code == 409 and r.json()["stale_ids"] == old
+        assert stats(pool)["leases"]["slab_allocated"] == 1  # refused whole: still the slab's, allocated
+        c.commit(new, list(range(4)))  # the pool took the new generation in: it accepts the new id
+        assert c.free(new) == 1
+    assert wait_idle(pool)["in_use"] == 0
 
 
 def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_MASK
+from kvpool.ids import BLOCK_MASK, GEN_MASK, GEN_STEP, block_of, fence
 from kvpool.layout import KVLayout
 from kvpool.leases import ALLOCATED, HANDED, IDLE
 from kvpool.server.leases import LeaseBooks
@@ -111,6 +111,7 @@ def test_settle_moves_handed_blocks_to_their_consumer(books: LeaseBooks) -> None
     slots = place(books, p, ids, ALLOCATED)
     hand(books, p, c, slots[:3], seq=1)
     assert books.settle(books.leases[p].region) == 3
+    assert (pool.counters.handoffs, pool.counters.claims) == (1, 1)  # one handoff of three blocks, as /claim counts
     with pytest.raises(NotOwner):
         pool.free(p, ids[:3])
     pool.free(c, ids[:3])  # the consumer holds them now
@@ -150,6 +151,7 @@ def test_blocks_handed_to_a_consumer_that_ended_come_back(books: LeaseBooks) -> 
     pool.close_session(c)
     assert books.settle_all() == 3
     assert pool.stats()["in_use"] == 1 and books.counters.handed_released == 3
+    assert (pool.counters.handoffs, pool.counters.claims) == (1, 0)
     balanced(pool)
 
 
@@ -232,3 +234,24 @@ def test_a_session_gets_no_pair_key_to_hand_off_to_itself(books: LeaseBooks) -> 
     with pytest.raises(InvalidRequest, match="itself"):
         books.pair_to(p, "p")
     assert books.pair_to(p, "c")[0] is books.leases[c]
+
+
+def test_the_pool_takes_in_a_slabs_new_generations_forward_only_and_for_its_own_blocks(books: LeaseBooks) -> None:
+    """A block freed into a slab gets its next generation in its slot; the pool refuses the old id from then on.
+    What a session writes can move only its own blocks' generations, and only forward."""
+    pool = books.pool
+    p, victim = session(books, "p"), session(books, "victim")
+    ids = books.grant(p, 3, [])
+    slots = place(books, p, ids, ALLOCATED)
+    theirs = pool.alloc(victim, 1)
+    extra = place(books, p, theirs, ALLOCATED)  # another session's block, written into p's region
+    region = books.table[books.leases[p].region]["slots"]
+    region["block"][slots[0]] = ids[0] + GEN_STEP  # freed into the slab and taken again
+    region["block"][slots[1]] = fence(block_of(ids[1]), GEN_MASK)  # one generation back (31 bits wrap)
+    region["block"][extra[0]] = theirs[0] + GEN_STEP
+    with pytest.raises(StaleBlock):
+        pool.free(p, ids[:1])
+    assert pool.free(p, [ids[0] + GEN_STEP, ids[1]]) == 2
+    assert pool.free(victim, theirs) == 1
+    assert books.counters.generations_taken == 1
+    balanced(pool)
