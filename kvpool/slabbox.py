@@ -22,6 +22,7 @@ import time
 from array import array
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,8 @@ class Peer:
     region: int
     nonce: int
     box: str
-    key: bytes
+    key: Any  # the pair's keyed MAC, ready to copy (slabwire.sealer)
+    tag: int = 0  # a handed slot's state word: HANDED | region << 32
 
 
 class SlabHandoffs:
@@ -59,7 +61,7 @@ class SlabHandoffs:
         self.transport = slab.transport
         self.peers: dict[str, Peer] = {}
         self.no_box: dict[str, float] = {}
-        self.keys: dict[tuple[int, int], bytes] = {}
+        self.keys: dict[tuple[int, int], Any] = {}  # the pairs' sealers, by (producer region, nonce)
         self.last_seq: dict[tuple[int, int], int] = {}
         self.delivered: OrderedDict[str, Claim] = OrderedDict()
         self.to_settle: set[int] = set()
@@ -96,7 +98,8 @@ class SlabHandoffs:
             self.no_box[to] = time.monotonic() + NO_BOX_S
             return None
         assert got.region is not None and got.nonce is not None and got.box is not None
-        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, bytes.fromhex(got.key))
+        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, slabwire.sealer(bytes.fromhex(got.key)),
+                                     HANDED | got.region << 32)  # fmt: skip
         return peer
 
     def handoff(self, request_id: str, ids: object, num_tokens: int, meta: bytes, to: str) -> int | None:
@@ -119,9 +122,6 @@ class SlabHandoffs:
             seq = words[HSEQ] + 1
             words[HSEQ] = seq
             self._mark(slots, seq, peer)
-            slot_at = slab.slot_at
-            for fid in listed:
-                slot_at[fid & BLOCK_MASK] = -1
             slab.handed += n
             info = slab.info
             packed = (array("i", slots).tobytes(), array("q", listed).tobytes())
@@ -165,20 +165,22 @@ class SlabHandoffs:
         return slots.tolist()
 
     def _mark(self, slots: list[int], seq: int, peer: Peer) -> None:
-        """Mark the slots handed to ``peer`` under ``seq``: the other fields first, the state last (readers read the
-        state first)."""
-        words, slab = self.slab.view.words, self.slab
-        tag = HANDED | peer.region << 32
+        """Mark the slots handed to ``peer`` under ``seq`` (each slot's other fields first, its state last: readers
+        read the state first), and forget their blocks here."""
+        slab = self.slab
+        words, slot_at, tag, nonce = slab.view.words, slab.slot_at, peer.tag, peer.nonce
         if len(slots) <= FEW:
             for slot in slots:
-                words[10 + 4 * slot] = seq
-                words[11 + 4 * slot] = peer.nonce
-            for slot in slots:
-                words[9 + 4 * slot] = tag
+                at = 8 + 4 * slot
+                words[at + 2] = seq
+                words[at + 3] = nonce
+                words[at + 1] = tag
+                slot_at[words[at] & BLOCK_MASK] = -1
             return
         at = np.asarray(slots)
-        slab.words[at, 2:] = (seq, peer.nonce)
+        slab.words[at, 2:] = (seq, nonce)
         slab.words[at, 1] = tag
+        slab.slot_of[slab.block[at] & BLOCK_MASK] = -1
 
     def _flush(self) -> None:
         """Send the queued datagrams in order as their consumers make room; one whose consumer is gone is dropped
@@ -240,7 +242,7 @@ class SlabHandoffs:
             try:
                 req = PairRequest(session_id=self.slab.session_id, from_region=pair[0], from_nonce=pair[1])
                 got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
-                key = self.keys[pair] = bytes.fromhex(got.key)
+                key = self.keys[pair] = slabwire.sealer(bytes.fromhex(got.key))
             except (UnknownSession, InvalidRequest) as exc:
                 log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)
                 return None

@@ -25,6 +25,18 @@ T = TypeVar("T")
 POLL_S = 0.02
 #: where stores reach other processes in program order, which the lease table's one-writer fields rely on
 X86_64 = frozenset({"x86_64", "amd64"})
+_SENT_FIELDS = frozenset(HandoffResponse.model_fields)
+
+
+def _sent(request_id: str, num_blocks: int) -> HandoffResponse:
+    """The answer to a handoff from slab to slab, built as ``model_construct`` would, in a quarter of its time."""
+    sent = object.__new__(HandoffResponse)
+    setattr_ = object.__setattr__
+    setattr_(sent, "__dict__", {"request_id": request_id, "num_blocks": num_blocks, "inbox": None, "slab": True})
+    setattr_(sent, "__pydantic_fields_set__", _SENT_FIELDS)
+    setattr_(sent, "__pydantic_extra__", None)
+    setattr_(sent, "__pydantic_private__", None)
+    return sent
 
 
 class Slabs:
@@ -103,7 +115,7 @@ class Slabs:
         n = self.handoffs.handoff(request_id, ids, int(num_tokens), extra, to)
         if n is None:
             return None
-        return HandoffResponse.model_construct(request_id=request_id, num_blocks=n, inbox=None, slab=True)
+        return _sent(request_id, n)
 
     def claim(self, request_id: str | None, timeout_s: float, from_pool: Callable[[str | None, float], Claim]) -> Claim:
         """A handoff from a slab or, failing that, one parked in the pool, whichever turns up first."""

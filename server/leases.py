@@ -51,6 +51,7 @@ class Lease:
     box: str | None
     slab: set[int] = field(default_factory=set)  # blocks granted to the slab (a superset: pruned on each grant)
     seen: np.ndarray | None = None  # the slots' ids as the pool last took their generations in
+    counted: int = 0  # the last handoff sequence counted in the pool's counters
 
 
 @dataclass(slots=True)
@@ -251,9 +252,13 @@ class LeaseBooks:
         if drops:
             allocator.free(holder, drops)
             self.counters.handed_released += len(drops)
-        # in the pool's own counters as a handoff and its claim, as if they had passed through /handoff and /claim
-        pool.counters.handoffs += len(made)
-        pool.counters.claims += len(claimed)
+        # in the pool's own counters as a handoff and its claim, as if they had passed through /handoff and /claim;
+        # once each, though a settle may come while the producer is still marking a handoff's slots
+        new = [seq for seq in made if seq > lease.counted]
+        if new:
+            pool.counters.handoffs += len(new)
+            pool.counters.claims += len(claimed.intersection(new))
+            lease.counted = max(new)
         return int(handed.size)
 
     def _sync(self, lease: Lease, slots: np.ndarray) -> None:

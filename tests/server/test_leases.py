@@ -255,3 +255,21 @@ def test_the_pool_takes_in_a_slabs_new_generations_forward_only_and_for_its_own_
     assert pool.free(victim, theirs) == 1
     assert books.counters.generations_taken == 1
     balanced(pool)
+
+
+def test_a_handoff_settled_in_two_parts_counts_once(books: LeaseBooks) -> None:
+    """The pool may settle while the producer is still marking a handoff's slots: the rest comes at the next
+    settle, and the handoff and its claim count once."""
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 4, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots[:2], seq=1)
+    assert books.settle(books.leases[p].region) == 2
+    hand(books, p, c, slots[2:3], seq=1)
+    assert books.settle(books.leases[p].region) == 1
+    hand(books, p, c, slots[3:], seq=2)
+    assert books.settle(books.leases[p].region) == 1
+    assert (pool.counters.handoffs, pool.counters.claims) == (2, 2)
+    pool.free(c, ids)
+    balanced(pool)
