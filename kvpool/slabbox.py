@@ -31,7 +31,7 @@ from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError, UnknownSe
 from kvpool.handoffs import Claim
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ALLOCATED, HANDED, HSEQ, NONCE, PAGE
+from kvpool.leases import ALLOCATED, EMPTY, HANDED, HSEQ, NONCE, PAGE
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
@@ -137,11 +137,46 @@ class SlabHandoffs:
                 threading.Thread(target=self._flush, name="kvpool-slab-send", daemon=True).start()
             except OSError as exc:
                 self.peers.pop(to, None)
-                raise HandoffRefused(
-                    f"the handoff of {request_id!r} could not reach {to!r} ({exc}); its blocks are handed already: "
-                    "they go to that session if it is still there, else back to the pool"
-                ) from None
+                kept = self._take_back(slots, seq, peer.tag)
+                if kept is None:
+                    why = "its blocks are handed already: they go to that session if it is still there, else back to " \
+                          "the pool"
+                elif len(kept) == n:
+                    why = "nothing was handed: the blocks are still yours"
+                else:
+                    why = (f"the pool had settled {n - len(kept)} of its blocks already (they go to that session if it "
+                           f"is still there, else back to the pool); these are still yours: {kept}")
+                err = HandoffRefused(f"the handoff of {request_id!r} could not reach {to!r} ({exc}); {why}")
+                err.kept = tuple(kept or ())  # the ids still the caller's
+                raise err from None
         return n
+
+    def _take_back(self, slots: list[int], seq: int, tag: int) -> list[int] | None:
+        """After a datagram that could not leave: the ids of the blocks that are allocated here again, or None if the
+        pool could not be asked. Each slot's state goes back first; then one round trip to the pool (a settle of
+        this region), after which any settle of the pool's that saw them handed is over, and ``settled`` says which
+        it moved."""
+        slab = self.slab
+        words = slab.view.words
+        for slot in slots:
+            words[9 + 4 * slot] = ALLOCATED
+        try:
+            slab.settle([slab.info.region])
+        except KvpoolError:
+            for slot in slots:
+                words[9 + 4 * slot] = tag  # handed, as they were: the pool settles them
+            return None
+        kept = []
+        for slot in slots:
+            if slab.settled[slot] == seq:
+                words[9 + 4 * slot] = EMPTY
+                slab.empty.append(slot)
+            else:
+                fid = words[8 + 4 * slot]
+                slab.slot_at[fid & BLOCK_MASK] = slot
+                kept.append(fid)
+        slab.handed -= len(slots)
+        return kept
 
     def _allocated_slots(self, ids: list[int]) -> list[int] | None:
         """The slots of these ids if each names an allocated block of this slab at its generation, else None."""

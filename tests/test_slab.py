@@ -18,7 +18,15 @@ import pytest
 
 from kvpool import slabwire
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
+from kvpool.errors import (
+    HandoffNotFound,
+    HandoffRefused,
+    InvalidRequest,
+    NotOwner,
+    PoolExhausted,
+    StaleBlock,
+    UnknownSession,
+)
 from kvpool.ids import block_of, generation_of
 from kvpool.leases import DONE, WANT
 from kvpool.slab import SlabConfig
@@ -156,6 +164,27 @@ def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -
         got = a.claim("req-self", timeout_s=5)
         assert got.block_ids == ids
         assert a.free(got.ids) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess) -> None:
+    """The consumer's lease box is gone: the producer takes its slots back before the pool settles them, and the
+    refusal says which blocks are still its own (all of them, unless the pool's sweep settled some in between)."""
+    with PoolClient(pool.url, name="slab-s", slab=SMALL) as p, PoolClient(pool.url, name="slab-t", slab=SMALL) as q:
+        p.handoff("req-warm", p.alloc(1), 1, to="slab-t")  # p knows the way to q's box now
+        q.free(q.claim("req-warm", timeout_s=5).ids)
+        assert q.slabs.handoffs is not None and q.slabs.slab is not None
+        os.unlink(q.slabs.slab.info.box or "")
+        ids = p.alloc(3)
+        with pytest.raises(HandoffRefused, match="could not reach") as refused:
+            p.handoff("req-lost", ids, 4, to="slab-t")
+        kept = list(refused.value.kept)  # type: ignore[attr-defined]
+        assert set(kept) <= set(ids) and ("nothing was handed" in str(refused.value)) == (kept == ids)
+        assert p.free(kept) == len(kept)
+        gone = [i for i in ids if i not in kept]
+        if gone:
+            assert q.free(gone) == len(gone)
+        assert stats(pool)["leases"]["slab_handed"] == 0
     assert wait_idle(pool)["in_use"] == 0
 
 
