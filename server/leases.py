@@ -274,11 +274,10 @@ class LeaseBooks:
         changed = changed[slots["state"][changed] != EMPTY]
         lease.seen[changed] = ids[changed]
         allocator = self.pool.allocator
-        held, committed, fence_of, n = allocator.refs_of(f"s:{lease.session_id}"), allocator.committed, \
-            allocator.fence_of, allocator.num_blocks  # fmt: skip
+        held, committed, fence_of = allocator.refs_of(f"s:{lease.session_id}"), allocator.committed, allocator.fence_of
         for fenced in ids[changed].tolist():
             block = fenced & BLOCK_MASK
-            if fenced < 0 or block >= n or block not in lease.slab or block not in held or committed[block]:
+            if fenced < 0 or block not in lease.slab or block not in held or committed[block]:
                 continue
             ahead = ((fenced >> BLOCK_BITS) - (fence_of[block] >> BLOCK_BITS)) & GEN_MASK
             if 0 < ahead < 1 << (GEN_BITS - 1):
