@@ -151,8 +151,9 @@ class SchedulerSide:
     ) -> tuple[list[int], int, int]:
         t0 = time.perf_counter()
         found = self._find(prompt, params, lane)
-        self.profile.add("lookup_queued", (t0 - queued) * 1e3)
-        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
+        kind = "claim" if params.get(HANDOFF_KEY) else "lookup"
+        self.profile.add(f"{kind}_queued", (t0 - queued) * 1e3)
+        self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
         return found
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
