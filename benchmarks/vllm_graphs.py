@@ -43,6 +43,9 @@ from kvpool.client import PoolClient
 from kvpool.server.launch import spawn
 
 PARK = {"do_remote_decode": True}
+#: the connector's settings per pool phase: its defaults, and loads before the forward (no per-layer hook, so
+#: vLLM may capture full CUDA graphs)
+POOL_VARIANTS: dict[str, dict[str, Any]] = {"pool": {}, "pool_flat": {"layerwise": False}}
 
 
 def steady_seeds(rates: list[float], rounds: int) -> list[tuple[float, int]]:
@@ -63,13 +66,14 @@ def started(make: Any) -> tuple[Any, float]:
     return llm, round(time.perf_counter() - t, 1)
 
 
-def pool_phase(model: Path, url: str, args: argparse.Namespace) -> dict[str, Any]:
-    res: dict[str, Any] = {"pair": [], "burst": [], "steady": [], "single": {"B": [], "P": []}}
-    pdir = args.work / "profiles"
+def pool_phase(model: Path, url: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+    res: dict[str, Any] = {"pair": [], "burst": [], "steady": [], "single": {"B": [], "P": [], "P_ttft_ms": []},
+                           "settings": extra}  # fmt: skip
+    pdir = args.work / f"profiles-{time.time_ns()}"
     with PoolClient(url, name="bench") as probe:
-        e1, res["start_s_e1"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e1")},
+        e1, res["start_s_e1"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e1"), **extra},
                                                        eager=False))  # fmt: skip
-        e2, res["start_s_e2"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e2")},
+        e2, res["start_s_e2"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e2"), **extra},
                                                        eager=False))  # fmt: skip
         warm = prompts(998)
         run(e1, warm["A"]), run(e2, warm["B"])
@@ -113,7 +117,9 @@ def pool_phase(model: Path, url: str, args: argparse.Namespace) -> dict[str, Any
             wait_commits(probe, c0, PROMPT // BS)
             res["single"]["B"].append(run(e2, singles["B"][i : i + 1])["tokens"][0])
             pre = run(e1, singles["P"][i : i + 1], max_tokens=1, params=[PARK])
-            res["single"]["P"].append(run(e2, singles["P"][i : i + 1], params=pre["kv_transfer_params"])["tokens"][0])
+            dec = run(e2, singles["P"][i : i + 1], params=pre["kv_transfer_params"])
+            res["single"]["P"].append(dec["tokens"][0])
+            res["single"]["P_ttft_ms"] += dec["ttft_ms"]
         res["pool_stats"] = probe.stats()
         close(e1)
         close(e2)
@@ -121,7 +127,7 @@ def pool_phase(model: Path, url: str, args: argparse.Namespace) -> dict[str, Any
 
 
 def nixl_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    res: dict[str, Any] = {"pair": [], "single": {"P": []}}
+    res: dict[str, Any] = {"pair": [], "single": {"P": [], "P_ttft_ms": [], "P_producer_own": []}}
     prod, res["start_s_producer"] = started(lambda: engine(model, None, 0.2, eager=False, transfer=nixl_transfer(5600)))
     cons, res["start_s_consumer"] = started(lambda: engine(model, None, 0.2, eager=False, transfer=nixl_transfer(5620)))
     warm = prompts(998)
@@ -139,14 +145,19 @@ def nixl_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     singles = prompts(500)
     for i in range(SINGLES):
         pre = run(prod, singles["P"][i : i + 1], max_tokens=1, params=[nixl_prefill_params()])
-        res["single"]["P"].append(run(cons, singles["P"][i : i + 1], params=pre["kv_transfer_params"])["tokens"][0])
+        dec = run(cons, singles["P"][i : i + 1], params=pre["kv_transfer_params"])
+        res["single"]["P"].append(dec["tokens"][0])
+        res["single"]["P_ttft_ms"] += dec["ttft_ms"]
+        # the same KV layout's own answer (NIXL switches the engines to HND): P on the producer's own cache
+        res["single"]["P_producer_own"].append(run(prod, singles["P"][i : i + 1])["tokens"][0])
     close(prod)
     close(cons)
     return res
 
 
 def plain_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
-    res: dict[str, Any] = {"burst": [], "steady": [], "P": [], "single": {"B": [], "B_cold": [], "P": []}}
+    res: dict[str, Any] = {"burst": [], "steady": [], "P": [],
+                           "single": {"B": [], "B_cold": [], "P": [], "P_ttft_ms": []}}  # fmt: skip
     llm, res["start_s"] = started(lambda: engine(model, None, 0.3, eager=False))
     warm = prompts(999)
     run(llm, warm["A"]), run(llm, warm["B"])
@@ -176,7 +187,9 @@ def plain_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         res["single"]["B_cold"].append(run(llm, singles["B"][i : i + 1])["tokens"][0])
         llm.reset_prefix_cache()
         run(llm, singles["P"][i : i + 1], max_tokens=1)
-        res["single"]["P"].append(run(llm, singles["P"][i : i + 1])["tokens"][0])
+        own = run(llm, singles["P"][i : i + 1])
+        res["single"]["P"].append(own["tokens"][0])
+        res["single"]["P_ttft_ms"] += own["ttft_ms"]
     close(llm)
     return res
 
@@ -185,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvp-vllm-graphs"), help="the model and profiles")
-    ap.add_argument("--phases", nargs="*", default=["pool", "nixl", "plain"], choices=["pool", "nixl", "plain"])
+    ap.add_argument("--phases", nargs="*", default=["pool", "nixl", "plain"], choices=[*POOL_VARIANTS, "nixl", "plain"])
     ap.add_argument("--rounds", type=int, default=3, help="batches of 32 per burst workload")
     ap.add_argument("--rates", type=float, nargs="*", default=[8.0, 16.0], help="steady arrival rates, requests/s")
     ap.add_argument("--steady-rounds", type=int, default=1, help="batches of 32 per steady rate")
@@ -198,14 +211,14 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     for phase in args.phases:
         t = time.perf_counter()
-        if phase == "pool":
+        if phase in POOL_VARIANTS:
             sock = args.work / "kvpool.sock"
             flags = ["--socket", str(sock), "--port", "0", "--backend", "cuda", "--num-blocks", str(args.pool_blocks),
                      "--num-layers", "16", "--num-kv-heads", "8", "--head-dim", "64", "--block-size", str(BS),
                      "--dtype", "bf16", "--model", str(model), "--log-level", "warning"]  # fmt: skip
             pool = spawn(["kvpool", "serve", *flags], socket=sock, port=0, log=args.out / "pool.log", timeout_s=120)
             try:
-                res = pool_phase(model, f"unix://{sock}", args)
+                res = pool_phase(model, f"unix://{sock}", args, POOL_VARIANTS[phase])
             finally:
                 pool.stop()
         elif phase == "nixl":
@@ -219,7 +232,7 @@ def main() -> None:
         res.update(device=device, seconds=round(time.perf_counter() - t, 1), args=vars(args) | {"out": "", "work": ""})
         (args.out / f"{phase}.json").write_text(json.dumps(res))
         print(f"phase {phase} done in {res['seconds']} s", flush=True)
-    s = summary(args.out)
+    s = {v: summary(args.out, v) for v in POOL_VARIANTS if (args.out / f"{v}.json").exists()} or summary(args.out)
     (args.out / "summary.json").write_text(json.dumps(s, indent=1))
     print(json.dumps(s, indent=1))
 

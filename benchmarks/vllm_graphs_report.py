@@ -39,8 +39,10 @@ def _pair(res: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def summary(out: Path) -> dict[str, Any]:
+def summary(out: Path, pool_variant: str = "pool") -> dict[str, Any]:
+    """The figures of one pool variant's phase (its file ``<pool_variant>.json``) beside the others'."""
     files = {p: out / f"{p}.json" for p in ("pool", "nixl", "plain")}
+    files["pool"] = out / f"{pool_variant}.json"
     got = {p: json.loads(f.read_text()) for p, f in files.items() if f.exists()}
     pool, nixl, plain = got.get("pool"), got.get("nixl"), got.get("plain")
     s: dict[str, Any] = {"device": next(iter(got.values()), {}).get("device"), "phases": sorted(got)}
@@ -84,6 +86,9 @@ def summary(out: Path) -> dict[str, Any]:
         }
     if nixl:
         s["pair_nixl"] = {"error": nixl["error"]} if "error" in nixl else _pair(nixl) | nixl["per_transfer"]
+    singles = {k: r["single"].get("P_ttft_ms") for k, r in (("plain_own_cache", plain), ("kvpool", pool),
+                                                             ("nixl", nixl)) if r and "single" in r}  # fmt: skip
+    s["single_P_decode_ttft_p50_ms"] = {k: p50(v) for k, v in singles.items() if v}
     s["identical"] = _identical(pool, nixl, plain)
     return s
 
@@ -105,4 +110,8 @@ def _identical(pool: dict | None, nixl: dict | None, plain: dict | None) -> dict
             "single_P_nixl_pair_vs_own_cache": agree(nixl["single"]["P"], ps["P"]),
             "burst_P_nixl_pair_vs_own_cache": agree(_toks([r["decode"] for r in nixl["pair"]]), _toks(plain["P"])),
         }
+        if nixl["single"].get("P_producer_own"):
+            out["single_P_nixl_pair_vs_producer_own_cache"] = agree(
+                nixl["single"]["P"], nixl["single"]["P_producer_own"]
+            )
     return out

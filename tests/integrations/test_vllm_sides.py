@@ -15,7 +15,7 @@ from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
-from kvpool.integrations.vllm.settings import ConnectorSettings
+from kvpool.integrations.vllm.settings import ConnectorSettings, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
@@ -329,3 +329,9 @@ def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tm
     assert seen["lookup_call"]["n"] == 1
     assert seen["lookup_batch_size"]["max_ms"] == 5
     assert seen["lookup_queued"]["n"] == 5
+
+
+def test_loads_go_layer_by_layer_by_default_only_without_full_cuda_graphs() -> None:
+    assert ConnectorSettings().layerwise is None
+    assert layerwise_for(None, full_graphs=False) and not layerwise_for(None, full_graphs=True)
+    assert layerwise_for(True, full_graphs=True) and not layerwise_for(False, full_graphs=False)
