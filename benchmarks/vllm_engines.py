@@ -64,8 +64,13 @@ def prompts(seed: int) -> dict[str, list[list[int]]]:
 
 
 def engine(
-    model: Path, pool_url: str | None, util: float, extra: dict | None = None, module: str = "kvpool.integrations.vllm",
-    eager: bool = True, transfer: Any = None,
+    model: Path,
+    pool_url: str | None,
+    util: float,
+    extra: dict | None = None,
+    module: str = "kvpool.integrations.vllm",
+    eager: bool = True,
+    transfer: Any = None,
 ) -> Any:
     """An engine of the workload; with the kvpool connector when ``pool_url`` is given, or ``transfer`` (another
     connector's ``KVTransferConfig``); CUDA graphs unless ``eager``."""
