@@ -63,7 +63,7 @@ class StubPlane:
     def _unsupported(self, req: Any) -> Any:
         raise NotImplementedError("the bare floor serves alloc and free only")
 
-    commit = lookup = handoff = claim = accept = _unsupported
+    commit = lookup = lookup_many = handoff = claim = accept = _unsupported
 
 
 def create_bare_app(plane: StubPlane, channel: FastChannel) -> FastAPI:

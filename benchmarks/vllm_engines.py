@@ -64,12 +64,20 @@ def prompts(seed: int) -> dict[str, list[list[int]]]:
 
 
 def engine(
-    model: Path, pool_url: str | None, util: float, extra: dict | None = None, module: str = "kvpool.integrations.vllm"
+    model: Path,
+    pool_url: str | None,
+    util: float,
+    extra: dict | None = None,
+    module: str = "kvpool.integrations.vllm",
+    eager: bool = True,
+    transfer: Any = None,
 ) -> Any:
+    """An engine of the workload; with the kvpool connector when ``pool_url`` is given, or ``transfer`` (another
+    connector's ``KVTransferConfig``); CUDA graphs unless ``eager``."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    kw: dict[str, Any] = {}
+    kw: dict[str, Any] = {"kv_transfer_config": transfer} if transfer is not None else {}
     if pool_url:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path=module, kv_role="kv_both",
@@ -79,7 +87,7 @@ def engine(
     return LLM(
         model=str(model), skip_tokenizer_init=True, attention_backend="TRITON_ATTN", gpu_memory_utilization=util,
         enable_prefix_caching=True, max_num_batched_tokens=16384, block_size=BS, max_model_len=2048, seed=0,
-        enforce_eager=True, disable_log_stats=False, **kw,
+        enforce_eager=eager, disable_log_stats=False, **kw,
     )  # fmt: skip
 
 

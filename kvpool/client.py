@@ -43,6 +43,8 @@ from kvpool.protocol import (
     HandoffRequest,
     HandoffResponse,
     Health,
+    LookupManyRequest,
+    LookupManyResponse,
     LookupRequest,
     LookupResponse,
     Role,
@@ -244,6 +246,14 @@ class PoolClient:
         fields = {"token_ids": _as_list(token_ids), "device": device, "salt": salt}
         req = _req(LookupRequest, session_id=self.session_id, **fields)
         return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
+
+    def lookup_many(
+        self, prompts: Sequence[Sequence[int]], device: int | None = None, salt: str | None = None
+    ) -> list[LookupResponse]:
+        """``lookup`` of each prompt, in one round trip (a scheduler step's arrivals)."""
+        items = [{"token_ids": _as_list(t), "salt": salt} for t in prompts]
+        req = _req(LookupManyRequest, session_id=self.session_id, lookups=items, device=device)
+        return self._call(b"lookups", "/lookups", req, LookupManyResponse)[0].hits
 
     def handoff(
         self,

@@ -138,6 +138,33 @@ class LookupResponse(BaseModel):
     num_tokens: int
 
 
+MAX_LOOKUPS = 1024
+
+
+class LookupItem(_Request):
+    token_ids: list[int] = Field(max_length=MAX_TOKENS)
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
+
+
+class LookupManyRequest(_Request):
+    """Several lookups in one call: a scheduler asks for a whole step's arrivals with one round trip."""
+
+    session_id: SessionId = Field(max_length=64)
+    lookups: list[LookupItem] = Field(min_length=1, max_length=MAX_LOOKUPS)
+    device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> LookupManyRequest:
+        total = sum(len(x.token_ids) for x in self.lookups)
+        if total > MAX_TOKENS:
+            raise ValueError(f"the lookups hold {total} tokens in all; at most {MAX_TOKENS} go in one call")
+        return self
+
+
+class LookupManyResponse(BaseModel):
+    hits: list[LookupResponse]
+
+
 class HandoffRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     request_id: RequestId = Field(min_length=1, max_length=256)

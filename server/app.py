@@ -32,6 +32,8 @@ from kvpool.protocol import (
     HandoffRequest,
     HandoffResponse,
     Health,
+    LookupManyRequest,
+    LookupManyResponse,
     LookupRequest,
     LookupResponse,
     SessionCreate,
@@ -272,6 +274,11 @@ def create_app(plane: ControlPlane) -> FastAPI:
     async def lookup(req: LookupRequest) -> LookupResponse:
         """The longest cached prefix of the tokens, with a ref taken on each block for the session."""
         return plane.lookup(req)
+
+    @api.post("/lookups")
+    async def lookup_many(req: LookupManyRequest) -> LookupManyResponse:
+        """Several lookups in one call, answered in order, each as /lookup answers it."""
+        return plane.lookup_many(req)
 
     @api.post("/handoff")
     async def handoff(req: HandoffRequest) -> HandoffResponse:

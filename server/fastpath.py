@@ -39,6 +39,7 @@ from kvpool.protocol import (
     FreeRequest,
     HandoffRequest,
     Hello,
+    LookupManyRequest,
     LookupRequest,
     SessionRef,
 )
@@ -87,6 +88,7 @@ class FastChannel:
             b"free": (FreeRequest, plane.free),
             b"commit": (CommitRequest, plane.commit),
             b"lookup": (LookupRequest, plane.lookup),
+            b"lookups": (LookupManyRequest, plane.lookup_many),
             b"handoff": (HandoffRequest, plane.handoff),
             b"claim": (ClaimRequest, plane.claim),
             b"accept": (ClaimRequest, plane.accept),

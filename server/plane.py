@@ -34,6 +34,8 @@ from kvpool.protocol import (
     FreeResponse,
     HandoffRequest,
     HandoffResponse,
+    LookupManyRequest,
+    LookupManyResponse,
     LookupRequest,
     LookupResponse,
     SessionCreate,
@@ -47,7 +49,7 @@ from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.hostarena import HostTierMemory, open_host_tier
 from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
-from kvpool.server.prefix import DIGESTS
+from kvpool.server.prefix import DIGESTS, token_bytes
 from kvpool.server.records import Handoff, Limits, Session
 
 log = logging.getLogger(__name__)
@@ -267,6 +269,18 @@ class ControlPlane:
     def lookup(self, req: LookupRequest) -> LookupResponse:
         r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device), req.salt)
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
+
+    def lookup_many(self, req: LookupManyRequest) -> LookupManyResponse:
+        """Each lookup in order; the session, device and every token id are checked before any ref is taken, so
+        a refused call changes nothing."""
+        arena = self.arena_index(req.device)
+        self.pool.session(req.session_id)
+        for x in req.lookups:
+            token_bytes(x.token_ids)
+        hits = [self.pool.lookup(req.session_id, x.token_ids, arena, x.salt) for x in req.lookups]
+        return LookupManyResponse.model_construct(
+            hits=[LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens) for r in hits]
+        )
 
     def handoff(self, req: HandoffRequest, packed: array | None = None) -> HandoffResponse:
         """Park the handoff; if its addressee has an inbox, send it the ids at once, sealed, before answering.

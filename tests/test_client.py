@@ -84,6 +84,20 @@ def test_both_transports_give_the_same_answers(pool_server, fast):
             pool.claim("r", timeout_s=0.05)
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_lookup_many_answers_each_prompt_as_lookup_does(pool_server, fast):
+    with PoolClient(pool_server.url, name="t", fast=fast) as pool:
+        ids = pool.alloc(3)
+        pool.commit(ids, list(range(12)), salt="tenant")
+        prompts = [list(range(8)), [7, 7, 7, 7, 7], list(range(13)), list(range(3))]
+        hits = pool.lookup_many(prompts, salt="tenant")
+        assert [h.block_ids for h in hits] == [ids[:2], [], ids, []]
+        assert [h.num_tokens for h in hits] == [8, 0, 12, 0]
+        assert pool.lookup_many(prompts[:1])[0].block_ids == []  # without the salt: not found
+        assert pool.free(ids[:2] + ids) == 5  # each hit took its own refs
+        assert pool.free(ids) == 3
+
+
 def test_claim_waits_for_the_handoff(pool_server):
     with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d") as decode:
         got = {}

@@ -187,3 +187,9 @@ def test_an_engine_that_does_not_fit_the_pool_is_refused_naming_the_flag(model_d
     with pytest.raises(LayoutMismatch, match="--block-size 32"):
         cfg = config(model_dir, pool.url, block_size=32)
         KvpoolConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(0, [], []))
+
+
+def test_full_cuda_graphs_are_kept_unless_layerwise_loads_are_asked_for() -> None:
+    assert not KvpoolConnector.requires_piecewise_for_cudagraph({})
+    assert not KvpoolConnector.requires_piecewise_for_cudagraph({"layerwise": False})
+    assert KvpoolConnector.requires_piecewise_for_cudagraph({"layerwise": True})

@@ -15,7 +15,7 @@ from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
-from kvpool.integrations.vllm.settings import ConnectorSettings
+from kvpool.integrations.vllm.settings import ConnectorSettings, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
@@ -291,10 +291,11 @@ def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -
         for i, p in enumerate(prompts):
             serve(a, f"r{i}", p)
         before = stats(pool)["in_use"]
-        for i, p in enumerate(prompts):
+        for i, p in enumerate(prompts):  # one at a time: each batch of lookups goes out on the next lane
             b.sched.prefetch(f"x{i}", p, None)
+            b.sched.drain()
         assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12] * 4
-        assert {b.sched.reqs[f"x{i}"].lane for i in range(4)} == {0, 1, 2}
+        assert [b.sched.reqs[f"x{i}"].lane for i in range(4)] == [0, 1, 2, 0]
         assert stats(pool)["in_use"] == before + 12
         for i in range(4):
             b.sched.finished(f"x{i}")
@@ -304,3 +305,33 @@ def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -
     finally:
         a.close()
         b.close()
+
+
+def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tmp_path) -> None:
+    a, b = Engine(pool.url, "a10"), Engine(pool.url, "b10", profile_dir=str(tmp_path))
+    gate = threading.Event()
+    try:
+        prompts = [prompt_of(30 + i, 13) for i in range(5)]
+        for i, p in enumerate(prompts[:4]):
+            serve(a, f"r{i}", p)
+        b.sched._lanes[0].submit(gate.wait, 30)  # the lane busy while the burst arrives
+        for i, p in enumerate(prompts):
+            b.sched.prefetch(f"x{i}", p, None)
+        gate.set()
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12, 12, 12, 12, 0]
+        for i in range(5):
+            b.sched.finished(f"x{i}")
+    finally:
+        gate.set()
+        a.close()
+        b.close()
+    seen = json.loads(next(tmp_path.glob("scheduler-*.json")).read_text())
+    assert seen["lookup_call"]["n"] == 1
+    assert seen["lookup_batch_size"]["max_ms"] == 5
+    assert seen["lookup_queued"]["n"] == 5
+
+
+def test_loads_go_layer_by_layer_by_default_only_without_full_cuda_graphs() -> None:
+    assert ConnectorSettings().layerwise is None
+    assert layerwise_for(None, full_graphs=False) and not layerwise_for(None, full_graphs=True)
+    assert layerwise_for(True, full_graphs=True) and not layerwise_for(False, full_graphs=False)

@@ -23,7 +23,7 @@ from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
-from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine
+from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
 
@@ -85,12 +85,15 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._check_pool(link, vllm_config)
             self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, profile)
         else:
-            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, self.settings.layerwise, profile)
+            mode = vllm_config.compilation_config.cudagraph_mode
+            layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise, profile)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise loads are waited for in each attention layer's hook, which a full CUDA graph skips."""
-        return ConnectorSettings.parse(extra_config).layerwise
+        """Layer-wise loads are waited for in each attention layer's hook, which a full CUDA graph skips: asked
+        for explicitly, they give up full graphs; by default they are used only where there are none."""
+        return ConnectorSettings.parse(extra_config).layerwise is True
 
     def _check_pool(self, link: PoolLink, config: VllmConfig) -> None:
         """Refuse at start-up an engine that does not fit the pool; a pool not there is only warned about."""

@@ -17,6 +17,8 @@ from typing import Any
 class Profile:
     def __init__(self, directory: str | None, side: str) -> None:
         self.path = Path(directory) / f"{side}-{os.getpid()}.json" if directory else None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
         self._sums: dict[str, list[float]] = {}  # kind -> [count, total ms, max ms]
         self._lock = threading.Lock()
         self._written = 0.0

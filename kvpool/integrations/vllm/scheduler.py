@@ -12,6 +12,7 @@ an engine loads can never be evicted and rewritten while it is being read.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -60,6 +61,8 @@ class SchedulerSide:
         self._next_lane = 0
         self._frees: deque[list[tuple[int, list[int]]]] = deque([[] for _ in range(settings.free_delay_steps)])
         self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
+        self._batch: list[tuple[list[int], float, Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
+        self._batch_lock = threading.Lock()
         self.epoch = ""
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -101,21 +104,56 @@ class SchedulerSide:
 
     def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
-        calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in."""
-        if len(prompt) > self.block_size and req_id not in self._ahead:
-            queued, lane = time.perf_counter(), self._next_lane
-            self._next_lane = (lane + 1) % len(self._lanes)
-            self._ahead[req_id] = self._lanes[lane].submit(
-                self._timed_find, list(prompt), dict(params or {}), queued, lane
-            )
+        calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in.
+
+        Prefix lookups go out in batches: those that arrive while a lane's call is under way wait for the next
+        call, and all go in it (one round trip for a burst, where one call each queued them one after the other).
+        """
+        if len(prompt) <= self.block_size or req_id in self._ahead:
+            return
+        params = dict(params or {})
+        queued = time.perf_counter()
+        if params.get(HANDOFF_KEY) or not self.settings.load:
+            lane = self._lane()
+            self._ahead[req_id] = self._lanes[lane].submit(self._timed_find, list(prompt), params, queued, lane)
+            return
+        future: Future[tuple[list[int], int, int]] = Future()
+        usable = (len(prompt) - 1) // self.block_size * self.block_size
+        with self._batch_lock:
+            self._batch.append((list(prompt[:usable]), queued, future))
+            start = len(self._batch) == 1
+        if start:
+            lane = self._lane()
+            self._lanes[lane].submit(self._lookup_batch, lane)
+        self._ahead[req_id] = future
+
+    def _lane(self) -> int:
+        lane = self._next_lane
+        self._next_lane = (lane + 1) % len(self._lanes)
+        return lane
+
+    def _lookup_batch(self, lane: int) -> None:
+        with self._batch_lock:
+            batch, self._batch = self._batch, []
+        t0 = time.perf_counter()
+        hits = None
+        try:
+            hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _, _ in batch]), None)
+        finally:  # every request gets its answer, "nothing in the pool" at worst: none waits forever
+            for i, (_, queued, future) in enumerate(batch):
+                future.set_result((hits[i][0], hits[i][1], lane) if hits is not None else ([], 0, lane))
+                self.profile.add("lookup_queued", (t0 - queued) * 1e3)
+        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
+        self.profile.add("lookup_batch_size", len(batch))
 
     def _timed_find(
         self, prompt: list[int], params: dict[str, Any], queued: float, lane: int
     ) -> tuple[list[int], int, int]:
         t0 = time.perf_counter()
         found = self._find(prompt, params, lane)
-        self.profile.add("lookup_queued", (t0 - queued) * 1e3)
-        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
+        kind = "claim" if params.get(HANDOFF_KEY) else "lookup"
+        self.profile.add(f"{kind}_queued", (t0 - queued) * 1e3)
+        self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
         return found
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
@@ -135,6 +173,11 @@ class SchedulerSide:
         hit = client.lookup(tokens)
         self.epoch = client.epoch
         return list(hit.block_ids), hit.num_tokens
+
+    def _lookup_many(self, client: Any, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
+        hits = client.lookup_many(prompts)
+        self.epoch = client.epoch
+        return [(list(h.block_ids), h.num_tokens) for h in hits]
 
     def _claim(self, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
         key = str(params[HANDOFF_KEY])

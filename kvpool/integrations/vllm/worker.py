@@ -102,6 +102,8 @@ class WorkerSide:
             else:
                 self.copier.load(local, engine_ids)
             self.stats["loaded_blocks"] += len(arena_ids)
+            self.profile.add("load_requests", len(plan.loads))
+            self.profile.add("load_blocks", len(arena_ids))
         except Exception as exc:
             log.warning("kvpool: loading %d blocks failed (%s); vLLM recomputes them", len(engine_ids), exc)
             self.failed.update(engine_ids)

@@ -1,0 +1,58 @@
+"""The vLLM benchmarks' bookkeeping, without vLLM: what a phase's files say once summed up."""
+
+from __future__ import annotations
+
+import json
+
+from kvpool.benchmarks.vllm_drive import per_transfer, profile_delta
+from kvpool.benchmarks.vllm_graphs_report import summary
+
+
+def run(ttft: list[float], tokens: list[list[int]], tpot: list[float] | None = None) -> dict:
+    return {"ttft_ms": ttft, "tpot_ms": tpot or [1.0] * len(ttft), "tokens": tokens}
+
+
+def test_profile_delta_keeps_only_what_happened_between_the_reads() -> None:
+    before = {"worker": {"load_gpu": {"n": 2, "total_ms": 3.0}, "save_launch_cpu": {"n": 5, "total_ms": 1.0}}}
+    after = {"worker": {"load_gpu": {"n": 5, "total_ms": 9.0}, "save_launch_cpu": {"n": 5, "total_ms": 1.0},
+                        "load_requests": {"n": 3, "total_ms": 96}}}  # fmt: skip
+    assert profile_delta(before, after) == {"worker.load_gpu": {"n": 3, "total": 6.0},
+                                            "worker.load_requests": {"n": 3, "total": 96}}  # fmt: skip
+
+
+def test_per_transfer_is_the_mean_over_the_transfers_between_two_reads() -> None:
+    before = {"vllm:nixl_xfer_time_seconds": {"count": 2, "sum": 0.004}}
+    after = {"vllm:nixl_xfer_time_seconds": {"count": 6, "sum": 0.012},
+             "vllm:nixl_bytes_transferred": {"count": 4, "sum": 4096.0}}  # fmt: skip
+    assert per_transfer(before, after) == {"transfers": 4, "xfer_time_seconds_mean_ms": 2.0,
+                                           "bytes_transferred_mean": 1024.0}  # fmt: skip
+
+
+def test_the_summary_compares_the_phases_that_ran(tmp_path) -> None:
+    a, b = [1, 2], [1, 3]
+    plain = {"device": "X", "start_s": 40.0, "burst": [{"cold": run([100.0, 120.0], [a, a]),
+                                                        "own": run([70.0, 80.0], [a, b])}],
+             "P": [run([60.0, 60.0], [a, a])], "steady": [{"rate": 8.0, "cold": run([20.0], [a]),
+                                                           "own": run([10.0], [a])}],
+             "single": {"B": [a], "B_cold": [a], "P": [b]}}  # fmt: skip
+    pool = {"device": "X", "burst": [run([55.0, 65.0], [a, a]) | {"pool": {"hit_blocks_B": 96}}],
+            "steady": [{"rate": 8.0, **run([8.0], [a])}], "ttft_profile": {},
+            "pair": [{"prefill": run([30.0, 30.0], [[7], [7]]), "decode": run([9.0, 11.0], [a, a])}],
+            "pair_profile": {"scheduler.claim_call": {"n": 2, "total": 0.5},
+                             "worker.load_gpu": {"n": 1, "total": 4.0},
+                             "worker.load_requests": {"n": 1, "total": 2}},
+            "single": {"B": [a], "P": [a]}}  # fmt: skip
+    for name, res in (("plain", plain), ("pool", pool)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(res))
+    s = summary(tmp_path)
+    assert s["phases"] == ["plain", "pool"]
+    assert s["burst_ttft_p50_ms"] == {"B_cold": 110.0, "B_own_cache": 75.0, "B_pool": 60.0}
+    assert s["burst_ratio_vs_cold"] == {"pool": 0.545, "own_cache": 0.682}
+    assert s["steady_ttft_p50_ms"]["8.0"] == {"cold": 20.0, "own_cache": 10.0, "pool": 8.0, "pool_vs_cold": 0.4,
+                                              "own_cache_vs_cold": 0.5}  # fmt: skip
+    assert s["pair_kvpool"]["claim_call_ms_per_request"] == 0.25
+    assert s["pair_kvpool"]["load_gpu_ms_per_request"] == 2.0
+    assert s["pair_kvpool"]["decode_ttft_p50_ms"] == 10.0
+    assert s["identical"]["burst_B_pool_vs_own_cache"] == "1/2"
+    assert s["identical"]["single_P_kvpool_pair_vs_own_cache"] == "0/1"
+    assert "pair_nixl" not in s
