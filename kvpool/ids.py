@@ -89,6 +89,14 @@ def unpack_ids(data: bytes | memoryview) -> array:
     return ids
 
 
+def blocks_of(ids: array) -> list[int]:
+    """The block numbers of packed ids (``array('q')``): the low halves of the int64s, read as one strided view
+    where the host is little-endian, instead of a mask per id."""
+    if ids.typecode == "q" and sys.byteorder == "little":
+        return memoryview(ids).cast("B").cast("I")[::2].tolist()
+    return [i & BLOCK_MASK for i in ids]
+
+
 def arena_ids(block_ids: Sequence[int], first: int, num_blocks: int) -> list[int]:
     """Pool block ids (fenced or not) as indices into the arena whose ids start at ``first``; refused if any lies
     outside it."""

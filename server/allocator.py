@@ -22,11 +22,12 @@ are plain numbers.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID, blocks_of
 
 
 class BlockAllocator:
@@ -241,8 +242,12 @@ class BlockAllocator:
         It runs on every call that names blocks, so the usual case is a mask per id, a comparison of lists and a
         set's inclusion.
         """
-        ids = ids if type(ids) is list else list(ids)
-        blocks = [i & BLOCK_MASK for i in ids]
+        if type(ids) is array:  # packed, as the fast channel carries them
+            blocks = blocks_of(ids)
+            ids = ids.tolist()
+        else:
+            ids = ids if type(ids) is list else list(ids)
+            blocks = [i & BLOCK_MASK for i in ids]
         try:
             current = self.fenced(blocks) == ids
         except IndexError:  # a block past the arena (a negative id lands there too)
