@@ -34,6 +34,7 @@ from kvpool.protocol import (
     AllocResponse,
     ArenaDescriptor,
     ArenaFdRequest,
+    ArenaFdResponse,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -143,6 +144,7 @@ class PoolClient:
         path = info.fast_socket
         fast = path if self._use_fast and path and os.path.exists(path) else None
         self.transport.fast_path = fast
+        self._fd_path = path if info.arena_fd and path and os.path.exists(path) else None
         if info.inbox is not None and fast is not None:
             self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
         self.slabs.open(self.session_id, self.epoch, os.stat(fast).st_mode & 0o777 if fast else 0o600)
@@ -192,15 +194,40 @@ class PoolClient:
             raise self.session.lost
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
-            descriptor = self.descriptor()
-            if descriptor.epoch != self.epoch:  # restarted, and nothing noticed yet: never map it for an old session
-                self.session.restarted(descriptor.epoch)
-            arena = self._arenas[device] = open_arena(
-                descriptor, layout or self.layout, device, lambda d: self._arena_fd(descriptor, d)
-            )
+            descriptor, fd = self._descriptor_with_fd(device)
+            try:
+                if descriptor.epoch != self.epoch:  # restarted, unnoticed so far: never map it for an old session
+                    self.session.restarted(descriptor.epoch)
+
+                def fd_source(d: int | None) -> int:
+                    nonlocal fd
+                    if d == device and fd is not None:
+                        given, fd = fd, None
+                        return given
+                    return self._arena_fd(descriptor, d)
+
+                arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device, fd_source)
+            finally:
+                if fd is not None:  # mapped already in this process: the fd fetched with the descriptor is spare
+                    os.close(fd)
         elif layout is not None:
             open_arena(arena.descriptor, layout)
         return arena
+
+    def _descriptor_with_fd(self, device: int | None) -> tuple[ArenaDescriptor, int | None]:
+        """The descriptor, and for a VMM arena its fd too, in one fast-channel exchange where the pool said at
+        hello that its arena goes by fd: a GET /arena costs as much as the mapping itself."""
+        if self._fd_path is not None:
+            req = ArenaFdRequest(session_id=self.session_id, device=device)
+            try:
+                reply, fd = self.transport.fetch_fd(b"arena_fd", req, self._fd_path)
+            except InvalidRequest:  # that device's arena goes by handle
+                return self.descriptor(), None
+            answer = ArenaFdResponse.model_validate_json(reply)
+            if answer.descriptor is not None:
+                return answer.descriptor, fd
+            os.close(fd)
+        return self.descriptor(), None
 
     def _arena_fd(self, descriptor: ArenaDescriptor, device: int | None) -> int:
         """A VMM arena's fd, from the pool's fast channel: never over TCP or HTTP, and only for this session."""
