@@ -4,11 +4,13 @@
 (``--arena-handle vmm``) and, per round and size, two fresh processes forked from this one (torch imported, CUDA
 never touched here, so each child makes its own context as a worker does):
 
-* ``steps`` replays the attach step by step, as :func:`kvpool.arena._map_vmm` and :func:`kvpool.vmm.import_map`
-  do it: the modules it imports, the CUDA runtime and driver libraries' loading, the fast channel's connection
-  and ``arena_fd`` exchange, ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``, ``cuMemMap``,
+* ``steps`` replays the attach step by step as it was before the fd brought the descriptor (``GET /arena``
+  first), and as :func:`kvpool.arena._map_vmm` and :func:`kvpool.vmm.import_map` do it: the modules it imports,
+  the CUDA runtime (found both ways) and driver libraries' loading, the fast channel's connection and
+  ``arena_fd`` exchange, ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``, ``cuMemMap``,
   ``cuMemSetAccess``, the tensor wrap, the per-layer views and the first touch. Then it maps the same fd again,
-  warm, to tell once-per-process costs from per-mapping ones.
+  warm, and once more with the reservation's alignment left to the driver, to tell once-per-process costs from
+  per-mapping ones.
 * ``arena`` times ``client.arena()`` whole (the ``map`` phase of ``kvpool bench attach``), for the sum to be
   checked against.
 
