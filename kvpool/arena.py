@@ -162,6 +162,25 @@ _map_lock = threading.Lock()
 FdSource = Callable[[int | None], int]
 
 
+class FetchedFd:
+    """An :data:`FdSource` that hands out an fd fetched already (with the descriptor) for ``device``, once, and
+    fetches any other; :meth:`close` closes it if the mapping never took it (this process had mapped the arena)."""
+
+    def __init__(self, fd: int | None, device: int | None, fetch: FdSource) -> None:
+        self.fd, self.device, self.fetch = fd, device, fetch
+
+    def __call__(self, device: int | None) -> int:
+        if device != self.device or self.fd is None:
+            return self.fetch(device)
+        fd, self.fd = self.fd, None
+        return fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def open_arena(
     descriptor: ArenaDescriptor,
     layout: KVLayout | None = None,

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from kvpool.address import default_url
-from kvpool.arena import Arena, forget_mappings, open_arena
+from kvpool.arena import Arena, FetchedFd, forget_mappings, open_arena
 from kvpool.devices import DeviceSession
 from kvpool.errors import InvalidRequest, PoolRestarted, raise_for
 from kvpool.handoffs import Claim, DirectHandoffs
@@ -195,37 +195,34 @@ class PoolClient:
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
             descriptor, fd = self._descriptor_with_fd(device)
+            source = FetchedFd(fd, device, lambda d: self._arena_fd(descriptor, d))
             try:
                 if descriptor.epoch != self.epoch:  # restarted, unnoticed so far: never map it for an old session
                     self.session.restarted(descriptor.epoch)
-
-                def fd_source(d: int | None) -> int:
-                    nonlocal fd
-                    if d == device and fd is not None:
-                        given, fd = fd, None
-                        return given
-                    return self._arena_fd(descriptor, d)
-
-                arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device, fd_source)
+                arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device, source)
             finally:
-                if fd is not None:  # mapped already in this process: the fd fetched with the descriptor is spare
-                    os.close(fd)
+                source.close()
         elif layout is not None:
             open_arena(arena.descriptor, layout)
         return arena
 
     def _descriptor_with_fd(self, device: int | None) -> tuple[ArenaDescriptor, int | None]:
-        """The descriptor, and for a VMM arena its fd too, in one fast-channel exchange where the pool said at
-        hello that its arena goes by fd: a GET /arena costs as much as the mapping itself."""
-        if self._fd_path is not None:
+        """The descriptor, and for a VMM arena its fd too, in one fast-channel exchange where the session's
+        opening said the arena goes by fd: a GET /arena first costs as much as the mapping itself."""
+        path = self._fd_path
+        if path is not None:
             req = ArenaFdRequest(session_id=self.session_id, device=device)
-            try:
-                reply, fd = self.transport.fetch_fd(b"arena_fd", req, self._fd_path)
+            try:  # a restarted pool refuses the session: guard() raises PoolRestarted then, as GET /arena would
+                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path))
             except InvalidRequest:  # that device's arena goes by handle
                 return self.descriptor(), None
-            answer = ArenaFdResponse.model_validate_json(reply)
-            if answer.descriptor is not None:
-                return answer.descriptor, fd
+            try:
+                descriptor = ArenaFdResponse.model_validate_json(reply).descriptor
+            except BaseException:
+                os.close(fd)
+                raise
+            if descriptor is not None:
+                return descriptor, fd
             os.close(fd)
         return self.descriptor(), None
 
