@@ -37,8 +37,9 @@ def encode(model: BaseModel, ids: memoryview | None = None) -> bytes:
     return body if ids is None else b"".join((body, SEP, ids))
 
 
-def decode(model: type[M], body: bytes) -> tuple[M, array | None]:
-    """Parse a body into ``model``; returns the attached ids too (packed), already set on ``block_ids``."""
+def decode(model: type[M], body: bytes, packed: bool = False) -> tuple[M, array | None]:
+    """Parse a body into ``model``; returns the attached ids too (packed), already set on ``block_ids``: as a
+    list, or with ``packed`` as the array itself (for a handler that reads them once, and faster so)."""
     head, sep, tail = body.partition(SEP)
     parsed = model.model_validate_json(head)
     if not sep:
@@ -52,7 +53,7 @@ def decode(model: type[M], body: bytes) -> tuple[M, array | None]:
     most = next((m.max_length for m in limit if getattr(m, "max_length", None) is not None), None)
     if most is not None and len(ids) > most:
         raise InvalidRequest(f"{len(ids)} attached block ids, more than the {most} one call may carry")
-    parsed.block_ids = ids.tolist()  # type: ignore[attr-defined]
+    parsed.block_ids = ids if packed else ids.tolist()  # type: ignore[attr-defined]
     return parsed, ids
 
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from kvpool.address import default_url
-from kvpool.arena import Arena, forget_mappings, open_arena
+from kvpool.arena import Arena, FetchedFd, forget_mappings, open_arena
 from kvpool.devices import DeviceSession
 from kvpool.errors import InvalidRequest, PoolRestarted, raise_for
 from kvpool.handoffs import Claim, DirectHandoffs
@@ -34,6 +34,7 @@ from kvpool.protocol import (
     AllocResponse,
     ArenaDescriptor,
     ArenaFdRequest,
+    ArenaFdResponse,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -145,6 +146,7 @@ class PoolClient:
         path = info.fast_socket
         fast = path if self._use_fast and path and os.path.exists(path) else None
         self.transport.fast_path = fast
+        self._fd_path = path if info.arena_fd and path and os.path.exists(path) else None
         if info.inbox is not None and fast is not None:
             self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
         self.slabs.open(self.session_id, self.epoch, os.stat(fast).st_mode & 0o777 if fast else 0o600)
@@ -194,15 +196,37 @@ class PoolClient:
             raise self.session.lost
         arena = self._arenas.get(device)
         if arena is None or arena.closed:
-            descriptor = self.descriptor()
-            if descriptor.epoch != self.epoch:  # restarted, and nothing noticed yet: never map it for an old session
-                self.session.restarted(descriptor.epoch)
-            arena = self._arenas[device] = open_arena(
-                descriptor, layout or self.layout, device, lambda d: self._arena_fd(descriptor, d)
-            )
+            descriptor, fd = self._descriptor_with_fd(device)
+            source = FetchedFd(fd, device, lambda d: self._arena_fd(descriptor, d))
+            try:
+                if descriptor.epoch != self.epoch:  # restarted, unnoticed so far: never map it for an old session
+                    self.session.restarted(descriptor.epoch)
+                arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device, source)
+            finally:
+                source.close()
         elif layout is not None:
             open_arena(arena.descriptor, layout)
         return arena
+
+    def _descriptor_with_fd(self, device: int | None) -> tuple[ArenaDescriptor, int | None]:
+        """The descriptor, and for a VMM arena its fd too, in one fast-channel exchange where the session's
+        opening said the arena goes by fd: a GET /arena first costs as much as the mapping itself."""
+        path = self._fd_path
+        if path is not None:
+            req = ArenaFdRequest(session_id=self.session_id, device=device)
+            try:  # a restarted pool refuses the session: guard() raises PoolRestarted then, as GET /arena would
+                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path))
+            except InvalidRequest:  # that device's arena goes by handle
+                return self.descriptor(), None
+            try:
+                descriptor = ArenaFdResponse.model_validate_json(reply).descriptor
+            except BaseException:
+                os.close(fd)
+                raise
+            if descriptor is not None:
+                return descriptor, fd
+            os.close(fd)
+        return self.descriptor(), None
 
     def _arena_fd(self, descriptor: ArenaDescriptor, device: int | None) -> int:
         """A VMM arena's fd, from the pool's fast channel: never over TCP or HTTP, and only for this session."""

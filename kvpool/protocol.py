@@ -58,6 +58,9 @@ class ArenaFdResponse(BaseModel):
     epoch: str
     index: int
     nbytes: int
+    descriptor: ArenaDescriptor | None = Field(
+        None, description="the whole arena descriptor, so that a client mapping by fd needs no GET /arena first"
+    )
 
 
 class SessionInfo(BaseModel):
@@ -65,6 +68,9 @@ class SessionInfo(BaseModel):
     lease_ttl_s: float
     epoch: str
     fast_socket: str | None = Field(None, description="Unix socket of the fast channel, if the pool serves one")
+    arena_fd: bool = Field(
+        False, description="the first arena is a VMM allocation: fast-channel arena_fd gives its fd and descriptor"
+    )
     inbox: str | None = Field(None, description="where this session should bind its inbox, if it asked for one")
     inbox_key: str | None = Field(
         None,

@@ -143,6 +143,10 @@ class Transport:
     def call_fd(self, op: bytes, req: BaseModel, path: str) -> int:
         """A fast-channel call answered with a file descriptor; over a connection of its own when the client
         does not use the fast channel for its other calls."""
+        return self.fetch_fd(op, req, path)[1]
+
+    def fetch_fd(self, op: bytes, req: BaseModel, path: str) -> tuple[bytes, int]:
+        """:meth:`call_fd`, with the answer's JSON body too."""
         body = req.model_dump_json().encode()
         if self.fast_path is not None:
             status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body))
@@ -158,7 +162,7 @@ class Transport:
             raise_for(status, reply)
         if fd is None:
             raise PoolUnavailable(f"the pool answered {op.decode()} without a file descriptor: is it a kvpool pool?")
-        return fd
+        return reply, fd
 
     def reset(self) -> None:
         """Close every thread's fast connection; each opens a new one on its next call."""

@@ -22,11 +22,12 @@ are plain numbers.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID
+from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID, blocks_of
 
 
 class BlockAllocator:
@@ -135,32 +136,43 @@ class BlockAllocator:
     def free(self, holder: str, ids: Sequence[int]) -> int:
         """Drop one of ``holder``'s refs on each block; return how many blocks reached ref 0."""
         self.check_held(holder, ids)
-        if not ids:
+        return self.drop(holder, ids)
+
+    def drop(self, holder: str, blocks: Sequence[int]) -> int:
+        """:meth:`free` of blocks that :meth:`unfence` with this ``holder`` returned: checked already, so the
+        hot path pays one pass over the ids, not two."""
+        if not blocks:
             return 0
         held = self._holders[holder]
-        released = 0
-        ref, committed, arena_of, fence_of = self.ref_cnt, self.committed, self.arena_of, self.fence_of
-        stacks = self._free
+        ref, committed, fence_of = self.ref_cnt, self.committed, self.fence_of
+        freed: list[int] = []
+        cached = 0
         # Reverse order puts a chain's tail at the LRU front, so tails are evicted before the prefixes they hang on.
-        for block in reversed(ids):
+        for block in reversed(blocks):
             left = held[block] - 1
             if left:
                 held[block] = left
             else:
                 del held[block]
-            ref[block] -= 1
-            if not ref[block]:
-                released += 1
+            left = ref[block] - 1
+            ref[block] = left
+            if not left:
                 if committed[block]:
-                    self._lru[arena_of[block]][block] = None
+                    self._lru[self.arena_of[block]][block] = None
+                    cached += 1
                 else:
-                    fence_of[block] += GEN_STEP  # _recycled(block), inline on this hot path
-                    stacks[arena_of[block]].append(block)
-                    if fence_of[block] > MAX_ID:
-                        fence_of[block] = block
+                    fenced = fence_of[block] + GEN_STEP  # _recycled(block), inline on this hot path
+                    fence_of[block] = fenced if fenced <= MAX_ID else block
+                    freed.append(block)
+        if len(self._free) == 1:
+            self._free[0] += freed
+        else:
+            stacks, arena_of = self._free, self.arena_of
+            for block in freed:
+                stacks[arena_of[block]].append(block)
         if not held:
             del self._holders[holder]
-        return released
+        return cached + len(freed)
 
     def transfer(self, src: str, dst: str, ids: Sequence[int]) -> None:
         """Move one of ``src``'s refs on each block to ``dst``; ref counts stay as they are."""
@@ -222,18 +234,28 @@ class BlockAllocator:
         """Blocks as the ids that leave the pool: each with its current generation."""
         return list(map(self.fence_of.__getitem__, blocks))
 
-    def unfence(self, ids: Sequence[int]) -> list[int]:
-        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale.
+    def unfence(self, ids: Sequence[int], holder: str | None = None) -> list[int]:
+        """The blocks that fenced ``ids`` name; refused (changing nothing) if one is out of range or stale, and,
+        given a ``holder``, unless it holds a ref on each block for each time the block is listed (as
+        :meth:`check_held`, whose range pass this one makes needless).
 
-        It runs on every call that names blocks, so the usual case is a mask per id and a comparison of lists.
+        It runs on every call that names blocks, so the usual case is a mask per id, a comparison of lists and a
+        set's inclusion.
         """
-        ids = ids if type(ids) is list else list(ids)
-        blocks = [i & BLOCK_MASK for i in ids]
+        if type(ids) is array:  # packed, as the fast channel carries them
+            blocks = blocks_of(ids)
+            ids = ids.tolist()
+        else:
+            ids = ids if type(ids) is list else list(ids)
+            blocks = [i & BLOCK_MASK for i in ids]
         try:
-            if self.fenced(blocks) == ids:
-                return blocks
+            current = self.fenced(blocks) == ids
         except IndexError:  # a block past the arena (a negative id lands there too)
-            pass
+            current = False
+        if current:
+            if holder is None or self._holds(holder, blocks):
+                return blocks
+            self.check_held(holder, blocks)
         n, fence_of = self.num_blocks, self.fence_of
         bad = [i for i in ids if not 0 <= i <= MAX_ID or i & BLOCK_MASK >= n]
         if bad:
@@ -260,16 +282,22 @@ class BlockAllocator:
     def check_held(self, holder: str, ids: Sequence[int]) -> None:
         """Raise unless ``holder`` holds at least as many refs on each block as ``ids`` lists it."""
         self._check_range(ids)
+        if self._holds(holder, ids):
+            return
         held = self._holders.get(holder, {})
-        if len(set(ids)) == len(ids):  # the usual case, without counting
-            missing = [b for b in ids if b not in held]
-        else:
-            missing = [b for b, count in Counter(ids).items() if held.get(b, 0) < count]
-        if missing:
-            raise NotOwner(
-                f"the session holds no reference on blocks {sorted(missing)[:8]} (never allocated by it, "
-                "already freed, or listed more times than it holds them)"
-            )
+        missing = [b for b, count in Counter(ids).items() if held.get(b, 0) < count]
+        raise NotOwner(
+            f"the session holds no reference on blocks {sorted(missing)[:8]} (never allocated by it, "
+            "already freed, or listed more times than it holds them)"
+        )
+
+    def _holds(self, holder: str, blocks: Sequence[int]) -> bool:
+        """Whether ``holder`` holds a ref on each of ``blocks`` (in range) for each time it is listed."""
+        held = self._holders.get(holder, {})
+        distinct = set(blocks)
+        if len(distinct) == len(blocks):  # the usual case, without counting
+            return held.keys() >= distinct
+        return all(held.get(b, 0) >= count for b, count in Counter(blocks).items())
 
     def check(self) -> None:
         """Assert every invariant; the tests call this after each step."""

@@ -53,6 +53,8 @@ Handler = Callable[[Any], Any]
 HELLO_MAX = 16 << 10
 #: ops that may wait: they stop waiting when their connection closes
 WAITS = frozenset({b"claim", b"accept"})
+#: ops whose handler takes attached ids as they came (an ``array('q')``): the books unfence them without a list
+PACKED = frozenset({b"free"})
 
 
 def _encode(status: int, body: bytes) -> bytes:
@@ -200,7 +202,7 @@ class FastChannel:
             return _error(KvpoolError(f"unknown op {op[:32]!r}; ops: {sorted(o.decode() for o in self.ops)}"))
         model, handler = entry
         try:
-            req, ids = decode(model, body)
+            req, ids = decode(model, body, op in PACKED)
             if watch is not None:
                 result = handler(req, watch)
             elif op == b"handoff":

@@ -215,6 +215,7 @@ class ControlPlane:
             lease_ttl_s=self.pool.lease_ttl_s,
             epoch=self.epoch,
             fast_socket=fast,
+            arena_fd=fast is not None and self.host_arenas[0].fd is not None,
             inbox=inbox,
             inbox_key=session.inbox_key.hex() if inbox else None,
         )
@@ -247,7 +248,8 @@ class ControlPlane:
                 "descriptor's handle (PoolClient.arena() does)"
             )
         part = self.descriptor.arenas[i]
-        return ArenaFdResponse(epoch=self.epoch, index=part.index, nbytes=arena.nbytes), arena.fd
+        answer = ArenaFdResponse(epoch=self.epoch, index=part.index, nbytes=arena.nbytes, descriptor=self.descriptor)
+        return answer, arena.fd
 
     def close_session(self, session_id: str) -> dict[str, int]:
         return {"released": self.pool.close_session(session_id)}

@@ -201,16 +201,17 @@ class Pool(Parking):
         holder = self.session(session_id).holder
         if self.on_gives_up is not None:
             self.on_gives_up(session_id)
-        self.allocator.free(holder, self.unfence(block_ids))
+        self.allocator.drop(holder, self.unfence(block_ids, holder))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
         return len(block_ids)
 
-    def unfence(self, block_ids: Sequence[int]) -> list[int]:
+    def unfence(self, block_ids: Sequence[int], holder: str | None = None) -> list[int]:
         """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
-        out, however the caller came by it (a delayed or replayed message, a lease that ran out)."""
+        out, however the caller came by it (a delayed or replayed message, a lease that ran out); NotOwner unless
+        ``holder``, if given, holds them."""
         try:
-            return self.allocator.unfence(block_ids)
+            return self.allocator.unfence(block_ids, holder)
         except StaleBlock as exc:
             self.counters.stale_refused += 1
             self.counters.stale_ids += len(exc.stale)
@@ -234,8 +235,7 @@ class Pool(Parking):
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        held = self.unfence(block_ids)
-        self.allocator.check_held(holder, held)
+        held = self.unfence(block_ids, holder)
         blocks = held[:num_full]
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=0)

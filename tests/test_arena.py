@@ -8,7 +8,7 @@ import stat
 import pytest
 import torch
 
-from kvpool.arena import open_arena
+from kvpool.arena import FetchedFd, open_arena
 from kvpool.errors import InvalidRequest, LayoutMismatch
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
@@ -105,3 +105,19 @@ def test_block_table_takes_lists_and_packed_ids_and_never_aliases_them(cpu_arena
     for ids in (fenced, np.array(fenced, dtype=np.int64), torch.tensor(fenced.tolist())):
         assert arena.block_table(ids).tolist() == [5, 0, 3]
     assert arena.local_ids(fenced) == [5, 0, 3]
+
+
+def test_an_fd_fetched_with_the_descriptor_maps_its_device_once_and_is_closed_if_unused():
+    fetched: list[int | None] = []
+    read, write = os.pipe()
+    os.close(write)
+    source = FetchedFd(read, None, lambda d: fetched.append(d) or -1)
+    assert source(None) == read and source(None) == -1 and source(2) == -1 and fetched == [None, 2]
+    source.close()
+    os.fstat(read)  # handed over: the mapping owns it, not the source
+    os.close(read)
+    spare, write = os.pipe()
+    os.close(write)
+    FetchedFd(spare, 0, lambda d: -1).close()
+    with pytest.raises(OSError):
+        os.fstat(spare)

@@ -40,9 +40,9 @@ class PrefixBlocks(Protocol):
 
     def free(self, block_ids: Sequence[int]) -> object: ...
 
-    def lookup(self, token_ids: Sequence[int]) -> Hit: ...
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> Hit: ...
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int]) -> object: ...
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> object: ...
 
 
 @dataclass
@@ -105,9 +105,9 @@ class PrefillBatcher:
         while self.waiting and admitted < room:
             head = self.waiting[0]
             prompt = head.request.prompt
-            if self.wait_for_prefix and self._prefix_in_flight(prompt):
+            if self.wait_for_prefix and self._prefix_in_flight(head.request):
                 break
-            hit = self.blocks.lookup(prompt[:-1])
+            hit = self.blocks.lookup(prompt[:-1], head.request.salt)
             ids = list(hit.block_ids)
             try:
                 ids += self.blocks.alloc(blocks_needed(len(prompt), self.block_size) - len(ids))
@@ -120,12 +120,16 @@ class PrefillBatcher:
             admitted += 1
         return admitted
 
-    def _prefix_in_flight(self, prompt: Sequence[int]) -> bool:
-        bs = self.block_size
+    def _prefix_in_flight(self, request: GenerationRequest) -> bool:
+        """Whether a running request computes this one's first block, under the same salt (else it is no hit)."""
+        bs, prompt = self.block_size, request.prompt
         if len(prompt) <= bs:
             return False
         first = list(prompt[:bs])
-        return any(p.hit_tokens < bs and list(p.request.prompt[:bs]) == first for p in self.running)
+        return any(
+            p.hit_tokens < bs and p.request.salt == request.salt and list(p.request.prompt[:bs]) == first
+            for p in self.running
+        )
 
     def step(self) -> list[Prefilling]:
         """One forward over the next chunks of the running requests; the requests whose prompts it finished

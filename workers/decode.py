@@ -169,7 +169,7 @@ class DecodeWorker:
         assert prompt is not None
         tokens = [*prompt, *seq.output[:-1]]
         if len(tokens) > self.block_size:  # a full block to find, and at least one token left to compute
-            hit = self.pool.lookup(tokens[:-1])
+            hit = self.pool.lookup(tokens[:-1], salt=self.admitted[seq.request_id].meta.salt)
         else:
             hit = LookupResponse(block_ids=[], num_tokens=0)
         try:

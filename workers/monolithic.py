@@ -105,12 +105,12 @@ class PrivateBlocks:
     def free(self, block_ids: Seq[int]) -> int:
         return self.books.free(self.session, self.fences.restore(block_ids))
 
-    def lookup(self, token_ids: Seq[int]) -> LookupResult:
-        hit = self.books.lookup(self.session, token_ids)
+    def lookup(self, token_ids: Seq[int], salt: str | None = None) -> LookupResult:
+        hit = self.books.lookup(self.session, token_ids, salt=salt)
         return LookupResult(self.fences.strip(hit.block_ids), hit.num_tokens)
 
-    def commit(self, block_ids: Seq[int], token_ids: Seq[int]) -> object:
-        return self.books.commit(self.session, self.fences.restore(block_ids), token_ids)
+    def commit(self, block_ids: Seq[int], token_ids: Seq[int], salt: str | None = None) -> object:
+        return self.books.commit(self.session, self.fences.restore(block_ids), token_ids, salt)
 
     def stats(self) -> dict[str, Any]:
         return self.books.stats()
@@ -167,7 +167,7 @@ class MonolithicEngine:
                 assert p.first_token is not None
                 req = p.request
                 if self.prefix_cache:
-                    self.blocks.commit(p.block_ids, req.prompt)
+                    self.blocks.commit(p.block_ids, req.prompt, req.salt)
                 seq = Sequence(req.request_id, len(req.prompt), p.block_ids, [p.first_token], req.max_new_tokens)
                 self.running.append(seq)
                 self.info[req.request_id] = {"hit_tokens": p.hit_tokens, "arrived_at": p.arrived_at}

@@ -99,7 +99,7 @@ class PrefillWorker:
         ready: list[Prefilling] = []
         for p in finished:
             try:
-                self.pool.commit(p.block_ids, p.request.prompt)
+                self.pool.commit(p.block_ids, p.request.prompt, p.request.salt)
                 ready.append(p)
             except KvpoolError as exc:
                 records[id(p)] = self._failed(p, exc, self.pool.free, p.block_ids)
@@ -125,6 +125,7 @@ class PrefillWorker:
                 handed_off_at=time.time(),
                 computed_tokens=len(prompt) - p.hit_tokens,
                 hit_tokens=p.hit_tokens,
+                salt=req.salt,
             )
             try:
                 client.handoff(req.request_id, held, len(prompt), meta=meta.to_dict(), to=self.handoff_to)

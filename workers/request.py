@@ -1,8 +1,10 @@
 """The JSON-lines requests a prefill worker reads, and the metadata a handoff carries to the decode side.
 
-A request is ``{"request_id": str, "prompt": [int], "max_new_tokens": int}``; the prompt is token ids (the
-workers have no tokenizer: tokenizing is the serving front end's job). A handoff's ``meta`` is the small JSON the
-pool parks beside the block ids, everything the decode worker needs to go on without asking the prefill.
+A request is ``{"request_id": str, "prompt": [int], "max_new_tokens": int, "salt": str}``; the prompt is token ids
+(the workers have no tokenizer: tokenizing is the serving front end's job). The optional ``salt`` (a tenant, a LoRA
+adapter) goes with the request's prefix lookups and commits: only requests with the same salt share cached blocks.
+A handoff's ``meta`` is the small JSON the pool parks beside the block ids, everything the decode worker needs to
+go on without asking the prefill.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ class GenerationRequest:
     request_id: str
     prompt: list[int]
     max_new_tokens: int = 16
+    salt: str | None = None
 
     @classmethod
     def from_json(cls, line: str) -> GenerationRequest:
@@ -28,7 +31,10 @@ class GenerationRequest:
             request_id=str(data["request_id"]),
             prompt=[int(t) for t in data["prompt"]],
             max_new_tokens=int(data.get("max_new_tokens", 16)),
+            salt=data.get("salt"),
         )
+        if req.salt is not None and not isinstance(req.salt, str):
+            raise ValueError(f"request {req.request_id!r}: salt must be a string")
         if not req.prompt:
             raise ValueError(f"request {req.request_id!r}: the prompt is empty")
         if req.max_new_tokens < 1:
@@ -53,7 +59,8 @@ class HandoffMeta:
     ``first_token`` was sampled from the prompt's last logits; ``arrived_at``/``handed_off_at`` are wall-clock
     seconds (``time.time()``: both workers run on one node, so their clocks agree) for end-to-end timings.
     ``prompt``, when the prefill sends it, lets a decode worker that must preempt the request free its blocks
-    and recompute them later; without it a preempted request keeps its blocks while it waits.
+    and recompute them later; without it a preempted request keeps its blocks while it waits. ``salt`` is the
+    request's, so that such a recompute finds only the blocks its own salt committed.
     """
 
     prompt_len: int
@@ -65,6 +72,7 @@ class HandoffMeta:
     hit_tokens: int
     extra: dict[str, Any] = field(default_factory=dict)
     prompt: list[int] | None = None
+    salt: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

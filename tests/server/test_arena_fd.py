@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from kvpool.channel import FastConnection
 from kvpool.errors import InvalidRequest, Unauthorized, UnknownSession
 from kvpool.protocol import ArenaFdRequest, SessionCreate
 from kvpool.server.arenas import HostArena
+from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 from kvpool.transport import Transport
@@ -101,8 +102,24 @@ def test_a_live_session_gets_the_arena_s_fd_and_the_channel_stays_in_step(vmm_pl
 
     status, reply, data, after = serve(vmm_plane, tmp_path, client)
     assert status == 200 and data == SECRET
-    assert json.loads(reply) == {"epoch": vmm_plane.epoch, "index": 0, "nbytes": len(SECRET)}
+    descriptor = vmm_plane.descriptor.model_dump(mode="json")
+    assert json.loads(reply) == {"epoch": vmm_plane.epoch, "index": 0, "nbytes": len(SECRET), "descriptor": descriptor}
     assert after == 200 and vmm_plane.stats()["in_use"] == 1
+
+
+def test_a_session_is_told_its_arena_goes_by_fd_only_when_it_does(vmm_plane, plane_without_fd):
+    """So that PoolClient.arena() asks for the fd and the descriptor in one exchange, and only where there is one."""
+    assert vmm_plane.open_session(SessionCreate(name="w", role="other")).arena_fd
+    assert not plane_without_fd.open_session(SessionCreate(name="w", role="other")).arena_fd
+
+
+@pytest.fixture
+def plane_without_fd(tmp_path: Path) -> Iterator[ControlPlane]:
+    p = ControlPlane(PoolSettings(backend="cpu", num_blocks=8, block_size=4, num_layers=1, num_kv_heads=1, head_dim=8,
+                                  socket=tmp_path / "other.sock", port=0, shm_dir=tmp_path / "shm2"))  # fmt: skip
+    p.start()
+    yield p
+    p.close()
 
 
 def test_the_fd_goes_to_nobody_who_did_not_say_hello_with_the_token(vmm_plane, tmp_path):

@@ -33,7 +33,7 @@ class TinyPool:
         self.num_blocks = num_blocks
         self.free_ids = list(range(num_blocks))
         self.refs: dict[int, int] = {}
-        self.index: dict[tuple[int, ...], int] = {}  # token prefix ending a full block -> that block
+        self.index: dict[tuple[str | int | None, ...], int] = {}  # (salt, token prefix ending a block) -> that block
         self.parked: list[Claim] = []
         self.hit_blocks = 0
 
@@ -60,13 +60,13 @@ class TinyPool:
                     self.free_ids.append(b)
         return len(ids)
 
-    def commit(self, block_ids: list[int], token_ids: list[int]) -> None:
+    def commit(self, block_ids: list[int], token_ids: list[int], salt: str | None = None) -> None:
         for i in range(len(token_ids) // BS):
-            self.index.setdefault(tuple(token_ids[: (i + 1) * BS]), block_ids[i])
+            self.index.setdefault((salt, *token_ids[: (i + 1) * BS]), block_ids[i])
 
-    def lookup(self, token_ids: list[int]) -> LookupResponse:
+    def lookup(self, token_ids: list[int], salt: str | None = None) -> LookupResponse:
         found = []
-        while (key := tuple(token_ids[: (len(found) + 1) * BS])) in self.index and len(key) == (len(found) + 1) * BS:
+        while (key := (salt, *token_ids[: (len(found) + 1) * BS])) in self.index and len(key) > len(found) * BS + BS:
             found.append(self.index[key])
             self.refs[found[-1]] = self.refs.get(found[-1], 0) + 1
         self.hit_blocks += len(found)

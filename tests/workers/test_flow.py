@@ -71,6 +71,30 @@ def test_disaggregated_equals_monolithic_and_transformers(workdir: Path) -> None
     assert stats["cached"] >= 4
 
 
+def test_a_salt_shares_a_prefix_only_with_requests_of_the_same_salt(workdir: Path) -> None:
+    """Real workers: the same prompt under two tenants' salts and none is computed once per salt, and hits only
+    its own salt's blocks; the tokens are the same whichever blocks were used."""
+    pytest.importorskip("transformers")
+    ckpt = tiny_hf_checkpoint(workdir / "model")
+    model = LlamaModel.from_pretrained(ckpt, DEVICE)
+    bs = 8
+    layout = layout_for(model.config, bs, "float32", "block_major")
+    prompt = [*range(40, 40 + 3 * bs), 5, 6, 7]  # three full blocks and a partial one
+    salts = ["tenant-a", "tenant-b", "tenant-a", None, "tenant-b"]
+    requests = [GenerationRequest(f"r{i}", prompt, 4, salt) for i, salt in enumerate(salts)]
+
+    pool = demo.start_pool(layout, 64, workdir, BACKEND, "tiny-hf")
+    try:
+        flow = demo.run_workers(pool.url, ["--model", str(ckpt)], requests, workdir)
+    finally:
+        pool.stop()
+
+    prefill = {r["request_id"]: r for r in flow.prefill}
+    assert [prefill[f"r{i}"]["hit_tokens"] for i in range(5)] == [0, 0, 3 * bs, 0, 3 * bs]
+    tokens = flow.tokens()
+    assert all(tokens[f"r{i}"] == tokens["r0"] for i in range(5)) and len(tokens["r0"]) == 4
+
+
 def test_demo_runs_and_agrees() -> None:
     out = _run_demo(["--json", "--max-new-tokens", "6", "--block-size", "8", "--order", "block_major"])
     assert out["all_match"] and out["backend"] == BACKEND
