@@ -60,7 +60,7 @@ def _steps(url: str, index: int) -> dict[str, int]:
     lib = step("libcuda load + cuInit", vmm.driver)
     access = step("peers", lambda: vmm.peers(index, torch.cuda.device_count()))
     step("fast channel connect + hello", client.transport.connection)
-    fd = step("arena_fd exchange (fd received)", lambda: client._arena_fd(descriptor, None))
+    fd = step("arena_fd exchange (fd received)", lambda: client.mapper.arena_fd(descriptor, None))
     spare = os.dup(fd)
     nbytes = descriptor.nbytes
     ptr = _map(lib, vmm, fd, nbytes, index, access, step, "")

@@ -2,7 +2,7 @@
 
 One client holds one session (:mod:`kvpool.session`), kept alive in the background and released on exit, and
 reaches the pool over HTTP or, for the hot calls (alloc, free, commit, lookup, handoff, claim), the fast channel
-(:mod:`kvpool.transport`). The arena is mapped once per process, whatever the number of clients.
+(:mod:`kvpool.transport`). The arena is mapped once per process, whatever the number of clients (:mod:`kvpool.attach`).
 
 Block ids are fenced (each carries its block's generation, see :mod:`kvpool.ids`) and go over the fast channel
 packed as int64: hand them over as an ``array('q')``, an int64 numpy array or CPU tensor, and no id is converted
@@ -23,9 +23,10 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from kvpool.address import default_url
-from kvpool.arena import Arena, FetchedFd, forget_mappings, open_arena
+from kvpool.arena import Arena, forget_mappings
+from kvpool.attach import ArenaMapper
 from kvpool.devices import DeviceSession
-from kvpool.errors import InvalidRequest, PoolRestarted, raise_for
+from kvpool.errors import InvalidRequest, raise_for
 from kvpool.handoffs import Claim, DirectHandoffs
 from kvpool.ids import pack_ids
 from kvpool.layout import KVLayout
@@ -33,8 +34,6 @@ from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
     ArenaDescriptor,
-    ArenaFdRequest,
-    ArenaFdResponse,
     ClaimRequest,
     ClaimResponse,
     CommitRequest,
@@ -120,6 +119,7 @@ class PoolClient:
         self._closed = False
         self.transport = Transport(self.url, self.token, timeout_s)
         self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear)
+        self.mapper = ArenaMapper(self.transport, self.session, self._arenas)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)
         self.slabs = Slabs(self.transport, SlabConfig.resolve(slab), spin_s)
         self.session.on_beat = self.slabs.answer_want
@@ -146,7 +146,7 @@ class PoolClient:
         path = info.fast_socket
         fast = path if self._use_fast and path and os.path.exists(path) else None
         self.transport.fast_path = fast
-        self._fd_path = path if info.arena_fd and path and os.path.exists(path) else None
+        self.mapper.fd_path = path if info.arena_fd and path and os.path.exists(path) else None
         if info.inbox is not None and fast is not None:
             self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
         self.slabs.open(self.session_id, self.epoch, os.stat(fast).st_mode & 0o777 if fast else 0o600)
@@ -185,60 +185,14 @@ class PoolClient:
     # -- arena ------------------------------------------------------------------------------------------
 
     def descriptor(self) -> ArenaDescriptor:
-        return self.transport.fetch("GET", "/arena", None, ArenaDescriptor)
+        return self.mapper.descriptor()
 
     def arena(self, layout: KVLayout | None = None, device: int | None = None) -> Arena:
         """The arena mapped into this process (once per process), checked against your model's layout.
 
         ``device`` picks one arena of a pool that serves several GPUs (as the pool names the device).
         """
-        if isinstance(self.session.lost, PoolRestarted):
-            raise self.session.lost
-        arena = self._arenas.get(device)
-        if arena is None or arena.closed:
-            descriptor, fd = self._descriptor_with_fd(device)
-            source = FetchedFd(fd, device, lambda d: self._arena_fd(descriptor, d))
-            try:
-                if descriptor.epoch != self.epoch:  # restarted, unnoticed so far: never map it for an old session
-                    self.session.restarted(descriptor.epoch)
-                arena = self._arenas[device] = open_arena(descriptor, layout or self.layout, device, source)
-            finally:
-                source.close()
-        elif layout is not None:
-            open_arena(arena.descriptor, layout)
-        return arena
-
-    def _descriptor_with_fd(self, device: int | None) -> tuple[ArenaDescriptor, int | None]:
-        """The descriptor, and for a VMM arena its fd too, in one fast-channel exchange where the session's
-        opening said the arena goes by fd: a GET /arena first costs as much as the mapping itself."""
-        path = self._fd_path
-        if path is not None:
-            req = ArenaFdRequest(session_id=self.session_id, device=device)
-            try:  # a restarted pool refuses the session: guard() raises PoolRestarted then, as GET /arena would
-                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path))
-            except InvalidRequest:  # that device's arena goes by handle
-                return self.descriptor(), None
-            try:
-                descriptor = ArenaFdResponse.model_validate_json(reply).descriptor
-            except BaseException:
-                os.close(fd)
-                raise
-            if descriptor is not None:
-                return descriptor, fd
-            os.close(fd)
-        return self.descriptor(), None
-
-    def _arena_fd(self, descriptor: ArenaDescriptor, device: int | None) -> int:
-        """A VMM arena's fd, from the pool's fast channel: never over TCP or HTTP, and only for this session."""
-        path = descriptor.fast_socket
-        if not path or not os.path.exists(path):
-            raise InvalidRequest(
-                f"the pool's arena is a VMM allocation handed over its Unix socket ({path or 'none'}), which this "
-                "process cannot reach: run beside the pool with its socket directory mounted, or start the pool "
-                "with --arena-handle legacy"
-            )
-        req = ArenaFdRequest(session_id=self.session_id, device=device)
-        return self.transport.call_fd(b"arena_fd", req, path)
+        return self.mapper.arena(layout or self.layout, layout, device)
 
     # -- blocks -----------------------------------------------------------------------------------------
 
