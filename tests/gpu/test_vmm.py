@@ -62,6 +62,11 @@ def test_the_pool_side_releases_what_it_created_and_the_fd_maps_the_same_memory(
     from kvpool.server.vmm_arena import VmmHostArena
 
     torch.cuda.init()
+    warm = torch.empty(16, dtype=torch.uint8, device="cuda:0")  # kernels load lazily and take device memory
+    warm[-8:].fill_(7)
+    assert warm[-8:].tolist() == [7] * 8
+    del warm
+    torch.cuda.synchronize()
     before, _ = torch.cuda.mem_get_info(0)
     arena = VmmHostArena(4 * GIB + 1, 0)
     try:
