@@ -1,22 +1,19 @@
 """The control plane: the handlers that both the HTTP API and the fast channel call.
 
-It owns the arena's allocation, the pool's books and the waiters of ``/claim``. Handlers take and return the
-protocol models; the transports only parse, authenticate and map :class:`KvpoolError` to a status.
+It owns the arena's allocation, the pool's books and the claims that wait (:mod:`kvpool.server.claims`). Handlers
+take and return the protocol models; the transports only parse, authenticate and map :class:`KvpoolError` to a
+status.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import secrets
 from array import array
-from collections import Counter, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PoolUnavailable
+from kvpool.errors import InvalidRequest, PoolUnavailable
 from kvpool.ids import pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, encode_delivery, seal_delivery
 from kvpool.protocol import (
@@ -44,28 +41,16 @@ from kvpool.protocol import (
     SessionSummary,
 )
 from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
+from kvpool.server.claims import ClaimWaits, Watch
 from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.hostarena import HostTierMemory, open_host_tier
 from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS, token_bytes
-from kvpool.server.records import Handoff, Limits, Session
+from kvpool.server.records import Limits, Session
 
 log = logging.getLogger(__name__)
-
-STOPPING = "the pool is shutting down: claim again once it is back (a restarted pool has a new epoch)"
-
-#: makes, once a claim has to wait, an awaitable that raises when the claimer goes away (and returns if it is
-#: still there); the transport owns it, and the claim neither cancels nor awaits it again
-Watch = Callable[[], "asyncio.Future[object]"]
-
-
-class ClaimerGone(KvpoolError):
-    """The claimer went away while its claim waited: nothing was claimed for it (nobody reads this answer)."""
-
-    status = 499
-
 
 class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
@@ -77,9 +62,7 @@ class ControlPlane:
         self.host_tier: HostTierMemory | None = None
         self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
-        self._stopping = False
-        self._waiters: defaultdict[str | None, set[asyncio.Future[None]]] = defaultdict(set)
-        self._waiting: Counter[str] = Counter()  # claims waiting, by session
+        self.claims = ClaimWaits()
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
         self.leases: LeaseBooks | None = None
@@ -125,7 +108,7 @@ class ControlPlane:
             model=s.model,
             digest=DIGESTS[s.prefix_hash],
             epoch=self.epoch,
-            on_handoff=self._wake,
+            on_handoff=self.claims.wake,
             on_session_end=self._session_ended,
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
@@ -147,22 +130,11 @@ class ControlPlane:
             raise InvalidRequest(f"the pool has no arena on device {device}; it has {list(self.arena_of)}") from None
 
     def stop_waiting(self) -> None:
-        """Answer every waiting claim now with 503, and let no new claim wait: the pool is stopping.
-
-        A claim may wait up to an hour; a stopping pool should neither wait that long for it nor cut it off with
-        no answer. The claimer gets PoolUnavailable and claims again from the restarted pool.
-        """
-        self._stopping = True
-        for futures in self._waiters.values():
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(PoolUnavailable(STOPPING))
+        """Answer every waiting claim now with 503, and let no new claim wait: the pool is stopping."""
+        self.claims.stop()
 
     def close(self) -> None:
-        for futures in self._waiters.values():
-            for fut in futures:
-                if not fut.done():
-                    fut.cancel()
+        self.claims.cancel()
         if self.host_tier is not None:
             self.host_tier.close()
             self.host_tier = None
@@ -318,100 +290,21 @@ class ControlPlane:
 
     async def claim(self, req: ClaimRequest, watch: Watch | None = None) -> ClaimResponse:
         """Claim now, or wait up to ``timeout_s`` for a matching handoff to be parked (while the claimer is there:
-        see :meth:`_claim`)."""
-        h = await self._claim(req, watch)
+        see :meth:`ClaimWaits.claim`)."""
+        h = await self.claims.claim(self.pool, req, watch)
         return ClaimResponse.model_construct(
             request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
         )
 
     async def accept(self, req: ClaimRequest, watch: Watch | None = None) -> AcceptResponse:
         """A claim whose claimer already has the ids (its producer sent them directly): answered without them."""
-        h = await self._claim(req, watch)
+        h = await self.claims.claim(self.pool, req, watch)
         return AcceptResponse(request_id=h.request_id, num_blocks=len(h.block_ids), num_tokens=h.num_tokens)
-
-    async def _claim(self, req: ClaimRequest, watch: Watch | None = None) -> Handoff:
-        """The claim, waiting only as long as its claimer is there to take the answer.
-
-        A claim that outlives its caller (an HTTP client that timed out, a fast-channel connection that closed)
-        would take the next handoff into the session with nobody to learn the ids, and the blocks would stay held
-        until the session ends. So a waiting claim stops when ``watch`` says the caller left, and a handoff it took
-        in that same moment is parked again.
-        """
-        try:
-            return self.pool.claim(req.session_id, req.request_id)
-        except HandoffNotFound:
-            if req.timeout_s <= 0 or watch is None:
-                return await self._wait(req)
-        gone = watch()
-        waiting = asyncio.ensure_future(self._wait(req))
-        try:
-            await asyncio.wait((waiting, gone), return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            waiting.cancel()
-            raise
-        if not gone.done() or gone.exception() is None:
-            return await waiting
-        if not waiting.done():
-            waiting.cancel()
-            with contextlib.suppress(asyncio.CancelledError, KvpoolError):
-                await waiting
-        elif waiting.exception() is None:
-            self.pool.unclaim(req.session_id, waiting.result())
-        raise ClaimerGone("the claimer went away while its claim waited")
-
-    async def _wait(self, req: ClaimRequest) -> Handoff:
-        """Claim, waiting up to ``timeout_s`` for a matching handoff; a session may have only so many waiting."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + req.timeout_s
-        sid = req.session_id
-        counted = False
-        try:
-            while True:
-                try:
-                    return self.pool.claim(sid, req.request_id)
-                except HandoffNotFound:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        raise HandoffNotFound(
-                            f"no handoff {'parked' if req.request_id is None else repr(req.request_id)} "
-                            f"within {req.timeout_s}s"
-                        ) from None
-                if self._stopping:
-                    raise PoolUnavailable(STOPPING)
-                if not counted:
-                    if self._waiting[sid] >= self.pool.limits.max_claims_per_session:
-                        raise self.pool.exceeded(
-                            "max_claims_per_session", f"this session has {self._waiting[sid]} claims waiting"
-                        )
-                    self._waiting[sid] += 1
-                    counted = True
-                fut: asyncio.Future[None] = loop.create_future()
-                waiters = self._waiters[req.request_id]
-                waiters.add(fut)
-                try:
-                    await asyncio.wait_for(fut, remaining)
-                except TimeoutError:
-                    pass
-                finally:
-                    waiters.discard(fut)
-                    if not waiters:
-                        self._waiters.pop(req.request_id, None)
-        finally:
-            if counted:
-                self._waiting[sid] -= 1
-                if not self._waiting[sid]:
-                    del self._waiting[sid]
-
-    def _wake(self, request_id: str) -> None:
-        for key in (request_id, None):
-            for fut in self._waiters.get(key, ()):
-                if not fut.done():
-                    fut.set_result(None)
 
     def stats(self) -> dict[str, Any]:
         events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
         leases = {"leases": self.leases.stats()} if self.leases is not None else {}
-        return {**self.pool.stats(), "claims_waiting": self._waiting.total(), **events, **leases}
+        return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **leases}
 
     def prefix_blocks(self, limit: int) -> dict[str, Any]:
         d = self.descriptor
