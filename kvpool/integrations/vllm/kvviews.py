@@ -12,11 +12,15 @@ layout), index copies land where the backend's kernels read. Shapes handled, tol
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvpool.errors import LayoutMismatch
 from kvpool.integrations.vllm import blockcopy
 from kvpool.layout import KVLayout
+
+log = logging.getLogger("kvpool.vllm")
 
 
 def kv_views(cache: torch.Tensor, layout: KVLayout, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +76,11 @@ class BlockCopier:
         assert self.sides is not None
         e, a = self.sides
         pairs = torch.zeros(2, 1, dtype=torch.long, device=self.device)
-        blockcopy.warmup(a, e, pairs, len(self.engine), self.shape)
-        blockcopy.warmup(e, a, pairs, len(self.engine), self.shape)
+        try:
+            blockcopy.warmup(a, e, pairs, len(self.engine), self.shape)
+            blockcopy.warmup(e, a, pairs, len(self.engine), self.shape)
+        except Exception as exc:  # the first step compiles instead
+            log.warning("kvpool: compiling the block copy ahead failed (%s)", exc)
 
     def pairs(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
         """``[2, n]`` on the device, in one copy through pinned memory: a copy from pageable memory can wait for the
