@@ -12,10 +12,15 @@ layout), index copies land where the backend's kernels read. Shapes handled, tol
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvpool.errors import LayoutMismatch
+from kvpool.integrations.vllm import blockcopy
 from kvpool.layout import KVLayout
+
+log = logging.getLogger("kvpool.vllm")
 
 
 def kv_views(cache: torch.Tensor, layout: KVLayout, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,46 +53,68 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 class BlockCopier:
-    """Batched block copies between vLLM's per-layer views and the arena's: one gather and one scatter per layer
-    and K/V for a whole step's blocks, never one launch per block."""
+    """Batched block copies between vLLM's per-layer views and the arena's, never one launch per block: a step's
+    blocks of every layer, K and V, in one Triton launch (:mod:`.blockcopy`) where the views allow, else one
+    gather and one scatter per layer and K/V."""
 
-    def __init__(self, engine: list[tuple[torch.Tensor, torch.Tensor]], arena: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, engine: list[tuple[torch.Tensor, torch.Tensor]], arena: list[tuple[torch.Tensor, torch.Tensor]],
+                 kernel: bool | None = None):  # fmt: skip
         if len(engine) != len(arena):
             raise LayoutMismatch(f"vLLM has {len(engine)} attention layers, the arena {len(arena)}")
         self.engine, self.arena = engine, arena
         self.device = engine[0][0].device
+        self.sides: tuple[blockcopy.Side, blockcopy.Side] | None = None
+        self.shape = tuple(engine[0][0].shape[1:])
+        if blockcopy.usable(self.device) if kernel is None else kernel:
+            e, a = blockcopy.side(engine), blockcopy.side(arena)
+            if e is not None and a is not None and tuple(arena[0][0].shape[1:]) == self.shape:
+                self.sides = (e, a)
+                if self.device.type == "cuda":
+                    self._warmup()
 
-    def _index(self, ids: list[int]) -> torch.Tensor:
-        """On the device, through pinned memory: a copy from pageable memory can wait for the stream's queued work,
-        after a forward for as long as the forward runs (saves held the engine's thread up to 60 ms on an H100)."""
-        host = torch.tensor(ids, dtype=torch.long)
+    def _warmup(self) -> None:
+        assert self.sides is not None
+        e, a = self.sides
+        pairs = torch.zeros(2, 1, dtype=torch.long, device=self.device)
+        try:
+            blockcopy.warmup(a, e, pairs, len(self.engine), self.shape)
+            blockcopy.warmup(e, a, pairs, len(self.engine), self.shape)
+        except Exception as exc:  # the first step compiles instead
+            log.warning("kvpool: compiling the block copy ahead failed (%s)", exc)
+
+    def pairs(self, src_ids: list[int], dst_ids: list[int]) -> torch.Tensor:
+        """``[2, n]`` on the device, in one copy through pinned memory: a copy from pageable memory can wait for the
+        stream's queued work, after a forward for as long as the forward runs (saves held the engine's thread up to
+        60 ms on an H100)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+        host = torch.tensor([src_ids, dst_ids], dtype=torch.long)
         if self.device.type == "cuda":
             host = host.pin_memory()
         return host.to(self.device, non_blocking=True)
 
     def load(self, arena_ids: list[int], engine_ids: list[int]) -> None:
         """arena blocks ``arena_ids[i]`` -> vLLM blocks ``engine_ids[i]``, on the current stream."""
-        self._copy(self.arena, arena_ids, self.engine, engine_ids)
+        if arena_ids or engine_ids:
+            self._copy(False, self.pairs(arena_ids, engine_ids), 0, len(self.engine))
 
     def save(self, engine_ids: list[int], arena_ids: list[int]) -> None:
         """vLLM blocks ``engine_ids[i]`` -> arena blocks ``arena_ids[i]``, on the current stream."""
-        self._copy(self.engine, engine_ids, self.arena, arena_ids)
+        if arena_ids or engine_ids:
+            self._copy(True, self.pairs(engine_ids, arena_ids), 0, len(self.engine))
 
-    def _copy(self, src: list, src_ids: list[int], dst: list, dst_ids: list[int]) -> None:
-        if len(src_ids) != len(dst_ids):
-            raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
-        if not src_ids:
+    def load_layer(self, layer: int, pairs: torch.Tensor) -> None:
+        """One layer's share of :meth:`load`, with ``pairs(arena_ids, engine_ids)``, on the current stream."""
+        self._copy(False, pairs, layer, 1)
+
+    def _copy(self, save: bool, pairs: torch.Tensor, layer0: int, layers: int) -> None:
+        if self.sides is not None:
+            e, a = self.sides
+            src, dst = (e, a) if save else (a, e)
+            blockcopy.copy(src, dst, pairs, layer0, layers, self.shape)  # type: ignore[arg-type]
             return
-        s, d = self._index(src_ids), self._index(dst_ids)
-        for (sk, sv), (dk, dv) in zip(src, dst, strict=True):
+        src, dst = (self.engine, self.arena) if save else (self.arena, self.engine)
+        s, d = pairs[0], pairs[1]
+        for (sk, sv), (dk, dv) in zip(src[layer0 : layer0 + layers], dst[layer0 : layer0 + layers], strict=True):
             dk.index_copy_(0, d, sk.index_select(0, s))
             dv.index_copy_(0, d, sv.index_select(0, s))
-
-    def index(self, ids: list[int]) -> torch.Tensor:
-        return self._index(ids)
-
-    def load_layer(self, layer: int, arena_index: torch.Tensor, engine_index: torch.Tensor) -> None:
-        """One layer's share of :meth:`load`, with indices from :meth:`index`, on the current stream."""
-        (sk, sv), (dk, dv) = self.arena[layer], self.engine[layer]
-        dk.index_copy_(0, engine_index, sk.index_select(0, arena_index))
-        dv.index_copy_(0, engine_index, sv.index_select(0, arena_index))

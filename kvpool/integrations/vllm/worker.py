@@ -125,9 +125,9 @@ class WorkerSide:
         with torch.cuda.stream(self._stream):
             start = torch.cuda.Event(enable_timing=timed)
             start.record(self._stream)
-            a, e = self.copier.index(arena_ids), self.copier.index(engine_ids)
+            pairs = self.copier.pairs(arena_ids, engine_ids)
             for i in range(len(self._engine)):
-                self.copier.load_layer(i, a, e)
+                self.copier.load_layer(i, pairs)
                 ev = torch.cuda.Event(enable_timing=timed)
                 ev.record(self._stream)
                 events.append(ev)
