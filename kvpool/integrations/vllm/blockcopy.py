@@ -9,6 +9,7 @@ Strides are passed as they are, so the strided views of :func:`.kvviews.kv_views
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +52,6 @@ def usable(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         return True
-    import os
-
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
