@@ -33,8 +33,8 @@ class GenerationRequest:
             max_new_tokens=int(data.get("max_new_tokens", 16)),
             salt=data.get("salt"),
         )
-        if req.salt is not None and not isinstance(req.salt, str):
-            raise ValueError(f"request {req.request_id!r}: salt must be a string")
+        if req.salt is not None and not (isinstance(req.salt, str) and 1 <= len(req.salt) <= 256):
+            raise ValueError(f"request {req.request_id!r}: salt must be a string of 1 to 256 characters")
         if not req.prompt:
             raise ValueError(f"request {req.request_id!r}: the prompt is empty")
         if req.max_new_tokens < 1:
