@@ -94,7 +94,7 @@ class SchedulerSide:
             t.park = f"{self.engine_id}:{req_id}"
         ahead = self._ahead.pop(req_id, None)
         ids, tokens, lane = ahead.result() if ahead is not None else self._find(prompt, params, 0)
-        usable = min((len(prompt) - 1) // self.block_size * self.block_size, tokens)
+        usable = min(self._loadable(prompt), tokens)
         t.pool_blocks = len(ids)
         if not ids or usable <= num_computed:
             self._release(ids, now=True, lane=lane)
@@ -118,7 +118,7 @@ class SchedulerSide:
             self._ahead[req_id] = self._lanes[lane].submit(self._timed_find, list(prompt), params, queued, lane)
             return
         future: Future[tuple[list[int], int, int]] = Future()
-        usable = (len(prompt) - 1) // self.block_size * self.block_size
+        usable = self._loadable(prompt)
         with self._batch_lock:
             self._batch.append((list(prompt[:usable]), queued, future))
             start = len(self._batch) == 1
@@ -126,6 +126,10 @@ class SchedulerSide:
             lane = self._lane()
             self._lanes[lane].submit(self._lookup_batch, lane)
         self._ahead[req_id] = future
+
+    def _loadable(self, prompt: list[int]) -> int:
+        """Tokens of the prompt's full blocks before its last token, which vLLM always computes itself."""
+        return (len(prompt) - 1) // self.block_size * self.block_size
 
     def _lane(self) -> int:
         lane = self._next_lane
@@ -159,7 +163,7 @@ class SchedulerSide:
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
         hold, and the lane."""
-        usable = (len(prompt) - 1) // self.block_size * self.block_size
+        usable = self._loadable(prompt)
         if usable <= 0:
             return [], 0, lane
         if params.get(HANDOFF_KEY):
