@@ -35,7 +35,7 @@ from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_BITS, GEN_MASK
 from kvpool.leases import ALLOCATED, EMPTY, HANDED, IDLE, create_table
 from kvpool.server.config import PoolSettings
 from kvpool.server.pool import Pool
-from kvpool.server.records import Session
+from kvpool.server.records import Session, holder_of
 from kvpool.slabwire import pair_key
 
 log = logging.getLogger(__name__)
@@ -222,7 +222,7 @@ class LeaseBooks:
         if not handed.size:
             return 0
         pool, allocator = self.pool, self.pool.allocator
-        holder = f"s:{lease.session_id}"
+        holder = holder_of(lease.session_id)
         held, committed, fence_of = allocator.refs_of(holder), allocator.committed, allocator.fence_of
         moves: dict[str, list[int]] = {}
         drops: list[int] = []
@@ -238,7 +238,7 @@ class LeaseBooks:
                 # when it ends, and a late heartbeat must not cost it blocks it already took
                 consumer = self.at.get(to_region)
                 if consumer is not None and consumer.nonce == to_nonce and consumer.session_id in pool.sessions:
-                    moves.setdefault(f"s:{consumer.session_id}", []).append(block)
+                    moves.setdefault(holder_of(consumer.session_id), []).append(block)
                     claimed.add(seq)
                 else:
                     drops.append(block)
@@ -274,7 +274,8 @@ class LeaseBooks:
         changed = changed[slots["state"][changed] != EMPTY]
         lease.seen[changed] = ids[changed]
         allocator = self.pool.allocator
-        held, committed, fence_of = allocator.refs_of(f"s:{lease.session_id}"), allocator.committed, allocator.fence_of
+        held, committed = allocator.refs_of(holder_of(lease.session_id)), allocator.committed
+        fence_of = allocator.fence_of
         for fenced in ids[changed].tolist():
             block = fenced & BLOCK_MASK
             if fenced < 0 or block not in lease.slab or block not in held or committed[block]:

@@ -30,6 +30,11 @@ class Limits:
         return LimitExceeded(f"{what}: the limit is {getattr(self, name)} ({flag}, {env}); wait, or raise it")
 
 
+def holder_of(session_id: str) -> str:
+    """The name a session holds its refs under in the allocator's books."""
+    return f"s:{session_id}"
+
+
 @dataclass(slots=True)
 class Session:
     session_id: str
@@ -45,7 +50,7 @@ class Session:
 
     @property
     def holder(self) -> str:
-        return f"s:{self.session_id}"
+        return holder_of(self.session_id)
 
 
 @dataclass(slots=True)
