@@ -42,6 +42,8 @@ def outcome(outs: list[Any], wall: float) -> dict[str, Any]:
             if len(o.outputs[0].token_ids) > 1
         ],
         "wall_s": wall,
+        # the engine core's monotonic clock, the connector timeline's: in vLLM's queue, scheduled, first token
+        "core_ts": [(o.metrics.queued_ts, o.metrics.scheduled_ts, o.metrics.first_token_ts) for o in outs],
     }
 
 

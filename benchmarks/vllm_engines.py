@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvpool.benchmarks.vllm_drive import outcome
 from kvpool.client import PoolClient
 from kvpool.server.launch import spawn
 
@@ -103,20 +104,7 @@ def run(llm: Any, batch: list[list[int]], max_tokens: int = NEW, params: list[di
     ]
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    ttft = [o.metrics.first_token_latency * 1e3 for o in outs]
-    tpot = [
-        (o.metrics.last_token_ts - o.metrics.first_token_ts) * 1e3 / (len(o.outputs[0].token_ids) - 1)
-        for o in outs
-        if len(o.outputs[0].token_ids) > 1
-    ]
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "kv_transfer_params": [o.kv_transfer_params for o in outs],
-        "ttft_ms": ttft,
-        "tpot_ms": tpot,
-        "wall_s": wall,
-    }
+    return outcome(outs, time.perf_counter() - t0)
 
 
 def p50(xs: list[float]) -> float:

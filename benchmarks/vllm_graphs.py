@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,10 @@ def pool_phase(model: Path, url: str, args: argparse.Namespace, extra: dict[str,
         res["pool_stats"] = probe.stats()
         close(e1)
         close(e2)
+    keep = args.out / "timelines"
+    keep.mkdir(exist_ok=True)
+    for f in pdir.glob("*/timeline-*.jsonl"):
+        shutil.copy(f, keep / f"{f.parent.name}-{f.name}")
     return res
 
 

@@ -282,6 +282,11 @@ def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> No
     assert seen["lookup_call"]["n"] == 1
     assert seen["load_launch_cpu"]["n"] == 1
     assert seen["saver_pool_calls"]["n"] == 1
+    events = [json.loads(line) for f in tmp_path.glob("timeline-*.jsonl") for line in f.read_text().splitlines()]
+    kinds = [e["k"] for e in sorted(events, key=lambda e: e["t"])]
+    assert kinds.index("arrive") < kinds.index("match") < kinds.index("load") < kinds.index("saver_calls")
+    match = next(e for e in events if e["k"] == "match")
+    assert match["req"] == "x" and match["tokens"] == 12 and match["ms"] >= 0
 
 
 def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -> None:

@@ -1,5 +1,8 @@
 """Where a connector's time goes on an engine, for benchmarks: counters and summed milliseconds per kind of
-work, written as JSON to ``profile_dir`` (at most twice a second, and at shutdown) when that setting is given.
+work, written as JSON to ``profile_dir`` (at most twice a second, and at shutdown) when that setting is given,
+and a timeline of the connector's events on the engine core's monotonic clock (the clock of vLLM's own request
+timestamps), so that a request's time in vLLM's queue and in its first step can be laid beside what the connector
+did meanwhile.
 
 The engine core runs in its own process, so a file is how a benchmark reads what the connector saw.
 """
@@ -19,6 +22,7 @@ class Profile:
         self.path = Path(directory) / f"{side}-{os.getpid()}.json" if directory else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._timeline = self.path.with_name(f"timeline-{side}-{os.getpid()}.jsonl").open("a") if self.path else None
         self._sums: dict[str, list[float]] = {}  # kind -> [count, total ms, max ms]
         self._lock = threading.Lock()
         self._written = 0.0
@@ -36,6 +40,18 @@ class Profile:
             s[0] += 1
             s[1] += ms
             s[2] = max(s[2], ms)
+
+    def mark(self, kind: str, start: float | None = None, **fields: Any) -> None:
+        """One event on the timeline, at ``time.monotonic()`` now; ``start`` (the same clock) makes it a span."""
+        if self._timeline is None:
+            return
+        now = time.monotonic()
+        event = {"t": round(now, 6), "k": kind, **fields}
+        if start is not None:
+            event["ms"] = round((now - start) * 1e3, 3)
+        line = json.dumps(event)
+        with self._lock:
+            self._timeline.write(line + "\n")
 
     def gpu(self, kind: str, start: Any, end: Any) -> None:
         """Times two CUDA events apart once the GPU passed them (never waits for them)."""
@@ -56,6 +72,8 @@ class Profile:
         with self._lock:
             data = {k: {"n": int(n), "total_ms": round(t, 3), "max_ms": round(m, 3)} for k, (n, t, m) in
                     self._sums.items()}  # fmt: skip
+            if self._timeline is not None:
+                self._timeline.flush()
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.path)

@@ -75,12 +75,15 @@ class Saver:
                 return
             if item[0] == "jobs":
                 _, done, jobs = item
+                began = time.monotonic()
                 if done is not None:
                     done.synchronize()
-                t0 = time.perf_counter()
+                self.profile.mark("saver_wait", began)
+                t0, began = time.perf_counter(), time.monotonic()
                 for job in jobs:
                     self._finish(job)
                 self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
+                self.profile.mark("saver_calls", began, jobs=len(jobs))
             if self._jobs.empty() or item[0] == "flush":
                 self.refill()
             if item[0] == "flush":

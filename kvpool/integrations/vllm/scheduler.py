@@ -75,6 +75,12 @@ class SchedulerSide:
     def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
         """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them; None:
         the answer is not there after ``lookup_wait_ms``, ask again next step)."""
+        began = time.monotonic()
+        tokens = self._match(req_id, prompt, num_computed, params)
+        self.profile.mark("match", began, req=req_id, tokens=tokens)
+        return tokens
+
+    def _match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
         ahead = self._ahead.get(req_id)
         if ahead is not None and not ahead.done():
             t0 = time.perf_counter()
@@ -111,6 +117,7 @@ class SchedulerSide:
         """
         if len(prompt) <= self.block_size or req_id in self._ahead:
             return
+        self.profile.mark("arrive", req=req_id)
         params = dict(params or {})
         queued = time.perf_counter()
         if params.get(HANDOFF_KEY) or not self.settings.load:
@@ -139,7 +146,7 @@ class SchedulerSide:
     def _lookup_batch(self, lane: int) -> None:
         with self._batch_lock:
             batch, self._batch = self._batch, []
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         hits = None
         try:
             hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _, _ in batch]), None)
@@ -149,15 +156,17 @@ class SchedulerSide:
                 self.profile.add("lookup_queued", (t0 - queued) * 1e3)
         self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
         self.profile.add("lookup_batch_size", len(batch))
+        self.profile.mark("lookups", began, n=len(batch))
 
     def _timed_find(
         self, prompt: list[int], params: dict[str, Any], queued: float, lane: int
     ) -> tuple[list[int], int, int]:
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         found = self._find(prompt, params, lane)
         kind = "claim" if params.get(HANDOFF_KEY) else "lookup"
         self.profile.add(f"{kind}_queued", (t0 - queued) * 1e3)
         self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
+        self.profile.mark(kind, began, blocks=len(found[0]))
         return found
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
@@ -231,6 +240,9 @@ class SchedulerSide:
         self._frees.append([])
         for lane, ids in self._frees.popleft():
             self._release(ids, now=True, lane=lane)
+        if self.profile.on:
+            self.profile.mark("plan", loads=len(plan.loads), load_blocks=sum(len(ld.arena_ids) for ld in plan.loads),
+                              saves=len(plan.saves))  # fmt: skip
         return plan
 
     def _save_of(self, s: Scheduled, t: Tracked) -> Save | None:

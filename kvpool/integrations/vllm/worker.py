@@ -86,11 +86,12 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------------------------------------
 
     def load(self, plan: StepPlan) -> None:
+        self.profile.mark("forward")
         if not plan.loads:
             return
         arena_ids = [b for ld in plan.loads for b in ld.arena_ids]
         engine_ids = [b for ld in plan.loads for b in ld.engine_ids]
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         try:
             if not self._ready(plan.epoch):
                 raise PoolUnavailable("the pool restarted or cannot be reached")
@@ -109,6 +110,7 @@ class WorkerSide:
             self.failed.update(engine_ids)
             self.stats["load_failures"] += 1
         self.profile.add("load_launch_cpu", (time.perf_counter() - t0) * 1e3)
+        self.profile.mark("load", began, blocks=len(arena_ids))
 
     def _load_layerwise(self, arena_ids: list[int], engine_ids: list[int]) -> None:
         """Every layer's copies on a side stream, which first waits for what the forward's stream queued before
@@ -158,10 +160,11 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Copy the step's finished prompts into reserve blocks; the saver commits them once the copies ran."""
         self._join_loads()
+        self.profile.mark("forward_end")
         self.profile.maybe_write()
         if not plan.saves or self.saver is None or not self._ready(""):
             return
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.monotonic()
         bs, src, dst, jobs = self.layout.block_size, [], [], []
         for s in plan.saves:
             full = len(s.token_ids) // bs
@@ -190,6 +193,7 @@ class WorkerSide:
             done.record(torch.cuda.current_stream(self.copier.device))
         self.saver.submit(done, jobs)
         self.profile.add("save_launch_cpu", (time.perf_counter() - t0) * 1e3)
+        self.profile.mark("save", began, blocks=len(dst))
 
     def flush(self) -> None:
         if self.saver is not None:
