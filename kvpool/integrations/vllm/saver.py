@@ -79,11 +79,12 @@ class Saver:
                 if done is not None:
                     done.synchronize()
                 self.profile.mark("saver_wait", began)
-                t0, began = time.perf_counter(), time.monotonic()
+                t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
                 for job in jobs:
                     self._finish(job)
                 self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
-                self.profile.mark("saver_calls", began, jobs=len(jobs))
+                cpu_ms = round((time.thread_time() - cpu) * 1e3, 3)
+                self.profile.mark("saver_calls", began, jobs=len(jobs), cpu_ms=cpu_ms)
             if self._jobs.empty() or item[0] == "flush":
                 self.refill()
             if item[0] == "flush":

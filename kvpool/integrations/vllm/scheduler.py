@@ -146,7 +146,7 @@ class SchedulerSide:
     def _lookup_batch(self, lane: int) -> None:
         with self._batch_lock:
             batch, self._batch = self._batch, []
-        t0, began = time.perf_counter(), time.monotonic()
+        t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
         hits = None
         try:
             hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _, _ in batch]), None)
@@ -156,7 +156,7 @@ class SchedulerSide:
                 self.profile.add("lookup_queued", (t0 - queued) * 1e3)
         self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
         self.profile.add("lookup_batch_size", len(batch))
-        self.profile.mark("lookups", began, n=len(batch))
+        self.profile.mark("lookups", began, n=len(batch), cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
 
     def _timed_find(
         self, prompt: list[int], params: dict[str, Any], queued: float, lane: int
