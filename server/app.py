@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -17,7 +16,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
+from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for
 from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
@@ -26,7 +25,6 @@ from kvpool.protocol import (
     ClaimResponse,
     CommitRequest,
     CommitResponse,
-    ErrorBody,
     FreeRequest,
     FreeResponse,
     HandoffRequest,
@@ -39,6 +37,13 @@ from kvpool.protocol import (
     SessionCreate,
     SessionInfo,
     SessionList,
+)
+from kvpool.server.http_errors import (
+    ERRORS,
+    SafeJSONResponse,
+    error_response,
+    http_error_response,
+    validation_response,
 )
 from kvpool.server.lease_api import lease_router
 from kvpool.server.metrics import registry_for, time_operations
@@ -53,42 +58,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'"
-
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503, 507)
-}
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON escaped to ASCII: error details can quote what a client sent, and a lone surrogate (valid in a JSON
-    escape, unencodable as UTF-8) must come back as an escape, not as a 500 from the encoder."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"), default=str).encode()
-
-
-def error_response(exc: KvpoolError) -> JSONResponse:
-    return SafeJSONResponse(body_for(exc), status_code=exc.status)
-
-
-def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """422 naming each bad field (type, loc, msg, ctx), without echoing the input back, as the fast channel does."""
-    errors = [{k: e[k] for k in ("type", "loc", "msg", "ctx") if k in e} for e in exc.errors()]
-    return SafeJSONResponse(error_body(errors, "ValidationError"), status_code=422)
-
-
-def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
-    """The framework's own errors (unparsable body, unknown path, wrong method) in the pool's error shape.
-
-    FastAPI answers a body it cannot parse (bad UTF-8, nesting too deep, an integer with thousands of digits)
-    with a bare "There was an error parsing the body"; the cause it chains says what was wrong, so say it.
-    """
-    detail = exc.detail
-    cause = exc.__cause__
-    if cause is not None and exc.status_code == 400:
-        detail = f"{detail}: {type(cause).__name__}: {str(cause)[:200]}"
-    name = "InvalidRequest" if exc.status_code == 400 else "HTTPError"
-    return SafeJSONResponse(error_body(detail, name), status_code=exc.status_code, headers=exc.headers)
 
 
 class BodyLimit:
