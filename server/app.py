@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -16,7 +15,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for
+from kvpool.errors import KvpoolError
 from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
@@ -38,101 +37,13 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
-from kvpool.server.http_errors import (
-    ERRORS,
-    SafeJSONResponse,
-    error_response,
-    http_error_response,
-    validation_response,
-)
+from kvpool.server.gates import BodyLimit, Receive, RequireToken
+from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
 from kvpool.server.lease_api import lease_router
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'"
-
-
-class BodyLimit:
-    """Refuse bodies over ``limit`` bytes with 413, whether announced by content-length or streamed chunked.
-
-    The body is read here, up to the limit, before the app sees the request: a limit enforced inside the app's
-    own body reading would be caught by the framework's parser and answered as a generic 400.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away before sending its whole body
-                return
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = body_for(PayloadTooLarge(f"request body over {self.limit} bytes"))
-        await SafeJSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
-
-
-class RequireToken:
-    """With a token set, refuse every request but ``GET /health`` without it, before its body is read.
-
-    One gate in front of the whole app, rather than a check per route, so "every endpoint but /health" also holds
-    for what the framework adds (``/openapi.json``, ``/docs``) and for unknown paths.
-    """
-
-    OPEN = frozenset({"/health"})
-
-    def __init__(self, app: ASGIApp, token: bytes | None) -> None:
-        self.app = app
-        self.token = token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or scope.get("path") in self.OPEN:
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-        scheme, _, value = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(value, self.token):
-            await self.app(scope, receive, send)
-            return
-        body = body_for(Unauthorized(UNAUTHORIZED))
-        await SafeJSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 def create_app(plane: ControlPlane) -> FastAPI:
