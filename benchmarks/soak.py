@@ -32,7 +32,6 @@ every suite (``--json PATH`` also writes the summary alone there).
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import ipaddress
 import json
@@ -52,12 +51,12 @@ import httpx
 
 from kvpool.benchmarks import harness, machine
 from kvpool.benchmarks.soak_client import (
-    OPS,
     Client,
     Shared,
     Tally,
     family_tokens,
 )
+from kvpool.benchmarks.soak_report import plot, print_summary, summarize
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
 from kvpool.slab import SlabConfig
@@ -280,26 +279,8 @@ def run(args: argparse.Namespace) -> int:
     ops, rates = summary["ops"], summary["ops_per_s"]
     report.results = [{"op": k, "count": ops[k], "ops_per_s": rates[k]} for k in ops]
     report.raw = {"summary": summary, "in_use": tally.in_use}
-    report.save(lambda: _plot(summary, tally.in_use))
+    report.save(lambda: plot(summary, tally.in_use))
     return 1 if tally.violation_count else 0
-
-
-def _plot(summary: dict[str, Any], in_use: list[tuple[float, int]]) -> Any:
-    plt = harness.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    kinds = list(summary["ops_per_s"])
-    axes[0].bar(kinds, [summary["ops_per_s"][k] for k in kinds])
-    axes[0].set(title=f"operations per second, {sum(summary['clients'].values())} clients", ylabel="ops/s")
-    axes[0].tick_params(axis="x", labelrotation=25)
-    axes[0].grid(True, axis="y", alpha=0.3)
-    axes[1].plot([t for t, _ in in_use], [n for _, n in in_use], lw=1, label="in use")
-    axes[1].axhline(summary["num_blocks"], color="grey", lw=0.8, ls="--", label="arena blocks")
-    axes[1].set(title="blocks in use, sampled from /stats", xlabel="s", ylabel="blocks")
-    axes[1].legend(fontsize=8)
-    axes[1].grid(True, alpha=0.3)
-    verdict = "PASS" if not summary["violations"] else f"FAIL ({summary['violations']} violations)"
-    fig.suptitle(f"kvpool soak: {summary['duration_s']} s, workers killed: {summary['crashed_workers']}, {verdict}")
-    return fig
 
 
 def settle(http: httpx.Client, start: dict[str, Any], within_s: float, tally: Tally) -> dict[str, Any]:
@@ -316,51 +297,6 @@ def settle(http: httpx.Client, start: dict[str, Any], within_s: float, tally: Ta
         if stats[key] > start[key]:
             tally.violation(f"end: {key} is {stats[key]} ({start[key]} at the start) {within_s:.1f}s after the run")
     return stats
-
-
-def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: list[tuple[str, str, bool]],
-              start: dict[str, Any], end: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    return {
-        "duration_s": round(elapsed, 2),
-        "clients": dict(collections.Counter(k for k, _, _ in kinds)),
-        "ops": {k: tally.ops[k] for k in [*OPS, *sorted(set(tally.ops) - set(OPS))]},
-        "ops_per_s": {k: round(tally.ops[k] / elapsed, 1) for k in [*OPS, *sorted(set(tally.ops) - set(OPS))]},
-        "errors": dict(tally.errors),
-        "samples": tally.samples,
-        "max_in_use": tally.max_in_use,
-        "num_blocks": end["num_blocks"],
-        "crashed_workers": tally.crashed,
-        "stale_refused": end["counters"]["stale_refused"],
-        "end": {k: end[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
-        "start": {k: start[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
-        "violations": tally.violation_count,
-        "violation_messages": tally.violations,
-        "verify_data": not args.no_verify_data,
-        "host_tier": {k: v for k, v in end.get("tiers", {}).get("host", {}).items() if k.endswith("blocks")},
-    }
-
-
-def print_summary(s: dict[str, Any]) -> None:
-    clients = ", ".join(f"{n} {k}" for k, n in s["clients"].items())
-    lines = [f"kvpool soak: {s['duration_s']} s, {sum(s['clients'].values())} clients ({clients})", ""]
-    kinds = [*OPS, *sorted(k for k in s["ops"] if k not in OPS)]
-    lines.append(harness.table(["op", "count", "ops/s"], [[k, s["ops"][k], s["ops_per_s"][k]] for k in kinds]))
-    lines.append("")
-    total = sum(s["ops"].values())
-    lines.append(f"total {total} ops, {total / max(s['duration_s'], 1e-9):.0f} ops/s")
-    lines.append("errors by kind (507 on alloc and 404 on claim are expected; anything else is a violation):")
-    lines += [f"  {k}: {n}" for k, n in sorted(s["errors"].items())] or ["  none"]
-    lines.append(f"/stats samples: {s['samples']}, all balanced unless listed below; "
-                 f"max in use {s['max_in_use']} of {s['num_blocks']}")  # fmt: skip
-    lines.append(f"killed workers: {s['crashed_workers']}")
-    lines.append(f"calls refused by the pool for stale ids (kvpool_stale_refused): {s['stale_refused']}")
-    if s["host_tier"]:
-        lines.append(f"host tier: {s['host_tier']}")
-    lines.append(f"end: {s['end']} (start: {s['start']})")
-    lines.append(f"violations: {s['violations']}")
-    lines += [f"  - {m}" for m in s["violation_messages"]]
-    lines.append("FAIL" if s["violations"] else "PASS")
-    print("\n".join(lines), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

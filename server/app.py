@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
@@ -17,7 +15,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client.exposition import choose_encoder
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvpool.errors import KvpoolError, PayloadTooLarge, Unauthorized, body_for, error_body
+from kvpool.errors import KvpoolError
 from kvpool.protocol import (
     AllocRequest,
     AllocResponse,
@@ -26,7 +24,6 @@ from kvpool.protocol import (
     ClaimResponse,
     CommitRequest,
     CommitResponse,
-    ErrorBody,
     FreeRequest,
     FreeResponse,
     HandoffRequest,
@@ -40,130 +37,13 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
+from kvpool.server.gates import BodyLimit, Receive, RequireToken
+from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
 from kvpool.server.lease_api import lease_router
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-UNAUTHORIZED = "missing or wrong bearer token: send 'Authorization: Bearer <KVPOOL_TOKEN>'"
-
-ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody} for code in (400, 401, 404, 409, 413, 429, 503, 507)
-}
-
-
-class SafeJSONResponse(JSONResponse):
-    """JSON escaped to ASCII: error details can quote what a client sent, and a lone surrogate (valid in a JSON
-    escape, unencodable as UTF-8) must come back as an escape, not as a 500 from the encoder."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":"), default=str).encode()
-
-
-def error_response(exc: KvpoolError) -> JSONResponse:
-    return SafeJSONResponse(body_for(exc), status_code=exc.status)
-
-
-def validation_response(exc: RequestValidationError) -> JSONResponse:
-    """422 naming each bad field (type, loc, msg, ctx), without echoing the input back, as the fast channel does."""
-    errors = [{k: e[k] for k in ("type", "loc", "msg", "ctx") if k in e} for e in exc.errors()]
-    return SafeJSONResponse(error_body(errors, "ValidationError"), status_code=422)
-
-
-def http_error_response(exc: StarletteHTTPException) -> JSONResponse:
-    """The framework's own errors (unparsable body, unknown path, wrong method) in the pool's error shape.
-
-    FastAPI answers a body it cannot parse (bad UTF-8, nesting too deep, an integer with thousands of digits)
-    with a bare "There was an error parsing the body"; the cause it chains says what was wrong, so say it.
-    """
-    detail = exc.detail
-    cause = exc.__cause__
-    if cause is not None and exc.status_code == 400:
-        detail = f"{detail}: {type(cause).__name__}: {str(cause)[:200]}"
-    name = "InvalidRequest" if exc.status_code == 400 else "HTTPError"
-    return SafeJSONResponse(error_body(detail, name), status_code=exc.status_code, headers=exc.headers)
-
-
-class BodyLimit:
-    """Refuse bodies over ``limit`` bytes with 413, whether announced by content-length or streamed chunked.
-
-    The body is read here, up to the limit, before the app sees the request: a limit enforced inside the app's
-    own body reading would be caught by the framework's parser and answered as a generic 400.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        for name, value in scope.get("headers", ()):
-            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away before sending its whole body
-                return
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await self._refuse(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": bytes(body), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        body = body_for(PayloadTooLarge(f"request body over {self.limit} bytes"))
-        await SafeJSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
-
-
-class RequireToken:
-    """With a token set, refuse every request but ``GET /health`` without it, before its body is read.
-
-    One gate in front of the whole app, rather than a check per route, so "every endpoint but /health" also holds
-    for what the framework adds (``/openapi.json``, ``/docs``) and for unknown paths.
-    """
-
-    OPEN = frozenset({"/health"})
-
-    def __init__(self, app: ASGIApp, token: bytes | None) -> None:
-        self.app = app
-        self.token = token
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.token is None or scope["type"] != "http" or scope.get("path") in self.OPEN:
-            await self.app(scope, receive, send)
-            return
-        given = b""
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                given = value
-        scheme, _, value = given.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(value, self.token):
-            await self.app(scope, receive, send)
-            return
-        body = body_for(Unauthorized(UNAUTHORIZED))
-        await SafeJSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
 
 
 def create_app(plane: ControlPlane) -> FastAPI:

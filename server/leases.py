@@ -336,7 +336,6 @@ class LeaseBooks:
         self.path.unlink(missing_ok=True)
 
 
-
 def open_leases(settings: PoolSettings, pool: Pool) -> LeaseBooks | None:
     """The lease table of a pool that serves slabs (``--leases``), hooked into its books; None if it does not."""
     if not settings.leases:

@@ -14,7 +14,6 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpool.errors import (
     InvalidRequest,
@@ -26,6 +25,7 @@ from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.hosttier import HostTier
 from kvpool.server.parking import Parking
+from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
     SESSION_ID,
@@ -41,7 +41,7 @@ from kvpool.server.records import (
 
 
 @dataclass
-class Pool(Parking):
+class Pool(Parking, PoolStats):
     """Everything the control plane manages: one arena of ``num_blocks`` blocks, or one per device (a list).
 
     Block ids are global across arenas; ``arena`` arguments pick where new blocks come from and which arena's
@@ -337,35 +337,3 @@ class Pool(Parking):
         if freed and self.on_handoff is not None:
             for request_id in freed:
                 self.on_handoff(request_id)
-
-    # -- introspection ----------------------------------------------------------------------------------
-
-    def stats(self) -> dict[str, Any]:
-        a, c = self.allocator, self.counters
-        return {
-            "epoch": self.epoch,
-            "num_blocks": self.total_blocks,
-            "free": a.num_free,
-            "in_use": a.num_in_use,
-            "cached": a.num_cached,
-            "indexed": len(self.index),
-            "sessions": len(self.sessions),
-            "handoffs": len(self.handoffs),
-            "hit_rate": c.hit_blocks / c.lookup_blocks if c.lookup_blocks else 0.0,
-            "evictions": a.num_evictions,
-            "counters": {name: getattr(c, name) for name in Counters.__slots__},
-            "limits_exceeded": dict(self.limits_exceeded),
-            "arenas": [
-                dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
-            ],
-            "tiers": self._tiers(),
-        }
-
-    def _tiers(self) -> dict[str, dict[str, Any]]:
-        """Each tier's books and hits: the arenas together ("gpu", also on the cpu backend), and the host tier."""
-        a, hits = self.allocator, self.counters.hit_blocks
-        gpu = {"num_blocks": a.num_blocks, "free": a.num_free, "in_use": a.num_in_use, "cached": a.num_cached}
-        if self.host_tier is None:
-            return {"gpu": {**gpu, "hit_blocks": hits}}
-        host = self.host_tier.stats()
-        return {"gpu": {**gpu, "hit_blocks": hits - host["hit_blocks"]}, "host": host}
