@@ -46,7 +46,12 @@ from kvpool.server.launch import spawn
 PARK = {"do_remote_decode": True}
 #: the connector's settings per pool phase: its defaults, and loads before the forward (no per-layer hook, so
 #: vLLM may capture full CUDA graphs)
-POOL_VARIANTS: dict[str, dict[str, Any]] = {"pool": {}, "pool_flat": {"layerwise": False}}
+POOL_VARIANTS: dict[str, dict[str, Any]] = {
+    "pool": {},
+    "pool_flat": {"layerwise": False},
+    "pool_lanes2": {"layerwise": False, "lookup_threads": 2},
+    "pool_switch": {"layerwise": False, "switch_interval_ms": 0.2},
+}
 
 
 def steady_seeds(rates: list[float], rounds: int) -> list[tuple[float, int]]:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from kvpool.client import PoolClient
+from kvpool.errors import InvalidRequest
 from kvpool.integrations.vllm.kvviews import kv_views
 from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import prompt_digest
@@ -264,6 +266,29 @@ def test_a_lookup_not_answered_in_time_is_asked_again_next_step(pool: PoolProces
         b.close()
 
 
+def test_a_step_waits_for_lookups_once_not_once_per_request(pool: PoolProcess) -> None:
+    b = Engine(pool.url, "b7b", lookup_wait_ms=400, lookup_threads=1)
+    gate = threading.Event()
+    try:
+        prompts = [prompt_of(40 + i, 13) for i in range(3)]
+        b.sched._lanes[0].submit(gate.wait, 30)  # no answer comes back during the step
+        for i, p in enumerate(prompts):
+            b.sched.prefetch(f"x{i}", p, None)
+        t0 = time.perf_counter()
+        assert b.sched.match("x0", prompts[0], 0, None) is None  # spends the step's 400 ms
+        first = time.perf_counter() - t0
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts) if i] == [None, None]
+        rest = time.perf_counter() - t0 - first
+        assert first >= 0.4 and rest < 0.2
+        gate.set()
+        b.sched.drain()
+        b.sched.build([])  # the next step has its own budget; the answers are back by now
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [0, 0, 0]
+    finally:
+        gate.set()
+        b.close()
+
+
 def test_the_profile_says_where_the_time_went(pool: PoolProcess, tmp_path) -> None:
     a, b = Engine(pool.url, "a8"), Engine(pool.url, "b8", profile_dir=str(tmp_path))
     try:
@@ -340,3 +365,9 @@ def test_loads_go_layer_by_layer_by_default_only_without_full_cuda_graphs() -> N
     assert ConnectorSettings().layerwise is None
     assert layerwise_for(None, full_graphs=False) and not layerwise_for(None, full_graphs=True)
     assert layerwise_for(True, full_graphs=True) and not layerwise_for(False, full_graphs=False)
+
+
+def test_a_switch_interval_out_of_range_is_refused_naming_the_key() -> None:
+    assert ConnectorSettings().switch_interval_ms is None
+    with pytest.raises(InvalidRequest, match="switch_interval_ms"):
+        ConnectorSettings.parse({"switch_interval_ms": 0})

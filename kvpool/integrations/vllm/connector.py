@@ -7,6 +7,7 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
+        if self.settings.switch_interval_ms is not None:
+            sys.setswitchinterval(self.settings.switch_interval_ms / 1e3)
         self.layout = engine_layout(vllm_config)
         engine_id = str(tc.engine_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"

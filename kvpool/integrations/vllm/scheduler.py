@@ -63,6 +63,7 @@ class SchedulerSide:
         self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
         self._batch: list[tuple[list[int], float, Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
         self._batch_lock = threading.Lock()
+        self._wait_until: float | None = None  # this step's deadline for answers not back yet (lookup_wait_ms)
         self.epoch = ""
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -85,7 +86,7 @@ class SchedulerSide:
         if ahead is not None and not ahead.done():
             t0 = time.perf_counter()
             try:
-                ahead.result(None if self.settings.lookup_wait_ms is None else self.settings.lookup_wait_ms / 1e3)
+                ahead.result(self._wait_left(t0))
             except FutureTimeout:
                 self.profile.add("match_not_ready", (time.perf_counter() - t0) * 1e3)
                 return None
@@ -107,6 +108,14 @@ class SchedulerSide:
             return 0
         t.held, t.lane, t.first_block, t.external = ids, lane, num_computed // self.block_size, usable - num_computed
         return t.external
+
+    def _wait_left(self, now: float) -> float | None:
+        """What is left of the step's ``lookup_wait_ms``: one budget for all of a step's waits, not one each."""
+        if self.settings.lookup_wait_ms is None:
+            return None
+        if self._wait_until is None:
+            self._wait_until = now + self.settings.lookup_wait_ms / 1e3
+        return max(0.0, self._wait_until - now)
 
     def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
@@ -225,6 +234,7 @@ class SchedulerSide:
     def build(self, scheduled: Iterable[Scheduled]) -> StepPlan:
         """The worker's plan for this step; also lets go of refs whose delay has run out."""
         self.profile.maybe_write()
+        self._wait_until = None
         plan = StepPlan(epoch=self.epoch, loads=self._loads)
         self._loads = []
         for s in scheduled:

@@ -50,6 +50,12 @@ class ConnectorSettings(BaseModel):
         description="how long the scheduler waits for a lookup started on arrival; past it the request is asked "
         "again next step (default: wait for the answer)",
     )
+    switch_interval_ms: float | None = Field(
+        None, ge=0.01, le=100,
+        description="set the engine core process's GIL switch interval (Python's default: 5 ms); the connector's "
+        "pool calls run on threads beside the engine's, and each of their socket waits can cost them a whole "
+        "interval to get the GIL back while vLLM's threads compute",
+    )
     lookup_threads: int = Field(
         1, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
     )
