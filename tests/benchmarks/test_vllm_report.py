@@ -56,3 +56,20 @@ def test_the_summary_compares_the_phases_that_ran(tmp_path) -> None:
     assert s["identical"]["burst_B_pool_vs_own_cache"] == "1/2"
     assert s["identical"]["single_P_kvpool_pair_vs_own_cache"] == "0/1"
     assert "pair_nixl" not in s
+
+
+def test_the_timeline_lays_the_main_step_of_a_burst_beside_vllms_stamps(tmp_path) -> None:
+    from kvpool.benchmarks.vllm_timeline import report
+
+    t = 100.0
+    stamps = [(t, t + 0.001, t + 0.030)] + [(t + 0.010 + i * 1e-4, t + 0.012, t + 0.060) for i in range(3)]
+    burst = run([30.0, 60.0, 60.0, 60.0], [[1]] * 4) | {"core_ts": stamps}
+    (tmp_path / "pool_flat.json").write_text(json.dumps({"burst": [burst]}))
+    marks = [(0.0105, "lookups"), (0.011, "lookups"), (0.0125, "plan", {"loads": 3}), (0.014, "forward"),
+             (0.055, "saver_wait"), (0.002, "plan", {"loads": 1})]  # fmt: skip
+    (tmp_path / "timelines").mkdir()
+    lines = [json.dumps({"t": t + m[0], "k": m[1], **(m[2] if len(m) > 2 else {})}) for m in marks]
+    (tmp_path / "timelines" / "e2-timeline-scheduler-1.jsonl").write_text("\n".join(lines) + "\n")
+    step = report(tmp_path)["pool_flat"][0]
+    assert step == {"requests": 3, "queued": 10.2, "lookups": 11.0, "planned": 12.5, "forward": 14.0,
+                    "gpu_done": 55.0, "first_token": 60.0}  # fmt: skip
