@@ -9,8 +9,9 @@ never touched here, so each child makes its own context as a worker does):
   the CUDA runtime (found both ways) and driver libraries' loading, the fast channel's connection and
   ``arena_fd`` exchange, ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``, ``cuMemMap``,
   ``cuMemSetAccess``, the tensor wrap, the per-layer views and the first touch. Then it maps the same fd again,
-  warm, and once more with the reservation's alignment left to the driver, to tell once-per-process costs from
-  per-mapping ones.
+  warm: as is, with the reservation's alignment left to the driver, aligned to 1 GiB, and with the access granted
+  by 4 threads over quarters of the range at once, to tell once-per-process costs from per-mapping ones and to see
+  whether anything moves ``cuMemSetAccess``.
 * ``arena`` times ``client.arena()`` whole (the ``map`` phase of ``kvpool bench attach``), for the sum to be
   checked against.
 
@@ -24,6 +25,7 @@ import ctypes
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -68,9 +70,10 @@ def _steps(url: str, index: int) -> dict[str, int]:
     step("per-layer views (Arena)", lambda: Arena(descriptor, raw))
     out["sum to here (= map)"] = clock() - t_map
     step("touch (.item())", lambda: int(raw[nbytes - 1].item()))
-    for label, align in (("warm, ", None), ("warm align 0, ", 0)):
+    for label, align, split in (("warm, ", None, 1), ("warm align 0, ", 0, 1), ("warm align 1 GiB, ", 1 << 30, 1),
+                                ("warm 4 threads, ", None, 4)):  # fmt: skip
         again = os.dup(spare)
-        p = _map(lib, vmm, again, nbytes, index, access, step, label, align)
+        p = _map(lib, vmm, again, nbytes, index, access, step, label, align, split)
         vmm.unmap(p, nbytes)
     os.close(spare)
     client.close()
@@ -88,8 +91,9 @@ def _cudart_by_maps() -> ctypes.CDLL | None:
 
 
 def _map(lib: Any, vmm: Any, fd: int, nbytes: int, index: int, access: list[int], step: Any, label: str,
-         align: int | None = None) -> int:  # fmt: skip
-    """:func:`kvpool.vmm.import_map`, one driver call per step."""
+         align: int | None = None, split: int = 1) -> int:  # fmt: skip
+    """:func:`kvpool.vmm.import_map`, one driver call per step; with ``split``, access is granted by that many
+    threads at once, each over its own part of the range (to see whether the driver's per-GiB cost parallelizes)."""
     handle, ptr = ctypes.c_ulonglong(), ctypes.c_ulonglong()
     kind = vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -109,9 +113,33 @@ def _map(lib: Any, vmm: Any, fd: int, nbytes: int, index: int, access: list[int]
     driver_step("cuMemMap", lambda: lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0))
     where = [vmm.MemLocation(vmm.CU_MEM_LOCATION_TYPE_DEVICE, d) for d in access]
     descs = (vmm.AccessDesc * len(access))(*(vmm.AccessDesc(w, vmm.CU_MEM_ACCESS_FLAGS_PROT_READWRITE) for w in where))
-    driver_step("cuMemSetAccess", lambda: lib.cuMemSetAccess(ptr.value, nbytes, descs, len(access)))
+    if split == 1:
+        driver_step("cuMemSetAccess", lambda: lib.cuMemSetAccess(ptr.value, nbytes, descs, len(access)))
+    else:
+        driver_step(f"cuMemSetAccess in {split} threads", lambda: _split_access(lib, ptr.value, nbytes, gran, descs,
+                                                                                 len(access), split))  # fmt: skip
     driver_step("cuMemRelease (imported handle)", lambda: lib.cuMemRelease(handle.value))
     return ptr.value
+
+
+def _split_access(lib: Any, ptr: int, nbytes: int, gran: int, descs: Any, count: int, split: int) -> int:
+    """``cuMemSetAccess`` over ``split`` parts of the range (granularity-aligned), each in a thread of its own made
+    current in this thread's context; the first failure's code, else 0."""
+    ctx = ctypes.c_void_p()
+    lib.cuCtxGetCurrent(ctypes.byref(ctx))
+    part = (nbytes // split + gran - 1) // gran * gran
+    codes: list[int] = []
+
+    def grant(start: int) -> None:
+        lib.cuCtxSetCurrent(ctx)
+        codes.append(lib.cuMemSetAccess(ptr + start, min(part, nbytes - start), descs, count))
+
+    threads = [threading.Thread(target=grant, args=(s,)) for s in range(0, nbytes, part)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return next((c for c in codes if c), 0)
 
 
 def _whole(url: str, index: int) -> dict[str, int]:

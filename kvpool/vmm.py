@@ -15,8 +15,12 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 from kvpool.cuda import CudaError
+
+T = TypeVar("T")
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -80,6 +84,8 @@ def driver() -> ctypes.CDLL:
             lib.cuMemUnmap.argtypes = [_u64, _size]
             lib.cuMemAddressFree.argtypes = [_u64, _size]
             lib.cuMemRelease.argtypes = [_u64]
+            lib.cuCtxGetCurrent.argtypes = [_p(ctypes.c_void_p)]
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
             _check_with(lib, lib.cuInit(0), "cuInit")
             _lib = lib
         return _lib
@@ -172,6 +178,19 @@ def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = Non
     ``fd`` is consumed (closed). The imported handle is released once mapped: the mapping holds the memory, and
     :func:`unmap` (or the process's exit) lets it go.
     """
+    return import_map_while(fd, nbytes, device, access, None)[0]
+
+
+def import_map_while(
+    fd: int, nbytes: int, device: int, access: list[int] | None, meanwhile: Callable[[int], T] | None
+) -> tuple[int, T | None]:
+    """:func:`import_map`, with ``meanwhile(ptr)`` run on this thread while another grants the access.
+
+    ``cuMemSetAccess`` is most of a large mapping's time (about 30 us a GiB, in the driver, without the GIL), and
+    what a worker builds on the pointer (a tensor, its views) is host work that needs the address, not the
+    memory: the two overlap. ``meanwhile`` must not touch the memory. The pointer is returned only once access is
+    granted; if either fails, the mapping is undone.
+    """
     handle = _u64()
     try:
         lib = driver()
@@ -188,21 +207,50 @@ def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = Non
         _check(lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, granularity(device), 0, 0), "cuMemAddressReserve")
         try:
             _check(lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0), "cuMemMap")
-            devices = access or [device]
-            descs = (AccessDesc * len(devices))(
-                *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-                  for d in devices)
-            )  # fmt: skip
-            code = lib.cuMemSetAccess(ptr.value, nbytes, descs, len(devices))
-            if code != 0:
+            try:
+                result = _grant(lib, ptr.value, nbytes, access or [device], meanwhile)
+            except BaseException:
                 lib.cuMemUnmap(ptr.value, nbytes)
-                _check(code, "cuMemSetAccess")
+                raise
         except BaseException:
             lib.cuMemAddressFree(ptr.value, nbytes)
             raise
     finally:
         lib.cuMemRelease(handle.value)
-    return ptr.value
+    return ptr.value, result
+
+
+def _grant(
+    lib: ctypes.CDLL, ptr: int, nbytes: int, devices: list[int], meanwhile: Callable[[int], T] | None
+) -> T | None:
+    """Read and write access to the mapping for ``devices``; with ``meanwhile``, granted by a thread in this
+    thread's context while ``meanwhile(ptr)`` runs here."""
+    descs = (AccessDesc * len(devices))(
+        *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE) for d in devices)
+    )
+    if meanwhile is None:
+        _check(lib.cuMemSetAccess(ptr, nbytes, descs, len(devices)), "cuMemSetAccess")
+        return None
+    ctx = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    codes: list[tuple[int, str]] = []
+
+    def grant() -> None:
+        code = lib.cuCtxSetCurrent(ctx)
+        if code:
+            codes.append((code, "cuCtxSetCurrent"))
+        else:
+            codes.append((lib.cuMemSetAccess(ptr, nbytes, descs, len(devices)), "cuMemSetAccess"))
+
+    granting = threading.Thread(target=grant, name="kvpool-vmm-access", daemon=True)
+    granting.start()
+    try:
+        result = meanwhile(ptr)
+    finally:
+        granting.join()
+    code, what = codes[0] if codes else (-1, "cuMemSetAccess")
+    _check(code, what)
+    return result
 
 
 def unmap(ptr: int, nbytes: int) -> None:
