@@ -14,7 +14,6 @@ The pool never maps the arena itself: it only hands out block ids. Workers get p
 from __future__ import annotations
 
 import base64
-import contextlib
 import logging
 import os
 import threading
@@ -245,35 +244,20 @@ def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_sou
 
     from kvpool import cuda, vmm
 
-    def wrap(ptr: int) -> Arena:
-        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
-        return Arena(descriptor, raw)
-
+    nbytes = descriptor.nbytes
     with torch.cuda.device(index):
-        cuda.set_device(index)
+        vmm.use_device(index)
         access = vmm.peers(index, torch.cuda.device_count())
-        ptr, arena = vmm.import_map_while(fd_source(device), descriptor.nbytes, index, access, wrap)
-    assert arena is not None
-    log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", descriptor.nbytes, index, ptr)
+        arena = vmm.import_map_while(
+            fd_source(device),
+            nbytes,
+            index,
+            access,
+            lambda ptr: torch.as_tensor(cuda.DeviceBuffer(ptr, nbytes), device=f"cuda:{index}"),
+            lambda raw: Arena(descriptor, raw),  # the layer views, cut while the driver grants access
+        )
+    log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", nbytes, index, arena.raw.data_ptr())
     return arena
-
-
-def prepare_vmm() -> None:
-    """Load what mapping a VMM arena needs before its fd is known: kvpool's CUDA modules, the runtime and driver
-    libraries (``cuInit``), and the GPUs' UUIDs (torch reads every property of a GPU to give its UUID).
-
-    :class:`kvpool.attach.ArenaMapper` runs it in a thread while the fd comes over the socket. Whatever fails here
-    fails again, with its error, in the mapping itself, which makes the same calls.
-    """
-    with contextlib.suppress(Exception):
-        import torch
-
-        from kvpool import cuda, vmm
-
-        cuda.cudart()
-        vmm.driver()
-        for i in range(torch.cuda.device_count()):
-            cuda.device_uuid(i)
 
 
 def forget_mappings(epoch: str | None = None) -> None:

@@ -1,16 +1,14 @@
 """How a client maps the pool's arena: once per process and device, checked against the model's layout.
 
 For a VMM arena the descriptor and the fd come in one fast-channel exchange (a ``GET /arena`` first would cost as
-much as the mapping itself); the fd only ever travels over the pool's Unix socket, to a live session. While this
-thread waits on the socket, another loads the CUDA libraries the mapping needs.
+much as the mapping itself); the fd only ever travels over the pool's Unix socket, to a live session.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 
-from kvpool.arena import Arena, FetchedFd, open_arena, prepare_vmm
+from kvpool.arena import Arena, FetchedFd, open_arena
 from kvpool.errors import InvalidRequest, PoolRestarted
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, ArenaFdRequest, ArenaFdResponse
@@ -37,15 +35,7 @@ class ArenaMapper:
             raise self.session.lost
         arena = self.arenas.get(device)
         if arena is None or arena.closed:
-            preparing = None
-            if self.fd_path is not None:
-                preparing = threading.Thread(target=prepare_vmm, name="kvpool-vmm-prepare", daemon=True)
-                preparing.start()
-            try:
-                descriptor, fd = self._descriptor_with_fd(device)
-            finally:
-                if preparing is not None:
-                    preparing.join()
+            descriptor, fd = self._descriptor_with_fd(device)
             source = FetchedFd(fd, device, lambda d: self.arena_fd(descriptor, d))
             try:
                 if descriptor.epoch != self.session.epoch:  # a restart not noticed yet: never map it for an old session

@@ -21,6 +21,7 @@ from typing import TypeVar
 from kvpool.cuda import CudaError
 
 T = TypeVar("T")
+W = TypeVar("W")
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -85,6 +86,8 @@ def driver() -> ctypes.CDLL:
             lib.cuMemAddressFree.argtypes = [_u64, _size]
             lib.cuMemRelease.argtypes = [_u64]
             lib.cuCtxGetCurrent.argtypes = [_p(ctypes.c_void_p)]
+            lib.cuDeviceGet.argtypes = [_p(ctypes.c_int), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRetain.argtypes = [_p(ctypes.c_void_p), ctypes.c_int]
             lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
             _check_with(lib, lib.cuInit(0), "cuInit")
             _lib = lib
@@ -162,6 +165,16 @@ def release(handle: int) -> None:
     _check(driver().cuMemRelease(handle), "cuMemRelease")
 
 
+def use_device(device: int) -> None:
+    """Make ``device``'s primary context, the one torch and the CUDA runtime use, current on this thread for the
+    driver calls that follow (what ``cudaSetDevice`` does, without loading the runtime's library for it). The
+    context stays retained, as the runtime keeps it, for the life of the process."""
+    lib, dev, ctx = driver(), ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
 def peers(device: int, count: int) -> list[int]:
     """``device`` and every device that can reach it as a peer: all may then read and write the mapping."""
     lib, out = driver(), [device]
@@ -178,19 +191,36 @@ def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = Non
     ``fd`` is consumed (closed). The imported handle is released once mapped: the mapping holds the memory, and
     :func:`unmap` (or the process's exit) lets it go.
     """
-    return import_map_while(fd, nbytes, device, access, None)[0]
+
+    def grant(lib: ctypes.CDLL, ptr: int) -> int:
+        descs = _descs(access or [device])
+        _check(lib.cuMemSetAccess(ptr, nbytes, descs, len(descs)), "cuMemSetAccess")
+        return ptr
+
+    return _map_fd(fd, nbytes, device, grant)
 
 
 def import_map_while(
-    fd: int, nbytes: int, device: int, access: list[int] | None, meanwhile: Callable[[int], T] | None
-) -> tuple[int, T | None]:
-    """:func:`import_map`, with ``meanwhile(ptr)`` run on this thread while another grants the access.
+    fd: int, nbytes: int, device: int, access: list[int] | None, wrap: Callable[[int], W], build: Callable[[W], T]
+) -> T:
+    """:func:`import_map`, with ``build(wrap(ptr))`` made on this thread while another grants the access.
 
     ``cuMemSetAccess`` is most of a large mapping's time (about 30 us a GiB, in the driver, without the GIL), and
-    what a worker builds on the pointer (a tensor, its views) is host work that needs the address, not the
-    memory: the two overlap. ``meanwhile`` must not touch the memory. The pointer is returned only once access is
-    granted; if either fails, the mapping is undone.
+    what a worker builds on the pointer is host work that needs the address, not the memory: the two overlap.
+    ``wrap`` runs first, on the mapped range before any access (a tensor over it: torch asks the driver about the
+    pointer then); ``build`` runs during the grant and must not touch the memory. Its result is returned only once
+    access is granted; if anything fails, the mapping is undone.
     """
+
+    def grant(lib: ctypes.CDLL, ptr: int) -> T:
+        wrapped = wrap(ptr)
+        return _grant_while(lib, ptr, nbytes, access or [device], lambda: build(wrapped))
+
+    return _map_fd(fd, nbytes, device, grant)
+
+
+def _map_fd(fd: int, nbytes: int, device: int, grant: Callable[[ctypes.CDLL, int], T]) -> T:
+    """Import ``fd`` (closing it), reserve and map ``nbytes``, then ``grant(lib, ptr)``; undone if any step fails."""
     handle = _u64()
     try:
         lib = driver()
@@ -208,7 +238,7 @@ def import_map_while(
         try:
             _check(lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0), "cuMemMap")
             try:
-                result = _grant(lib, ptr.value, nbytes, access or [device], meanwhile)
+                return grant(lib, ptr.value)
             except BaseException:
                 lib.cuMemUnmap(ptr.value, nbytes)
                 raise
@@ -217,26 +247,29 @@ def import_map_while(
             raise
     finally:
         lib.cuMemRelease(handle.value)
-    return ptr.value, result
 
 
-def _grant(
-    lib: ctypes.CDLL, ptr: int, nbytes: int, devices: list[int], meanwhile: Callable[[int], T] | None
-) -> T | None:
-    """Read and write access to the mapping for ``devices``; with ``meanwhile``, granted by a thread in this
-    thread's context while ``meanwhile(ptr)`` runs here."""
-    descs = (AccessDesc * len(devices))(
+def _descs(devices: list[int]) -> ctypes.Array[AccessDesc]:
+    return (AccessDesc * len(devices))(
         *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE) for d in devices)
     )
-    if meanwhile is None:
-        _check(lib.cuMemSetAccess(ptr, nbytes, descs, len(devices)), "cuMemSetAccess")
-        return None
+
+
+def _grant_while(lib: ctypes.CDLL, ptr: int, nbytes: int, devices: list[int], build: Callable[[], T]) -> T:
+    """Read and write access to the mapping for ``devices``, granted by a thread in this thread's context while
+    ``build()`` runs here. ``build`` starts only once that thread is on its way into the driver call, which lets the
+    GIL go: a thread merely started would wait for the GIL until ``build`` was done, and overlap nothing."""
+    descs = _descs(devices)
     ctx = ctypes.c_void_p()
     _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
     codes: list[tuple[int, str]] = []
+    entering = threading.Event()
 
     def grant() -> None:
-        code = lib.cuCtxSetCurrent(ctx)
+        try:
+            code = lib.cuCtxSetCurrent(ctx)
+        finally:
+            entering.set()
         if code:
             codes.append((code, "cuCtxSetCurrent"))
         else:
@@ -245,7 +278,8 @@ def _grant(
     granting = threading.Thread(target=grant, name="kvpool-vmm-access", daemon=True)
     granting.start()
     try:
-        result = meanwhile(ptr)
+        entering.wait()
+        result = build()
     finally:
         granting.join()
     code, what = codes[0] if codes else (-1, "cuMemSetAccess")

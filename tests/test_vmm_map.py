@@ -1,6 +1,6 @@
 """How a worker maps a VMM arena's fd, checked against a stand-in for the driver (the GPU tests map real ones):
-the access is granted by a second thread, in the caller's context, while the caller builds on the pointer, and a
-failure on either side undoes the mapping."""
+the pointer is wrapped before any access, the access is granted by a second thread, in the caller's context, while
+the caller builds on the wrapper, and a failure on either side undoes the mapping."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ class FakeDriver:
 
     def cuCtxSetCurrent(self, ctx) -> int:
         self.contexts[threading.get_ident()] = ctx.value
-        return 0
+        return self._log(f"current {ctx.value:#x}")
 
     def cuMemSetAccess(self, ptr, nbytes, descs, count) -> int:
         overlapped = self.wait_for.wait(10) if self.wait_for is not None else None
@@ -76,6 +76,14 @@ class FakeDriver:
 
     def cuMemRelease(self, handle) -> int:
         return self._log("release handle")
+
+    def cuDeviceGet(self, dev, ordinal) -> int:
+        dev._obj.value = ordinal
+        return self._log(f"device {ordinal}")
+
+    def cuDevicePrimaryCtxRetain(self, ctx, dev) -> int:
+        ctx._obj.value = 0xC0 + dev.value
+        return self._log(f"retain primary of {dev.value}")
 
     def cuGetErrorString(self, code, text) -> int:
         text._obj.value = b"not permitted"
@@ -103,18 +111,24 @@ def test_the_access_is_granted_by_another_thread_in_the_callers_context_while_th
     monkeypatch.setattr(vmm, "driver", lambda: fake)
     seen = []
 
-    def build(ptr: int) -> str:
-        seen.append((ptr, threading.get_ident()))
+    def wrap(ptr: int) -> str:
+        seen.append(("wrap", ptr, threading.get_ident(), fake.names()[-1]))
+        return "tensor"
+
+    def build(wrapped: str) -> str:
+        seen.append(("build", wrapped, threading.get_ident()))
         building.set()
         return "views"
 
-    ptr, result = vmm.import_map_while(fd, NBYTES, 0, [0, 1], build)
+    assert vmm.import_map_while(fd, NBYTES, 0, [0, 1], wrap, build) == "views"
     me = threading.get_ident()
-    assert (ptr, result) == (PTR, "views") and seen == [(PTR, me)]
+    assert seen == [("wrap", PTR, me, "map"), ("build", "tensor", me)]  # wrapped once mapped, before any access
     assert fake.access["thread"] != me and fake.access["context"] == 0xC0
     assert fake.access["overlapped"] is True  # the grant was waiting on the build, so the two ran at once
     assert fake.access["devices"] == [0, 1] and fake.access["range"] == (PTR, NBYTES)
-    assert fake.names() == ["import", "reserve", "map", "set access", "release handle"]
+    assert [n for n in fake.names() if not n.startswith("current")] == [
+        "import", "reserve", "map", "set access", "release handle"
+    ]  # fmt: skip
     assert closed(fd)
 
 
@@ -130,19 +144,32 @@ def test_a_refused_access_undoes_the_mapping_and_says_which_call(monkeypatch, fd
     fake = FakeDriver(access_code=800)
     monkeypatch.setattr(vmm, "driver", lambda: fake)
     with pytest.raises(CudaError, match=r"cuMemSetAccess failed: not permitted \(CUresult 800\)"):
-        vmm.import_map_while(fd, NBYTES, 0, None, lambda ptr: "views")
+        vmm.import_map_while(fd, NBYTES, 0, None, lambda ptr: ptr, lambda wrapped: "views")
     assert fake.names()[-3:] == ["unmap", "free address", "release handle"]
     assert closed(fd)
 
 
-def test_a_failed_build_waits_for_the_grant_then_undoes_the_mapping(monkeypatch, fd):
+@pytest.mark.parametrize("failing", ["wrap", "build"])
+def test_a_failed_wrap_or_build_undoes_the_mapping_after_any_grant(monkeypatch, fd, failing):
     fake = FakeDriver()
     monkeypatch.setattr(vmm, "driver", lambda: fake)
 
-    def build(ptr: int) -> None:
+    def fail(_: object) -> None:
         raise ValueError("no tensor")
 
+    wrap, build = (fail, lambda w: w) if failing == "wrap" else (lambda p: p, fail)
     with pytest.raises(ValueError, match="no tensor"):
-        vmm.import_map_while(fd, NBYTES, 0, None, build)
-    assert fake.names() == ["import", "reserve", "map", "set access", "unmap", "free address", "release handle"]
+        vmm.import_map_while(fd, NBYTES, 0, None, wrap, build)
+    granted = ["set access"] if failing == "build" else []
+    assert [n for n in fake.names() if not n.startswith("current")] == [
+        "import", "reserve", "map", *granted, "unmap", "free address", "release handle"
+    ]  # fmt: skip
     assert not [t for t in threading.enumerate() if t.name == "kvpool-vmm-access"] and closed(fd)
+
+
+def test_the_device_s_primary_context_is_made_current_through_the_driver(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    vmm.use_device(2)
+    assert fake.names() == ["device 2", "retain primary of 2", "current 0xc2"]
+    assert fake.contexts[threading.get_ident()] == 0xC2
