@@ -9,9 +9,8 @@ never touched here, so each child makes its own context as a worker does):
   the CUDA runtime (found both ways) and driver libraries' loading, the fast channel's connection and
   ``arena_fd`` exchange, ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``, ``cuMemMap``,
   ``cuMemSetAccess``, the tensor wrap, the per-layer views and the first touch. Then it maps the same fd again,
-  warm: as is, with the reservation's alignment left to the driver, aligned to 1 GiB, and as 4 mappings whose
-  access is granted in turn or by 4 threads at once, to tell once-per-process costs from per-mapping ones and to
-  see whether anything moves ``cuMemSetAccess``.
+  warm: as is, with the reservation's alignment left to the driver, and aligned to 1 GiB, to tell
+  once-per-process costs from per-mapping ones.
 * ``arena`` times ``client.arena()`` whole (the ``map`` phase of ``kvpool bench attach``), for the sum to be
   checked against.
 
@@ -25,9 +24,8 @@ import ctypes
 import json
 import os
 import statistics
-import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.benchmarks import harness, machine
@@ -59,30 +57,22 @@ def _steps(url: str, index: int) -> dict[str, int]:
     step("cudart found by a /proc/self/maps scan (before)", _cudart_by_maps)
     step("cudart load", cuda.cudart)
     step("cudaSetDevice", lambda: cuda.set_device(index))
-    step("primary context made current by the driver (now)", lambda: vmm.use_device(index))
     lib = step("libcuda load + cuInit", vmm.driver)
+    step("primary context made current by the driver (now)", lambda: vmm.use_device(index))
     access = step("peers", lambda: vmm.peers(index, torch.cuda.device_count()))
     step("fast channel connect + hello", client.transport.connection)
     fd = step("arena_fd exchange (fd received)", lambda: client.mapper.arena_fd(descriptor, None))
     spare = os.dup(fd)
     nbytes = descriptor.nbytes
-    ptr, _ = _map(lib, vmm, fd, nbytes, index, access, step, "")
+    ptr = _map(lib, vmm, fd, nbytes, index, access, step, "")
     raw = step("torch.as_tensor wrap", lambda: torch.as_tensor(cuda.DeviceBuffer(ptr, nbytes), device=f"cuda:{index}"))
     step("per-layer views (Arena)", lambda: Arena(descriptor, raw))
     out["sum to here (= map)"] = clock() - t_map
     step("touch (.item())", lambda: int(raw[nbytes - 1].item()))
-    for label, align, chunks, threads in (
-        ("warm, ", None, 1, False),
-        ("warm align 0, ", 0, 1, False),
-        ("warm align 1 GiB, ", 1 << 30, 1, False),
-        ("warm 4 mappings, ", None, 4, False),
-        ("warm 4 mappings, 4 threads, ", None, 4, True),
-    ):
+    for label, align in (("warm, ", None), ("warm align 0, ", 0), ("warm align 1 GiB, ", 1 << 30)):
         again = os.dup(spare)
-        p, parts = _map(lib, vmm, again, nbytes, index, access, step, label, align, chunks, threads)
-        for start, size in parts:
-            lib.cuMemUnmap(p + start, size)
-        lib.cuMemAddressFree(p, nbytes)
+        p = _map(lib, vmm, again, nbytes, index, access, step, label, align)
+        vmm.unmap(p, nbytes)
     os.close(spare)
     client.close()
     return out
@@ -98,15 +88,9 @@ def _cudart_by_maps() -> ctypes.CDLL | None:
     return None
 
 
-Parts = list[tuple[int, int]]
-
-
 def _map(lib: Any, vmm: Any, fd: int, nbytes: int, index: int, access: list[int], step: Any, label: str,
-         align: int | None = None, chunks: int = 1, threads: bool = False) -> tuple[int, Parts]:  # fmt: skip
-    """:func:`kvpool.vmm.import_map`, one driver call per step. With ``chunks``, the range is mapped as that many
-    mappings (access can only be set over whole mappings) and access is granted to each, in turn or, with
-    ``threads``, by a thread each at once: whether the driver's per-GiB cost parallelizes. Returns the pointer and
-    the mappings' (offset, size)."""
+         align: int | None = None) -> int:  # fmt: skip
+    """:func:`kvpool.vmm.import_map`, one driver call per step."""
     handle, ptr = ctypes.c_ulonglong(), ctypes.c_ulonglong()
     kind = vmm.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
@@ -123,44 +107,12 @@ def _map(lib: Any, vmm: Any, fd: int, nbytes: int, index: int, access: list[int]
     gran = step(f"{label}granularity query", lambda: vmm.granularity(index))
     alignment = gran if align is None else align
     driver_step("cuMemAddressReserve", lambda: lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, alignment, 0, 0))
-    part = (nbytes // chunks + gran - 1) // gran * gran
-    parts = [(start, min(part, nbytes - start)) for start in range(0, nbytes, part)]
-    driver_step("cuMemMap", lambda: _first_error(lib.cuMemMap(ptr.value + o, n, o, handle.value, 0) for o, n in parts))
+    driver_step("cuMemMap", lambda: lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0))
     where = [vmm.MemLocation(vmm.CU_MEM_LOCATION_TYPE_DEVICE, d) for d in access]
     descs = (vmm.AccessDesc * len(access))(*(vmm.AccessDesc(w, vmm.CU_MEM_ACCESS_FLAGS_PROT_READWRITE) for w in where))
-    if threads:
-        driver_step("cuMemSetAccess", lambda: _access_in_threads(lib, ptr.value, parts, descs, len(access)))
-    else:
-        driver_step(
-            "cuMemSetAccess",
-            lambda: _first_error(lib.cuMemSetAccess(ptr.value + o, n, descs, len(access)) for o, n in parts),
-        )
+    driver_step("cuMemSetAccess", lambda: lib.cuMemSetAccess(ptr.value, nbytes, descs, len(access)))
     driver_step("cuMemRelease (imported handle)", lambda: lib.cuMemRelease(handle.value))
-    return ptr.value, parts
-
-
-def _access_in_threads(lib: Any, ptr: int, parts: list[tuple[int, int]], descs: Any, count: int) -> int:
-    """``cuMemSetAccess`` over each mapping in a thread of its own, made current in this thread's context; the
-    first failure's code, else 0."""
-    ctx = ctypes.c_void_p()
-    lib.cuCtxGetCurrent(ctypes.byref(ctx))
-    codes: list[int] = []
-
-    def grant(start: int, size: int) -> None:
-        lib.cuCtxSetCurrent(ctx)
-        codes.append(lib.cuMemSetAccess(ptr + start, size, descs, count))
-
-    running = [threading.Thread(target=grant, args=part) for part in parts]
-    for t in running:
-        t.start()
-    for t in running:
-        t.join()
-    return _first_error(codes)
-
-
-def _first_error(codes: Iterable[int]) -> int:
-    """The first non-zero CUresult (the calls after it are not made), else 0."""
-    return next((c for c in codes if c), 0)
+    return ptr.value
 
 
 def _whole(url: str, index: int) -> dict[str, int]:

@@ -244,20 +244,13 @@ def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_sou
 
     from kvpool import cuda, vmm
 
-    nbytes = descriptor.nbytes
     with torch.cuda.device(index):
         vmm.use_device(index)
         access = vmm.peers(index, torch.cuda.device_count())
-        arena = vmm.import_map_while(
-            fd_source(device),
-            nbytes,
-            index,
-            access,
-            lambda ptr: torch.as_tensor(cuda.DeviceBuffer(ptr, nbytes), device=f"cuda:{index}"),
-            lambda raw: Arena(descriptor, raw),  # the layer views, cut while the driver grants access
-        )
-    log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", nbytes, index, arena.raw.data_ptr())
-    return arena
+        ptr = vmm.import_map(fd_source(device), descriptor.nbytes, index, access)
+        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
+    log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", descriptor.nbytes, index, ptr)
+    return Arena(descriptor, raw)
 
 
 def forget_mappings(epoch: str | None = None) -> None:

@@ -15,13 +15,8 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Callable
-from typing import TypeVar
 
 from kvpool.cuda import CudaError
-
-T = TypeVar("T")
-W = TypeVar("W")
 
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
@@ -85,7 +80,6 @@ def driver() -> ctypes.CDLL:
             lib.cuMemUnmap.argtypes = [_u64, _size]
             lib.cuMemAddressFree.argtypes = [_u64, _size]
             lib.cuMemRelease.argtypes = [_u64]
-            lib.cuCtxGetCurrent.argtypes = [_p(ctypes.c_void_p)]
             lib.cuDeviceGet.argtypes = [_p(ctypes.c_int), ctypes.c_int]
             lib.cuDevicePrimaryCtxRetain.argtypes = [_p(ctypes.c_void_p), ctypes.c_int]
             lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
@@ -191,36 +185,6 @@ def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = Non
     ``fd`` is consumed (closed). The imported handle is released once mapped: the mapping holds the memory, and
     :func:`unmap` (or the process's exit) lets it go.
     """
-
-    def grant(lib: ctypes.CDLL, ptr: int) -> int:
-        descs = _descs(access or [device])
-        _check(lib.cuMemSetAccess(ptr, nbytes, descs, len(descs)), "cuMemSetAccess")
-        return ptr
-
-    return _map_fd(fd, nbytes, device, grant)
-
-
-def import_map_while(
-    fd: int, nbytes: int, device: int, access: list[int] | None, wrap: Callable[[int], W], build: Callable[[W], T]
-) -> T:
-    """:func:`import_map`, with ``build(wrap(ptr))`` made on this thread while another grants the access.
-
-    ``cuMemSetAccess`` is most of a large mapping's time (about 30 us a GiB, in the driver, without the GIL), and
-    what a worker builds on the pointer is host work that needs the address, not the memory: the two overlap.
-    ``wrap`` runs first, on the mapped range before any access (a tensor over it: torch asks the driver about the
-    pointer then); ``build`` runs during the grant and must not touch the memory. Its result is returned only once
-    access is granted; if anything fails, the mapping is undone.
-    """
-
-    def grant(lib: ctypes.CDLL, ptr: int) -> T:
-        wrapped = wrap(ptr)
-        return _grant_while(lib, ptr, nbytes, access or [device], lambda: build(wrapped))
-
-    return _map_fd(fd, nbytes, device, grant)
-
-
-def _map_fd(fd: int, nbytes: int, device: int, grant: Callable[[ctypes.CDLL, int], T]) -> T:
-    """Import ``fd`` (closing it), reserve and map ``nbytes``, then ``grant(lib, ptr)``; undone if any step fails."""
     handle = _u64()
     try:
         lib = driver()
@@ -237,54 +201,21 @@ def _map_fd(fd: int, nbytes: int, device: int, grant: Callable[[ctypes.CDLL, int
         _check(lib.cuMemAddressReserve(ctypes.byref(ptr), nbytes, granularity(device), 0, 0), "cuMemAddressReserve")
         try:
             _check(lib.cuMemMap(ptr.value, nbytes, 0, handle.value, 0), "cuMemMap")
-            try:
-                return grant(lib, ptr.value)
-            except BaseException:
+            devices = access or [device]
+            descs = (AccessDesc * len(devices))(
+                *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+                  for d in devices)
+            )  # fmt: skip
+            code = lib.cuMemSetAccess(ptr.value, nbytes, descs, len(devices))
+            if code != 0:
                 lib.cuMemUnmap(ptr.value, nbytes)
-                raise
+                _check(code, "cuMemSetAccess")
         except BaseException:
             lib.cuMemAddressFree(ptr.value, nbytes)
             raise
     finally:
         lib.cuMemRelease(handle.value)
-
-
-def _descs(devices: list[int]) -> ctypes.Array[AccessDesc]:
-    return (AccessDesc * len(devices))(
-        *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE) for d in devices)
-    )
-
-
-def _grant_while(lib: ctypes.CDLL, ptr: int, nbytes: int, devices: list[int], build: Callable[[], T]) -> T:
-    """Read and write access to the mapping for ``devices``, granted by a thread in this thread's context while
-    ``build()`` runs here. ``build`` starts only once that thread is on its way into the driver call, which lets the
-    GIL go: a thread merely started would wait for the GIL until ``build`` was done, and overlap nothing."""
-    descs = _descs(devices)
-    ctx = ctypes.c_void_p()
-    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
-    codes: list[tuple[int, str]] = []
-    entering = threading.Event()
-
-    def grant() -> None:
-        try:
-            code = lib.cuCtxSetCurrent(ctx)
-        finally:
-            entering.set()
-        if code:
-            codes.append((code, "cuCtxSetCurrent"))
-        else:
-            codes.append((lib.cuMemSetAccess(ptr, nbytes, descs, len(devices)), "cuMemSetAccess"))
-
-    granting = threading.Thread(target=grant, name="kvpool-vmm-access", daemon=True)
-    granting.start()
-    try:
-        entering.wait()
-        result = build()
-    finally:
-        granting.join()
-    code, what = codes[0] if codes else (-1, "cuMemSetAccess")
-    _check(code, what)
-    return result
+    return ptr.value
 
 
 def unmap(ptr: int, nbytes: int) -> None:
