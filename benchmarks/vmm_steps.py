@@ -9,8 +9,8 @@ never touched here, so each child makes its own context as a worker does):
   the CUDA runtime (found both ways) and driver libraries' loading, the fast channel's connection and
   ``arena_fd`` exchange, ``cuMemImportFromShareableHandle``, ``cuMemAddressReserve``, ``cuMemMap``,
   ``cuMemSetAccess``, the tensor wrap, the per-layer views and the first touch. Then it maps the same fd again,
-  warm, and once more with the reservation's alignment left to the driver, to tell once-per-process costs from
-  per-mapping ones.
+  warm: as is, with the reservation's alignment left to the driver, and aligned to 1 GiB, to tell
+  once-per-process costs from per-mapping ones.
 * ``arena`` times ``client.arena()`` whole (the ``map`` phase of ``kvpool bench attach``), for the sum to be
   checked against.
 
@@ -58,6 +58,7 @@ def _steps(url: str, index: int) -> dict[str, int]:
     step("cudart load", cuda.cudart)
     step("cudaSetDevice", lambda: cuda.set_device(index))
     lib = step("libcuda load + cuInit", vmm.driver)
+    step("primary context made current by the driver (now)", lambda: vmm.use_device(index))
     access = step("peers", lambda: vmm.peers(index, torch.cuda.device_count()))
     step("fast channel connect + hello", client.transport.connection)
     fd = step("arena_fd exchange (fd received)", lambda: client.mapper.arena_fd(descriptor, None))
@@ -68,7 +69,7 @@ def _steps(url: str, index: int) -> dict[str, int]:
     step("per-layer views (Arena)", lambda: Arena(descriptor, raw))
     out["sum to here (= map)"] = clock() - t_map
     step("touch (.item())", lambda: int(raw[nbytes - 1].item()))
-    for label, align in (("warm, ", None), ("warm align 0, ", 0)):
+    for label, align in (("warm, ", None), ("warm align 0, ", 0), ("warm align 1 GiB, ", 1 << 30)):
         again = os.dup(spare)
         p = _map(lib, vmm, again, nbytes, index, access, step, label, align)
         vmm.unmap(p, nbytes)

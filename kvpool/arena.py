@@ -245,7 +245,7 @@ def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_sou
     from kvpool import cuda, vmm
 
     with torch.cuda.device(index):
-        cuda.set_device(index)
+        vmm.use_device(index)
         access = vmm.peers(index, torch.cuda.device_count())
         ptr = vmm.import_map(fd_source(device), descriptor.nbytes, index, access)
         raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")

@@ -87,15 +87,27 @@ class FastConnection:
             self.close()
             raise
 
-    def call_fd(self, op: bytes, body: bytes) -> tuple[int, bytes, int | None]:
-        """Send a request whose answer may carry a file descriptor; returns it too (the caller closes it)."""
+    def call_fd(self, op: bytes, body: bytes, hello: bytes | None = None) -> tuple[int, bytes, int | None]:
+        """Send a request whose answer may carry a file descriptor; returns it too (the caller closes it).
+
+        ``hello``: on a new connection, the hello's body, sent in the same write as the request (the pool answers
+        frames in order, and the request only once the hello was accepted); a refused hello is returned as the
+        answer, and closes the connection.
+        """
         from kvpool.fdpass import recv_frame_with_fd
 
         self.settle()
         if self.closed:
             raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
         try:
-            self.sock.sendall(frame(op, body))
+            if hello is None:
+                self.sock.sendall(frame(op, body))
+            else:
+                self.sock.sendall(frame(b"hello", hello) + frame(op, body))
+                status, reply = self.receive()
+                if status != 200:
+                    self.close()
+                    return status, reply, None
             payload, fd = recv_frame_with_fd(self.sock)
         except BaseException:
             self.close()

@@ -305,6 +305,11 @@ class ArenaDescriptor(BaseModel):
         return None
 
 
+# ArenaFdResponse names ArenaDescriptor, defined after it: pydantic leaves such a model's validator to be built at
+# its first use, which was a VMM worker's first arena_fd answer (most of a millisecond of the attach).
+ArenaFdResponse.model_rebuild()
+
+
 class ErrorBody(BaseModel):
     detail: Any
     error: str

@@ -112,29 +112,42 @@ class Transport:
         return conn if conn is not None and conn.pending else None
 
     def connection(self) -> FastConnection:
+        conn = self._held()
+        if conn is None:
+            assert self.fast_path is not None
+            conn = self._hold(self._open(self.fast_path))
+        return conn
+
+    def _held(self) -> FastConnection | None:
+        """This thread's fast connection, unless an interrupted call closed it (its answers are not to be trusted)."""
         conn: FastConnection | None = getattr(self._local, "conn", None)
-        if conn is not None and conn.closed:  # an interrupted call left it: its answers are not to be trusted
+        if conn is not None and conn.closed:
             with self._conns_lock:
                 if conn in self._conns:
                     self._conns.remove(conn)
             conn = None
-        if conn is None:
-            assert self.fast_path is not None
-            conn = self._open(self.fast_path)
-            self._local.conn = conn
-            with self._conns_lock:
-                self._conns.append(conn)
         return conn
+
+    def _hold(self, conn: FastConnection) -> FastConnection:
+        self._local.conn = conn
+        with self._conns_lock:
+            self._conns.append(conn)
+        return conn
+
+    def _connect(self, path: str) -> FastConnection:
+        check_socket(path)  # the pool named it, but whoever answers hello gets the token
+        try:
+            return FastConnection(path)
+        except OSError as exc:
+            raise PoolUnavailable(f"cannot reach the pool's fast channel at {path}: {exc}") from exc
+
+    def _hello(self) -> bytes:
+        return json.dumps({"token": self.token} if self.token else {}).encode()
 
     def _open(self, path: str) -> FastConnection:
         """A fast-channel connection that said hello (with the token, if any) and was answered 200."""
-        check_socket(path)  # the pool named it, but whoever answers hello gets the token
-        try:
-            conn = FastConnection(path)
-        except OSError as exc:
-            raise PoolUnavailable(f"cannot reach the pool's fast channel at {path}: {exc}") from exc
-        body = json.dumps({"token": self.token} if self.token else {}).encode()
-        status, reply = conn.call(b"hello", body)
+        conn = self._connect(path)
+        status, reply = conn.call(b"hello", self._hello())
         if status != 200:
             conn.close()
             raise_for(status, reply)
@@ -146,15 +159,21 @@ class Transport:
         return self.fetch_fd(op, req, path)[1]
 
     def fetch_fd(self, op: bytes, req: BaseModel, path: str) -> tuple[bytes, int]:
-        """:meth:`call_fd`, with the answer's JSON body too."""
+        """:meth:`call_fd`, with the answer's JSON body too. A new connection's hello goes in the same write as
+        the request: one round trip where a worker's first arena took two."""
         body = req.model_dump_json().encode()
-        if self.fast_path is not None:
+        if self.fast_path is not None and self._held() is not None:
             status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body))
         else:
-            conn = self._open(path)
+            conn = self._connect(self.fast_path or path)
             try:
-                status, reply, fd = conn.call_fd(op, body)
-            finally:
+                status, reply, fd = conn.call_fd(op, body, hello=self._hello())
+            except (ConnectionError, OSError) as exc:
+                conn.close()
+                raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
+            if self.fast_path is not None and not conn.closed:
+                self._hold(conn)
+            else:
                 conn.close()
         if status != 200:
             if fd is not None:

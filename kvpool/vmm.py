@@ -80,6 +80,9 @@ def driver() -> ctypes.CDLL:
             lib.cuMemUnmap.argtypes = [_u64, _size]
             lib.cuMemAddressFree.argtypes = [_u64, _size]
             lib.cuMemRelease.argtypes = [_u64]
+            lib.cuDeviceGet.argtypes = [_p(ctypes.c_int), ctypes.c_int]
+            lib.cuDevicePrimaryCtxRetain.argtypes = [_p(ctypes.c_void_p), ctypes.c_int]
+            lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
             _check_with(lib, lib.cuInit(0), "cuInit")
             _lib = lib
         return _lib
@@ -154,6 +157,16 @@ def export_fd(handle: int) -> int:
 
 def release(handle: int) -> None:
     _check(driver().cuMemRelease(handle), "cuMemRelease")
+
+
+def use_device(device: int) -> None:
+    """Make ``device``'s primary context, the one torch and the CUDA runtime use, current on this thread for the
+    driver calls that follow (what ``cudaSetDevice`` does, without loading the runtime's library for it). The
+    context stays retained, as the runtime keeps it, for the life of the process."""
+    lib, dev, ctx = driver(), ctypes.c_int(), ctypes.c_void_p()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), device), f"cuDeviceGet({device})")
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+    _check(lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 def peers(device: int, count: int) -> list[int]:

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvpool.channel import FastConnection
+from kvpool.channel import FastConnection, frame
 from kvpool.errors import InvalidRequest, Unauthorized, UnknownSession
-from kvpool.protocol import ArenaFdRequest, SessionCreate
+from kvpool.protocol import AllocRequest, AllocResponse, ArenaFdRequest, SessionCreate
 from kvpool.server.arenas import HostArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
@@ -187,3 +187,77 @@ def test_the_client_transport_raises_the_pool_s_refusal(vmm_plane, tmp_path):
 
     with pytest.raises(Unauthorized):
         serve(vmm_plane, tmp_path, client)
+
+
+class _Recording:
+    """A socket whose writes are recorded."""
+
+    def __init__(self, sock: Any, writes: list[bytes]) -> None:
+        self._sock, self._writes = sock, writes
+
+    def sendall(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._sock.sendall(data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def recording_transport(path: str, writes: list[bytes]) -> Transport:
+    transport = Transport("http://127.0.0.1:9", "s3cret", 10)
+    transport.fast_path = path
+
+    def connect(where: str) -> FastConnection:
+        conn = FastConnection(where, timeout_s=10)
+        conn.sock = _Recording(conn.sock, writes)  # type: ignore[assignment]
+        return conn
+
+    transport._connect = connect  # type: ignore[method-assign]
+    return transport
+
+
+def test_a_first_fd_fetch_says_hello_in_the_same_write_then_the_connection_carries_the_calls(vmm_plane, tmp_path):
+    """A worker's first arena costs one round trip on the fast channel, not a hello's and then the fd's."""
+    sid = vmm_plane.open_session(SessionCreate(name="w", role="other")).session_id
+    req = ArenaFdRequest(session_id=sid)
+    writes: list[bytes] = []
+
+    def client(path: str) -> tuple[bytes, int, int]:
+        transport = recording_transport(path, writes)
+        try:
+            _, fd = transport.fetch_fd(b"arena_fd", req, path)
+            try:
+                data = os.pread(fd, len(SECRET), 0)
+            finally:
+                os.close(fd)
+            alloc, _ = transport.call(b"alloc", "/alloc", AllocRequest(session_id=sid, num_blocks=1), AllocResponse)
+            return data, len(alloc.block_ids), len(transport._conns)
+        finally:
+            transport.close()
+
+    assert serve(vmm_plane, tmp_path, client) == (SECRET, 1, 1)
+    hello = frame(b"hello", b'{"token": "s3cret"}')
+    assert writes[0] == hello + frame(b"arena_fd", req.model_dump_json().encode())
+    assert len(writes) == 2 and writes[1][4:].startswith(b"alloc\n")  # no second hello
+
+
+def test_a_request_refused_after_an_accepted_hello_keeps_the_connection(vmm_plane, tmp_path):
+    sid = vmm_plane.open_session(SessionCreate(name="w", role="other")).session_id
+    writes: list[bytes] = []
+
+    def client(path: str) -> tuple[int, bytes]:
+        transport = recording_transport(path, writes)
+        try:
+            with pytest.raises(UnknownSession):
+                transport.fetch_fd(b"arena_fd", ArenaFdRequest(session_id="00000000-0000000000000000"), path)
+            held = len(transport._conns)
+            _, fd = transport.fetch_fd(b"arena_fd", ArenaFdRequest(session_id=sid), path)
+            try:
+                return held, os.pread(fd, len(SECRET), 0)
+            finally:
+                os.close(fd)
+        finally:
+            transport.close()
+
+    assert serve(vmm_plane, tmp_path, client) == (1, SECRET)
+    assert [w.count(b"hello\n") for w in writes] == [1, 0]  # the second fetch went over the same connection

@@ -1,0 +1,118 @@
+"""How a worker maps a VMM arena's fd, checked against a stand-in for the driver (the GPU tests map real ones):
+one mapping, one access grant over all of it, the device's primary context made current through the driver, and
+a refused grant undoing the mapping."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvpool import vmm
+from kvpool.cuda import CudaError
+
+PTR = 0x7F00_0000_0000
+NBYTES = 8 << 20
+
+
+class FakeDriver:
+    """The driver calls of a mapping, recorded in order."""
+
+    def __init__(self, access_code: int = 0) -> None:
+        self.calls: list[str] = []
+        self.contexts: dict[int, int] = {}
+        self.access_code = access_code
+        self.access: dict[str, object] = {}
+
+    def _log(self, name: str) -> int:
+        self.calls.append(name)
+        return 0
+
+    def cuMemImportFromShareableHandle(self, handle, fd, kind) -> int:
+        handle._obj.value = 7
+        return self._log("import")
+
+    def cuMemGetAllocationGranularity(self, size, prop, flag) -> int:
+        size._obj.value = 2 << 20
+        return 0
+
+    def cuMemAddressReserve(self, ptr, nbytes, align, addr, flags) -> int:
+        ptr._obj.value = PTR
+        return self._log("reserve")
+
+    def cuMemMap(self, ptr, nbytes, offset, handle, flags) -> int:
+        return self._log("map")
+
+    def cuMemSetAccess(self, ptr, nbytes, descs, count) -> int:
+        self.access = {"devices": [descs[i].location.id for i in range(count)], "range": (ptr, nbytes)}
+        self._log("set access")
+        return self.access_code
+
+    def cuMemUnmap(self, ptr, nbytes) -> int:
+        return self._log("unmap")
+
+    def cuMemAddressFree(self, ptr, nbytes) -> int:
+        return self._log("free address")
+
+    def cuMemRelease(self, handle) -> int:
+        return self._log("release handle")
+
+    def cuDeviceGet(self, dev, ordinal) -> int:
+        dev._obj.value = ordinal
+        return self._log(f"device {ordinal}")
+
+    def cuDevicePrimaryCtxRetain(self, ctx, dev) -> int:
+        ctx._obj.value = 0xC0 + dev.value
+        return self._log(f"retain primary of {dev.value}")
+
+    def cuCtxSetCurrent(self, ctx) -> int:
+        self.contexts[threading.get_ident()] = ctx.value
+        return self._log(f"current {ctx.value:#x}")
+
+    def cuGetErrorString(self, code, text) -> int:
+        text._obj.value = b"not permitted"
+        return 0
+
+
+def closed(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return True
+    return False
+
+
+@pytest.fixture
+def fd():
+    read, write = os.pipe()
+    yield read
+    os.close(write)
+
+
+def test_the_whole_range_is_mapped_once_and_made_accessible_to_every_device_given(monkeypatch, fd):
+    fake = FakeDriver()
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    assert vmm.import_map(fd, NBYTES, 0, [0, 1]) == PTR
+    assert fake.calls == ["import", "reserve", "map", "set access", "release handle"]
+    assert fake.access == {"devices": [0, 1], "range": (PTR, NBYTES)}
+    assert closed(fd)
+
+
+def test_a_refused_access_undoes_the_mapping_and_says_which_call(monkeypatch, fd):
+    fake = FakeDriver(access_code=800)
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    with pytest.raises(CudaError, match=r"cuMemSetAccess failed: not permitted \(CUresult 800\)"):
+        vmm.import_map(fd, NBYTES, 3)
+    assert fake.access["devices"] == [3]
+    assert fake.calls[-3:] == ["unmap", "free address", "release handle"]
+    assert closed(fd)
+
+
+def test_the_device_s_primary_context_is_made_current_through_the_driver(monkeypatch):
+    """What cudaSetDevice did before the mapping, without looking up libcudart for it."""
+    fake = FakeDriver()
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    vmm.use_device(2)
+    assert fake.calls == ["device 2", "retain primary of 2", "current 0xc2"]
+    assert fake.contexts[threading.get_ident()] == 0xC2
