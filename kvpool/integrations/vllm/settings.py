@@ -47,8 +47,8 @@ class ConnectorSettings(BaseModel):
     )
     lookup_wait_ms: float | None = Field(
         None, ge=0, le=60_000,
-        description="how long the scheduler waits for a lookup started on arrival; past it the request is asked "
-        "again next step (default: wait for the answer)",
+        description="how long a scheduler step waits in all for lookups started on arrival; a request whose answer "
+        "is not back by then is asked again next step (default: wait for the answer)",
     )
     switch_interval_ms: float | None = Field(
         None, ge=0.01, le=100,
