@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,15 @@ from tests.conftest import ROOT, SMALL_POOL, start_pool
 
 
 def run_soak(*args: str, timeout_s: float = 180) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    out = Path(os.environ.get("TMPDIR", "/tmp")) / f"soak-{os.getpid()}-{len(args)}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPOOL_")}
     env["PYTHONPATH"] = str(ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvpool.benchmarks.soak", *args, "--json", str(out)],
-        capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env, check=False,
-    )  # fmt: skip
-    summary = json.loads(out.read_text()) if out.exists() else {}
-    out.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix="soak-") as tmp:  # the report's JSON and PNG too, not the checkout's
+        out = Path(tmp) / "summary.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvpool.benchmarks.soak", *args, "--json", str(out), "--out", tmp],
+            capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env, check=False,
+        )  # fmt: skip
+        summary = json.loads(out.read_text()) if out.exists() else {}
     return proc, summary
 
 
