@@ -44,13 +44,17 @@ from kvpool.client import PoolClient
 from kvpool.server.launch import spawn
 
 PARK = {"do_remote_decode": True}
-#: the connector's settings per pool phase: its defaults, and loads before the forward (no per-layer hook, so
-#: vLLM may capture full CUDA graphs)
+#: the connector's settings per pool phase: its defaults, loads before the forward (no per-layer hook, so vLLM
+#: may capture full CUDA graphs), and variants of that (two lookup lanes, a short GIL switch interval, lookups
+#: started when the scheduler takes a request in rather than on arrival, a 1 ms wait for lookups)
 POOL_VARIANTS: dict[str, dict[str, Any]] = {
     "pool": {},
     "pool_flat": {"layerwise": False},
     "pool_lanes2": {"layerwise": False, "lookup_threads": 2},
     "pool_switch": {"layerwise": False, "switch_interval_ms": 0.2},
+    "pool_switch1": {"layerwise": False, "switch_interval_ms": 1.0},
+    "pool_late": {"layerwise": False, "early_lookup": False},
+    "pool_wait1": {"layerwise": False, "lookup_wait_ms": 1.0},
 }
 
 

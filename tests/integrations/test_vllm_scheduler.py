@@ -183,6 +183,38 @@ def test_vllm_hands_a_prefill_to_a_decode_engine(model_dir: Path, pool: PoolProc
         d.close()
 
 
+def test_a_lookup_starts_when_the_engine_core_decodes_the_request(model_dir: Path, pool: PoolProcess) -> None:
+    """vLLM's own ``preprocess_add_request``, wrapped as the connector wraps it, on a stand-in engine core: the
+    lookup is under way before the scheduler has the request, and scheduling it asks the pool nothing more."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.core import EngineCore
+
+    original = EngineCore.preprocess_add_request
+    a, b = Engine(config(model_dir, pool.url)), Engine(config(model_dir, pool.url))
+    try:
+        shared = prompt_of(5, 3 * BS)
+        a.sched.add_request(request("a1", shared + prompt_of(6, 7)))
+        a.step()
+        core = SimpleNamespace(scheduler=b.sched, mm_receiver_cache=None, structured_output_manager=None,
+                               request_block_hasher=get_request_block_hasher(BS, HASH))  # fmt: skip
+        prompt = shared + prompt_of(7, 9)
+        sent = EngineCoreRequest("b1", prompt, None, SamplingParams(max_tokens=4), None, 0.0, None, None, None)
+        lookups = pool.stats()["counters"]["lookup_requests"]
+        req, _ = EngineCore.preprocess_add_request(core, sent)  # type: ignore[arg-type]
+        b.sched.connector._sched.drain()
+        assert pool.stats()["counters"]["lookup_requests"] == lookups + 1
+        b.sched.add_request(req)
+        _, computed, scheduled = b.step()["b1"]
+        assert (computed, scheduled) == (len(shared), len(prompt) - len(shared))
+        assert pool.stats()["counters"]["lookup_requests"] == lookups + 1
+    finally:
+        EngineCore.preprocess_add_request = original
+        a.close()
+        b.close()
+
+
 def test_an_engine_that_does_not_fit_the_pool_is_refused_naming_the_flag(model_dir: Path, pool: PoolProcess) -> None:
     with pytest.raises(LayoutMismatch, match="--block-size 32"):
         cfg = config(model_dir, pool.url, block_size=32)

@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvpool.errors import LayoutMismatch
+from kvpool.integrations.vllm import arrivals
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.integrations.vllm.profile import Profile
@@ -83,10 +84,12 @@ class KvpoolConnector(KVConnectorBase_V1):
             log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
                         "block that fails to load is computed again instead of failing its request")  # fmt: skip
         self._sched: SchedulerSide | None = None
+        self._early = False
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
             self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, profile)
+            self._early = self.settings.early_lookup and arrivals.install()
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
@@ -121,6 +124,11 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._sched.skip(request.request_id)
             return 0, False
         return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params), False
+
+    def on_arrival(self, request: Request) -> None:
+        """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now."""
+        if self._early:
+            self.on_new_request(request)
 
     def on_new_request(self, request: Request) -> None:
         assert self._sched is not None

@@ -45,6 +45,11 @@ class ConnectorSettings(BaseModel):
         "needs piecewise CUDA graphs (a graph break per layer), so by default only engines without full graphs use "
         "it (eager, or piecewise by choice)",
     )
+    early_lookup: bool = Field(
+        True,
+        description="start a request's lookup (or claim) as the engine core's input thread decodes it, beside the "
+        "step then running, instead of when the scheduler takes it in between steps",
+    )
     lookup_wait_ms: float | None = Field(
         None, ge=0, le=60_000,
         description="how long a scheduler step waits in all for lookups started on arrival; a request whose answer "
