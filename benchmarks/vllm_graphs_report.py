@@ -77,7 +77,10 @@ def summary(out: Path, pool_variant: str = "pool") -> dict[str, Any]:
     if pool:
         prof = pool["pair_profile"]
         s["pair_kvpool"] = _pair(pool) | {
-            "claim_call_ms_per_request": _per(prof, "scheduler.claim_call"),
+            "claim_call_ms_per_request": _per(prof, "scheduler.claim_call", "scheduler.claim_batch_size")
+            if "scheduler.claim_batch_size" in prof
+            else _per(prof, "scheduler.claim_call"),  # claims went one call each before they were batched
+            "claims_per_call": _per(prof, "scheduler.claim_batch_size"),
             "claim_queued_ms_per_request": _per(prof, "scheduler.claim_queued"),
             "load_gpu_ms_per_step": _per(prof, "worker.load_gpu"),
             "load_gpu_ms_per_request": _per(prof, "worker.load_gpu", "worker.load_requests"),

@@ -15,13 +15,13 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.channel import FastConnection, PipelinedRefusal, decode
-from kvpool.errors import InvalidRequest, KvpoolError, error_for, raise_for
+from kvpool.errors import HandoffNotFound, HandoffRefused, InvalidRequest, KvpoolError, error_for, raise_for
 from kvpool.inbox import Delivery, Inbox
-from kvpool.protocol import ClaimResponse, HandoffResponse, claim_json, handoff_json
+from kvpool.protocol import ClaimRequest, ClaimResponse, HandoffResponse, claim_json, handoff_json
 from kvpool.session import Session
 from kvpool.transport import Transport
 
@@ -185,6 +185,29 @@ class DirectHandoffs:
                     self.claimed.popitem(last=False)
         packed = ids if ids is not None else array("q", resp.block_ids)
         return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
+
+    def claim_many_in_pool(self, reqs: list[ClaimRequest], wait_s: float) -> list[Claim | None]:
+        """Claims answered by the pool, all sent in one write; ``None`` where it could not give the handoff."""
+        answers = self.guard(lambda: self.transport.call_many(b"claim", "/claim", reqs, ClaimResponse, wait_s))
+        out: list[Claim | None] = []
+        for answer in answers:
+            if isinstance(answer, (HandoffNotFound, HandoffRefused)):
+                out.append(None)
+            elif isinstance(answer, KvpoolError):
+                raise answer
+            else:
+                out.append(self.claimed_in_pool(*answer))
+        return out
+
+    @staticmethod
+    def one_by_one(request_ids: Sequence[str], claim: Callable[[str], Claim]) -> list[Claim | None]:
+        out: list[Claim | None] = []
+        for request_id in request_ids:
+            try:
+                out.append(claim(request_id))
+            except (HandoffNotFound, HandoffRefused):
+                out.append(None)
+        return out
 
     def confirm(self) -> None:
         """Wait for the pool's answers to this thread's direct claims; raise if it refused one."""

@@ -19,7 +19,7 @@ import httpx
 from pydantic import BaseModel
 
 from kvpool.channel import SEP, FastConnection, decode, encode
-from kvpool.errors import PoolUnavailable, raise_for
+from kvpool.errors import KvpoolError, PoolUnavailable, error_for, raise_for
 from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
@@ -96,6 +96,24 @@ class Transport:
         if status != 200:
             raise_for(status, body)
         return decode(resp, body)
+
+    def call_many(
+        self, op: bytes, path: str, reqs: list[BaseModel], resp: type[R], wait_s: float = 0.0
+    ) -> list[tuple[R, array | None] | KvpoolError]:
+        """Several calls of one kind, in order: over the fast channel all sent in one write, over HTTP one after
+        the other. A call the pool refused gives its error in its place; the others stand."""
+        if self.fast_path is None:
+            out: list[tuple[R, array | None] | KvpoolError] = []
+            for req in reqs:
+                try:
+                    out.append((self.fetch("POST", path, req, resp, wait_s), None))
+                except KvpoolError as exc:
+                    if isinstance(exc, PoolUnavailable):
+                        raise
+                    out.append(exc)
+            return out
+        replies = self.exchange(lambda conn: conn.call_many(op, [encode(req) for req in reqs]))
+        return [decode(resp, body) if status == 200 else error_for(status, body) for status, body in replies]
 
     def exchange(self, fn: Callable[[FastConnection], Any]) -> Any:
         """Run ``fn`` on this thread's fast connection; a broken channel is PoolUnavailable, and every thread opens

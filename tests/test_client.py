@@ -98,6 +98,23 @@ def test_lookup_many_answers_each_prompt_as_lookup_does(pool_server, fast):
         assert pool.free(ids) == 3
 
 
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
+    with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d", fast=fast) as decode:
+        ids = [prefill.alloc(2), prefill.alloc(3)]
+        prefill.handoff("one", ids[0], 5)
+        prefill.handoff("two", ids[1], 9, meta={"digest": "x"})
+        got = decode.claim_many(["two", "missing", "one"], timeout_s=0.05)
+        assert got[1] is None
+        assert [(c.request_id, c.block_ids, c.num_tokens) for c in (got[0], got[2])] == [
+            ("two", ids[1], 9), ("one", ids[0], 5),
+        ]  # fmt: skip
+        assert got[0].meta == {"digest": "x"}
+        assert decode.claim_many(["one"], timeout_s=0.05) == [None]  # claimed already
+        assert decode.free(ids[0] + ids[1]) == 5  # the blocks are the claimer's now
+        assert pool_server.stats()["in_use"] == 0
+
+
 def test_claim_waits_for_the_handoff(pool_server):
     with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d") as decode:
         got = {}

@@ -371,3 +371,31 @@ def test_a_switch_interval_out_of_range_is_refused_naming_the_key() -> None:
     assert ConnectorSettings().switch_interval_ms is None
     with pytest.raises(InvalidRequest, match="switch_interval_ms"):
         ConnectorSettings.parse({"switch_interval_ms": 0})
+
+
+def test_the_claims_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tmp_path) -> None:
+    p, d = Engine(pool.url, "p11"), Engine(pool.url, "d11", profile_dir=str(tmp_path), claim_timeout_s=0.2)
+    gate = threading.Event()
+    try:
+        prompts = [prompt_of(40 + i, 13) for i in range(4)]
+        params = []
+        for i, prompt in enumerate(prompts):
+            serve(p, f"r{i}", prompt, {"do_remote_decode": True})
+            params.append(p.sched.finished(f"r{i}"))
+        params[2] = {**params[2], HANDOFF_KEY: "p11:never-parked"}
+        parked = stats(pool)["handoffs"]
+        d.sched._lanes[0].submit(gate.wait, 30)  # the lane busy while the burst arrives
+        for i, prompt in enumerate(prompts):
+            d.sched.prefetch(f"x{i}", prompt, params[i])
+        gate.set()
+        assert [d.sched.match(f"x{i}", prompt, 0, params[i]) for i, prompt in enumerate(prompts)] == [12, 12, 0, 12]
+        assert stats(pool)["handoffs"] == parked - 3  # r2's stays parked until its TTL: nobody asked for it
+        for i in range(4):
+            d.sched.finished(f"x{i}")
+    finally:
+        gate.set()
+        p.close()
+        d.close()
+    seen = json.loads(next(tmp_path.glob("scheduler-*.json")).read_text())
+    assert seen["claim_call"]["n"] == 1
+    assert seen["claim_batch_size"]["max_ms"] == 4

@@ -62,6 +62,7 @@ class SchedulerSide:
         self._frees: deque[list[tuple[int, list[int]]]] = deque([[] for _ in range(settings.free_delay_steps)])
         self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
         self._batch: list[tuple[list[int], float, Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
+        self._claims: list[tuple[list[int], dict[str, Any], float, Future[tuple[list[int], int, int]]]] = []
         self._batch_lock = threading.Lock()
         self._wait_until: float | None = None  # this step's deadline for answers not back yet (lookup_wait_ms)
         self.epoch = ""
@@ -129,18 +130,19 @@ class SchedulerSide:
         self.profile.mark("arrive", req=req_id)
         params = dict(params or {})
         queued = time.perf_counter()
-        if params.get(HANDOFF_KEY) or not self.settings.load:
-            lane = self._lane()
-            self._ahead[req_id] = self._lanes[lane].submit(self._timed_find, list(prompt), params, queued, lane)
+        if not params.get(HANDOFF_KEY) and not self.settings.load:
             return
         future: Future[tuple[list[int], int, int]] = Future()
-        usable = self._loadable(prompt)
         with self._batch_lock:
-            self._batch.append((list(prompt[:usable]), queued, future))
-            start = len(self._batch) == 1
+            if params.get(HANDOFF_KEY):
+                self._claims.append((list(prompt), params, queued, future))
+                start, run = len(self._claims) == 1, self._claim_batch
+            else:
+                self._batch.append((list(prompt[: self._loadable(prompt)]), queued, future))
+                start, run = len(self._batch) == 1, self._lookup_batch
         if start:
             lane = self._lane()
-            self._lanes[lane].submit(self._lookup_batch, lane)
+            self._lanes[lane].submit(run, lane)
         self._ahead[req_id] = future
 
     def _loadable(self, prompt: list[int]) -> int:
@@ -167,16 +169,30 @@ class SchedulerSide:
         self.profile.add("lookup_batch_size", len(batch))
         self.profile.mark("lookups", began, n=len(batch), cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
 
-    def _timed_find(
-        self, prompt: list[int], params: dict[str, Any], queued: float, lane: int
-    ) -> tuple[list[int], int, int]:
-        t0, began = time.perf_counter(), time.monotonic()
-        found = self._find(prompt, params, lane)
-        kind = "claim" if params.get(HANDOFF_KEY) else "lookup"
-        self.profile.add(f"{kind}_queued", (t0 - queued) * 1e3)
-        self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
-        self.profile.mark(kind, began, blocks=len(found[0]))
-        return found
+    def _claim_batch(self, lane: int) -> None:
+        """The claims of the decode requests that arrived since the last such call, in one call (pipelined)."""
+        with self._batch_lock:
+            batch, self._claims = self._claims, []
+        t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
+        keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
+        timeout = self.settings.claim_timeout_s
+        got = None
+        try:
+            got = self.links[lane].call("claim", lambda c: (c.claim_many(keys, timeout), c.epoch), None)
+        finally:
+            claims, epoch = got if got is not None else ([None] * len(batch), "")
+            if got is not None:
+                self.epoch = epoch
+            for claim, (prompt, params, queued, future) in zip(claims, batch, strict=True):
+                ids = self._checked(claim, params, prompt, lane) if claim is not None else []
+                if claim is None:
+                    log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself",
+                                params[HANDOFF_KEY])  # fmt: skip
+                future.set_result((ids, self._loadable(prompt), lane))
+                self.profile.add("claim_queued", (t0 - queued) * 1e3)
+        self.profile.add("claim_call", (time.perf_counter() - t0) * 1e3)
+        self.profile.add("claim_batch_size", len(batch))
+        self.profile.mark("claims", began, n=len(batch), cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
@@ -208,11 +224,16 @@ class SchedulerSide:
             log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
             return []
         got, self.epoch = claim
+        return self._checked(got, params, prompt, lane)
+
+    def _checked(self, got: Any, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
+        """The claimed handoff's ids if it holds this prompt's KV; otherwise its refs go back and nothing loads."""
         ids = list(got.block_ids)
         want = params.get(DIGEST_KEY) or got.meta.get("digest")
         full = len(prompt) // self.block_size * self.block_size
         if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
-            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
+            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead",
+                        params[HANDOFF_KEY])  # fmt: skip
             self._release(ids, now=True, lane=lane)
             return []
         return ids
