@@ -292,9 +292,10 @@ class PoolClient:
         return self.direct.claimed_in_pool(*self._call(b"claim", "/claim", req, ClaimResponse, wait_s=timeout_s))
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Claim | None]:
-        """Claim several known handoffs (a decode engine's arrivals), in order; ``None`` for each the pool could not
-        give (not parked within ``timeout_s``, or not yours to claim). Over the fast channel they go in one write:
-        a burst of claims costs about one round trip, and a claim that waits holds back the answers after it."""
+        """Claim several known handoffs (a decode engine's arrivals), in order; ``None`` for each the pool refused
+        (not parked within ``timeout_s``, not yours to claim). Over the fast channel they go in one write: a burst
+        of claims costs about one round trip, and a claim that waits holds back the answers after it. Errors about
+        the session itself (unknown, the pool restarted or unreachable) raise."""
         if self.slabs.receiving or self.direct.inbox is not None:
             return self.direct.one_by_one(request_ids, lambda r: self.claim(r, timeout_s))
         reqs = [_req(ClaimRequest, session_id=self.session_id, request_id=r, timeout_s=timeout_s) for r in request_ids]

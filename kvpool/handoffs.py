@@ -19,7 +19,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.channel import FastConnection, PipelinedRefusal, decode
-from kvpool.errors import HandoffNotFound, HandoffRefused, InvalidRequest, KvpoolError, error_for, raise_for
+from kvpool.errors import (
+    ArenaClosed,
+    InvalidRequest,
+    KvpoolError,
+    PoolRestarted,
+    PoolUnavailable,
+    Unauthorized,
+    UnknownSession,
+    error_for,
+    raise_for,
+)
 from kvpool.inbox import Delivery, Inbox
 from kvpool.protocol import ClaimRequest, ClaimResponse, HandoffResponse, claim_json, handoff_json
 from kvpool.session import Session
@@ -34,6 +44,8 @@ T = TypeVar("T")
 ACCEPT_WAIT_S = 10.0
 #: request ids claimed through the pool remembered, so that a late direct delivery of one is dropped
 CLAIMED_KEPT = 4096
+#: errors about the session itself, not about one claim: the claimer's refs are then gone with the session
+SESSION_ERRORS = (ArenaClosed, PoolRestarted, PoolUnavailable, Unauthorized, UnknownSession)
 
 
 class Claim:
@@ -187,16 +199,15 @@ class DirectHandoffs:
         return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
 
     def claim_many_in_pool(self, reqs: list[ClaimRequest], wait_s: float) -> list[Claim | None]:
-        """Claims answered by the pool, all sent in one write; ``None`` where it could not give the handoff."""
+        """Claims answered by the pool, all sent in one write; ``None`` where it refused one. An error about the
+        session itself is raised, after every answer was read: the session's refs are then the pool's to release,
+        while a claim refused alone must not lose the ids of those granted beside it."""
         answers = self.guard(lambda: self.transport.call_many(b"claim", "/claim", reqs, ClaimResponse, wait_s))
         out: list[Claim | None] = []
         for answer in answers:
-            if isinstance(answer, (HandoffNotFound, HandoffRefused)):
-                out.append(None)
-            elif isinstance(answer, KvpoolError):
+            if isinstance(answer, SESSION_ERRORS):
                 raise answer
-            else:
-                out.append(self.claimed_in_pool(*answer))
+            out.append(None if isinstance(answer, KvpoolError) else self.claimed_in_pool(*answer))
         return out
 
     @staticmethod
@@ -205,7 +216,9 @@ class DirectHandoffs:
         for request_id in request_ids:
             try:
                 out.append(claim(request_id))
-            except (HandoffNotFound, HandoffRefused):
+            except SESSION_ERRORS:
+                raise
+            except KvpoolError:
                 out.append(None)
         return out
 

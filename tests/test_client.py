@@ -104,12 +104,17 @@ def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
         ids = [prefill.alloc(2), prefill.alloc(3)]
         prefill.handoff("one", ids[0], 5)
         prefill.handoff("two", ids[1], 9, meta={"digest": "x"})
-        got = decode.claim_many(["two", "missing", "one"], timeout_s=0.05)
-        assert got[1] is None
-        assert [(c.request_id, c.block_ids, c.num_tokens) for c in (got[0], got[2])] == [
-            ("two", ids[1], 9), ("one", ids[0], 5),
-        ]  # fmt: skip
-        assert got[0].meta == {"digest": "x"}
+        with PoolClient(pool_server.url, name="e") as other:
+            theirs = prefill.alloc(1)
+            prefill.handoff("theirs", theirs, 3, to="e")
+            got = decode.claim_many(["two", "missing", "theirs", "one"], timeout_s=0.05)
+            assert got[1] is None and got[2] is None  # not parked; addressed to another: refused alone
+            assert [(c.request_id, c.block_ids, c.num_tokens) for c in (got[0], got[3])] == [
+                ("two", ids[1], 9), ("one", ids[0], 5),
+            ]  # fmt: skip
+            assert got[0].meta == {"digest": "x"}
+            assert other.claim_many(["theirs"])[0].block_ids == theirs
+            assert other.free(theirs) == 1
         assert decode.claim_many(["one"], timeout_s=0.05) == [None]  # claimed already
         assert decode.free(ids[0] + ids[1]) == 5  # the blocks are the claimer's now
         assert pool_server.stats()["in_use"] == 0
