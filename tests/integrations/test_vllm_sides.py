@@ -337,22 +337,30 @@ def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -
         b.close()
 
 
+def arrive_together(e: Engine, prompts: list[list[int]], params: list[dict | None]) -> list[int | None]:
+    """A burst: every request arrives while the lane is busy, then each is matched and let go; the tokens each
+    matched."""
+    gate = threading.Event()
+    e.sched._lanes[0].submit(gate.wait, 30)
+    try:
+        for i, prompt in enumerate(prompts):
+            e.sched.prefetch(f"x{i}", prompt, params[i])
+    finally:
+        gate.set()
+    matched = [e.sched.match(f"x{i}", prompt, 0, params[i]) for i, prompt in enumerate(prompts)]
+    for i in range(len(prompts)):
+        e.sched.finished(f"x{i}")
+    return matched
+
+
 def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tmp_path) -> None:
     a, b = Engine(pool.url, "a10"), Engine(pool.url, "b10", profile_dir=str(tmp_path))
-    gate = threading.Event()
     try:
         prompts = [prompt_of(30 + i, 13) for i in range(5)]
         for i, p in enumerate(prompts[:4]):
             serve(a, f"r{i}", p)
-        b.sched._lanes[0].submit(gate.wait, 30)  # the lane busy while the burst arrives
-        for i, p in enumerate(prompts):
-            b.sched.prefetch(f"x{i}", p, None)
-        gate.set()
-        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12, 12, 12, 12, 0]
-        for i in range(5):
-            b.sched.finished(f"x{i}")
+        assert arrive_together(b, prompts, [None] * 5) == [12, 12, 12, 12, 0]
     finally:
-        gate.set()
         a.close()
         b.close()
     seen = json.loads(next(tmp_path.glob("scheduler-*.json")).read_text())
@@ -375,25 +383,17 @@ def test_a_switch_interval_out_of_range_is_refused_naming_the_key() -> None:
 
 def test_the_claims_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tmp_path) -> None:
     p, d = Engine(pool.url, "p11"), Engine(pool.url, "d11", profile_dir=str(tmp_path), claim_timeout_s=0.2)
-    gate = threading.Event()
     try:
         prompts = [prompt_of(40 + i, 13) for i in range(4)]
-        params = []
+        params: list[dict | None] = []
         for i, prompt in enumerate(prompts):
             serve(p, f"r{i}", prompt, {"do_remote_decode": True})
             params.append(p.sched.finished(f"r{i}"))
-        params[2] = {**params[2], HANDOFF_KEY: "p11:never-parked"}
+        params[2] = {**(params[2] or {}), HANDOFF_KEY: "p11:never-parked"}
         parked = stats(pool)["handoffs"]
-        d.sched._lanes[0].submit(gate.wait, 30)  # the lane busy while the burst arrives
-        for i, prompt in enumerate(prompts):
-            d.sched.prefetch(f"x{i}", prompt, params[i])
-        gate.set()
-        assert [d.sched.match(f"x{i}", prompt, 0, params[i]) for i, prompt in enumerate(prompts)] == [12, 12, 0, 12]
+        assert arrive_together(d, prompts, params) == [12, 12, 0, 12]
         assert stats(pool)["handoffs"] == parked - 3  # r2's stays parked until its TTL: nobody asked for it
-        for i in range(4):
-            d.sched.finished(f"x{i}")
     finally:
-        gate.set()
         p.close()
         d.close()
     seen = json.loads(next(tmp_path.glob("scheduler-*.json")).read_text())
