@@ -209,6 +209,10 @@ def test_a_lookup_starts_when_the_engine_core_decodes_the_request(model_dir: Pat
         _, computed, scheduled = b.step()["b1"]
         assert (computed, scheduled) == (len(shared), len(prompt) - len(shared))
         assert pool.stats()["counters"]["lookup_requests"] == lookups + 1
+        pooling = SimpleNamespace(request_id="e1", prompt_token_ids=prompt, pooling_params=object())
+        b.sched.connector.on_arrival(pooling)  # vLLM may refuse it before scheduling: no refs taken for it
+        b.sched.connector._sched.drain()
+        assert pool.stats()["counters"]["lookup_requests"] == lookups + 1
     finally:
         EngineCore.preprocess_add_request = original
         a.close()

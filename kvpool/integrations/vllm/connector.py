@@ -126,8 +126,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params), False
 
     def on_arrival(self, request: Request) -> None:
-        """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now."""
-        if self._early:
+        """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
+        for a pooling request: vLLM may refuse it before its scheduler sees it, and the lookup's refs would stay."""
+        if self._early and getattr(request, "pooling_params", None) is None:
             self.on_new_request(request)
 
     def on_new_request(self, request: Request) -> None:
