@@ -42,7 +42,7 @@ def main_step(run: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, float
     plan = next((e for e in window if e["k"] == "plan" and e["t"] >= sched and e.get("loads")), None)
     if plan is None:
         return None
-    looked = [e["t"] for e in window if e["k"] in ("lookups", "lookup", "claim") and e["t"] <= plan["t"]]
+    looked = [e["t"] for e in window if e["k"] in ("lookups", "lookup", "claims", "claim") and e["t"] <= plan["t"]]
     forward = next((e["t"] for e in window if e["k"] == "forward" and e["t"] >= plan["t"]), None)
     done = next((e["t"] for e in window if e["k"] == "saver_wait" and e["t"] >= plan["t"]), None)
 
