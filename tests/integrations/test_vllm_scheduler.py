@@ -219,6 +219,23 @@ def test_a_lookup_starts_when_the_engine_core_decodes_the_request(model_dir: Pat
         b.close()
 
 
+def test_with_early_lookup_off_a_lookup_waits_for_the_scheduler(model_dir: Path, pool: PoolProcess) -> None:
+    cfg = config(model_dir, pool.url)
+    cfg.kv_transfer_config.kv_connector_extra_config["early_lookup"] = False
+    e = Engine(cfg)
+    try:
+        prompt = prompt_of(8, 3 * BS)
+        lookups = pool.stats()["counters"]["lookup_requests"]
+        e.sched.connector.on_arrival(request("e1", prompt))
+        e.sched.connector._sched.drain()
+        assert pool.stats()["counters"]["lookup_requests"] == lookups
+        e.sched.add_request(request("e1", prompt))  # on_new_request: the lookup starts now
+        e.sched.connector._sched.drain()
+        assert pool.stats()["counters"]["lookup_requests"] == lookups + 1
+    finally:
+        e.close()
+
+
 def test_an_engine_that_does_not_fit_the_pool_is_refused_naming_the_flag(model_dir: Path, pool: PoolProcess) -> None:
     with pytest.raises(LayoutMismatch, match="--block-size 32"):
         cfg = config(model_dir, pool.url, block_size=32)
