@@ -16,9 +16,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+#: events a timeline keeps (about 100 bytes each); past them it says so once and stops growing
+MAX_TIMELINE_EVENTS = 1_000_000
+
 
 class Profile:
-    def __init__(self, directory: str | None, side: str) -> None:
+    def __init__(self, directory: str | None, side: str, max_events: int = MAX_TIMELINE_EVENTS) -> None:
         self.path = Path(directory) / f"{side}-{os.getpid()}.json" if directory else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -26,6 +29,7 @@ class Profile:
         self._sums: dict[str, list[float]] = {}  # kind -> [count, total ms, max ms]
         self._lock = threading.Lock()
         self._written = 0.0
+        self._events_left = max_events
         self.pending: list[tuple[str, Any, Any]] = []  # (kind, start event, end event): GPU times, read when done
 
     @property
@@ -51,6 +55,11 @@ class Profile:
             event["ms"] = round((now - start) * 1e3, 3)
         line = json.dumps(event)
         with self._lock:
+            if self._events_left <= 0:
+                return
+            self._events_left -= 1
+            if not self._events_left:
+                line = json.dumps({"t": event["t"], "k": "timeline_full"})
             self._timeline.write(line + "\n")
 
     def gpu(self, kind: str, start: Any, end: Any) -> None:
