@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner
+from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner, UnknownSession
 from kvpool.layout import KVLayout
 from tests.conftest import SMALL_POOL, child_env, start_pool
 
@@ -118,6 +118,16 @@ def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
         assert decode.claim_many(["one"], timeout_s=0.05) == [None]  # claimed already
         assert decode.free(ids[0] + ids[1]) == 5  # the blocks are the claimer's now
         assert pool_server.stats()["in_use"] == 0
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_claim_many_raises_when_the_session_itself_is_gone(pool_server, fast):
+    with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d", fast=fast) as decode:
+        prefill.handoff("kept", prefill.alloc(2), 5)
+        decode.session.session_id = "f" * 32  # a session the pool does not know (expired, or of another pool)
+        with pytest.raises(UnknownSession):
+            decode.claim_many(["kept", "other"], timeout_s=0.05)
+        assert pool_server.stats()["handoffs"] == 1  # nothing was taken: the handoff waits for its claimer
 
 
 def test_claim_waits_for_the_handoff(pool_server):
