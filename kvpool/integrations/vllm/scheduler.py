@@ -165,34 +165,27 @@ class SchedulerSide:
             for i, (_, queued, future) in enumerate(batch):
                 future.set_result((hits[i][0], hits[i][1], lane) if hits is not None else ([], 0, lane))
                 self.profile.add("lookup_queued", (t0 - queued) * 1e3)
-        self.profile.add("lookup_call", (time.perf_counter() - t0) * 1e3)
-        self.profile.add("lookup_batch_size", len(batch))
-        self.profile.mark("lookups", began, n=len(batch), cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
+        self._batch_done("lookup", len(batch), t0, began, cpu)
 
     def _claim_batch(self, lane: int) -> None:
         """The claims of the decode requests that arrived since the last such call, in one call (pipelined)."""
         with self._batch_lock:
             batch, self._claims = self._claims, []
         t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
-        keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
-        timeout = self.settings.claim_timeout_s
-        got = None
+        claims: list[Any] = [None] * len(batch)
         try:
-            got = self.links[lane].call("claim", lambda c: (c.claim_many(keys, timeout), c.epoch), None)
-        finally:
-            claims, epoch = got if got is not None else ([None] * len(batch), "")
-            if got is not None:
-                self.epoch = epoch
+            keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
+            claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
+        finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
             for claim, (prompt, params, queued, future) in zip(claims, batch, strict=True):
-                ids = self._checked(claim, params, prompt, lane) if claim is not None else []
-                if claim is None:
-                    log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself",
-                                params[HANDOFF_KEY])  # fmt: skip
-                future.set_result((ids, self._loadable(prompt), lane))
+                future.set_result((self._claimed(claim, params, prompt, lane), self._loadable(prompt), lane))
                 self.profile.add("claim_queued", (t0 - queued) * 1e3)
-        self.profile.add("claim_call", (time.perf_counter() - t0) * 1e3)
-        self.profile.add("claim_batch_size", len(batch))
-        self.profile.mark("claims", began, n=len(batch), cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
+        self._batch_done("claim", len(batch), t0, began, cpu)
+
+    def _batch_done(self, kind: str, n: int, t0: float, began: float, cpu: float) -> None:
+        self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
+        self.profile.add(f"{kind}_batch_size", n)
+        self.profile.mark(f"{kind}s", began, n=n, cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
@@ -217,23 +210,28 @@ class SchedulerSide:
         self.epoch = client.epoch
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
+    def _claim_many(self, client: Any, keys: list[str]) -> list[Any]:
+        claims = client.claim_many(keys, self.settings.claim_timeout_s)
+        self.epoch = client.epoch
+        return claims
+
     def _claim(self, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
         key = str(params[HANDOFF_KEY])
-        claim = self.links[lane].call("claim", lambda c: (c.claim(key, self.settings.claim_timeout_s), c.epoch), None)
-        if claim is None:
+        claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key]), [None])
+        return self._claimed(claims[0], params, prompt, lane)
+
+    def _claimed(self, got: Any, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
+        """The claimed handoff's ids if there is one and it holds this prompt's KV; otherwise its refs go back and
+        nothing loads."""
+        key = params[HANDOFF_KEY]
+        if got is None:
             log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
             return []
-        got, self.epoch = claim
-        return self._checked(got, params, prompt, lane)
-
-    def _checked(self, got: Any, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
-        """The claimed handoff's ids if it holds this prompt's KV; otherwise its refs go back and nothing loads."""
         ids = list(got.block_ids)
         want = params.get(DIGEST_KEY) or got.meta.get("digest")
         full = len(prompt) // self.block_size * self.block_size
         if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
-            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead",
-                        params[HANDOFF_KEY])  # fmt: skip
+            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
             self._release(ids, now=True, lane=lane)
             return []
         return ids
