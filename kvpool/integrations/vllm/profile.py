@@ -47,7 +47,7 @@ class Profile:
 
     def mark(self, kind: str, start: float | None = None, **fields: Any) -> None:
         """One event on the timeline, at ``time.monotonic()`` now; ``start`` (the same clock) makes it a span."""
-        if self._timeline is None:
+        if self._timeline is None or self._events_left <= 0:
             return
         now = time.monotonic()
         event = {"t": round(now, 6), "k": kind, **fields}
