@@ -46,7 +46,8 @@ from kvpool.server.launch import spawn
 PARK = {"do_remote_decode": True}
 #: the connector's settings per pool phase: its defaults, loads before the forward (no per-layer hook, so vLLM
 #: may capture full CUDA graphs), and variants of that (two lookup lanes, a short GIL switch interval, lookups
-#: started when the scheduler takes a request in rather than on arrival, a 1 ms wait for lookups)
+#: started when the scheduler takes a request in rather than on arrival, a 1 ms wait for lookups, the first
+#: arrival on an idle engine looked up on vLLM's input thread)
 POOL_VARIANTS: dict[str, dict[str, Any]] = {
     "pool": {},
     "pool_flat": {"layerwise": False},
@@ -55,6 +56,7 @@ POOL_VARIANTS: dict[str, dict[str, Any]] = {
     "pool_switch1": {"layerwise": False, "switch_interval_ms": 1.0},
     "pool_late": {"layerwise": False, "early_lookup": False},
     "pool_wait1": {"layerwise": False, "lookup_wait_ms": 1.0},
+    "pool_inline": {"layerwise": False, "inline_when_idle": True},
 }
 
 

@@ -226,6 +226,38 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
         b.close()
 
 
+def test_the_first_arrival_on_an_idle_engine_is_answered_before_vllm_queues_it(pool: PoolProcess) -> None:
+    """On the input thread itself, not on a lane: the lane stays blocked here, and the answer is there anyway.
+    An arrival beside a request in flight, a claim, or the setting off (the default): the lane answers, once it
+    is free."""
+    a, b = Engine(pool.url, "a6i"), Engine(pool.url, "b6i", inline_when_idle=True)
+    off = Engine(pool.url, "c6i")
+    d = Engine(pool.url, "d6i", inline_when_idle=True, claim_timeout_s=0.1)  # a claim may wait: never inline
+    gate = threading.Event()
+    try:
+        prompts = [prompt_of(60 + i, 13) for i in range(2)]
+        for i, prompt in enumerate(prompts):
+            serve(a, f"r{i}", prompt)
+        for e in (b, off, d):
+            e.sched._lanes[0].submit(gate.wait, 30)
+        b.sched.prefetch("x0", prompts[0], None, arriving=True)
+        assert b.sched._ahead["x0"].done()
+        b.sched.prefetch("x1", prompts[1], None, arriving=True)  # x0 is in flight
+        off.sched.prefetch("x0", prompts[0], None, arriving=True)
+        handoff = {HANDOFF_KEY: "p:none", DIGEST_KEY: prompt_digest(prompts[0])}
+        d.sched.prefetch("c", prompts[0], handoff, arriving=True)
+        time.sleep(0.05)
+        assert not any(f.done() for f in (b.sched._ahead["x1"], off.sched._ahead["x0"], d.sched._ahead["c"]))
+        gate.set()
+        assert [b.sched.match(f"x{i}", p, 0, None) for i, p in enumerate(prompts)] == [12, 12]
+        assert off.sched.match("x0", prompts[0], 0, None) == 12
+        assert d.sched.match("c", prompts[0], 0, handoff) == 0
+    finally:
+        gate.set()
+        for e in (a, b, off, d):
+            e.close()
+
+
 def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:
     """Ids carry their block's generation once a block has been reused: the copies must index the arena with the
     block alone, or every load after the first reuse would fail."""

@@ -129,13 +129,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
         for a pooling request: vLLM may refuse it before its scheduler sees it, and the lookup's refs would stay."""
         if self._early and getattr(request, "pooling_params", None) is None:
-            self.on_new_request(request)
+            self._prefetch(request, arriving=True)
 
     def on_new_request(self, request: Request) -> None:
+        self._prefetch(request, arriving=False)
+
+    def _prefetch(self, request: Request, arriving: bool) -> None:
         assert self._sched is not None
         prompt = request.prompt_token_ids
         if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
-            self._sched.prefetch(request.request_id, list(prompt), request.kv_transfer_params)
+            self._sched.prefetch(request.request_id, list(prompt), request.kv_transfer_params, arriving)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None

@@ -118,12 +118,16 @@ class SchedulerSide:
             self._wait_until = now + self.settings.lookup_wait_ms / 1e3
         return max(0.0, self._wait_until - now)
 
-    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None, arriving: bool = False) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
         calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in.
 
         Prefix lookups go out in batches: those that arrive while a lane's call is under way wait for the next
         call, and all go in it (one round trip for a burst, where one call each queued them one after the other).
+        With ``inline_when_idle``, the first arrival on an idle engine (``arriving``, on the input thread) is
+        answered on that thread before vLLM queues it. On a lane, the answer must win the GIL back from the input
+        thread, busy decoding the rest of the burst, after each socket wait, and the scheduler must win it once more
+        to read it: in run 14 of docs/benchmarks.md the burst's first step waited 3.7-9.4 ms for that answer.
         """
         if len(prompt) <= self.block_size or req_id in self._ahead:
             return
@@ -133,17 +137,30 @@ class SchedulerSide:
         if not params.get(HANDOFF_KEY) and not self.settings.load:
             return
         future: Future[tuple[list[int], int, int]] = Future()
+        claim = bool(params.get(HANDOFF_KEY))
+        inline = arriving and not claim and self._idle()  # a claim may wait in the pool for its handoff
         with self._batch_lock:
-            if params.get(HANDOFF_KEY):
+            if claim:
                 self._claims.append((list(prompt), params, queued, future))
                 start, run = len(self._claims) == 1, self._claim_batch
             else:
                 self._batch.append((list(prompt[: self._loadable(prompt)]), queued, future))
                 start, run = len(self._batch) == 1, self._lookup_batch
-        if start:
-            lane = self._lane()
-            self._lanes[lane].submit(run, lane)
         self._ahead[req_id] = future
+        if not start:
+            return
+        if inline:
+            with self.links[0].held_if_free() as free:  # a lane may be freeing refs on that session
+                if free:
+                    run(0)
+                    return
+        lane = self._lane()
+        self._lanes[lane].submit(run, lane)
+
+    def _idle(self) -> bool:
+        """Nothing in flight on this side: no request tracked, no answer awaited, no lookup or claim queued."""
+        return (self.settings.inline_when_idle and self.settings.lookup_wait_ms is None and not self.reqs
+                and not self._ahead and not self._batch and not self._claims)  # fmt: skip
 
     def _loadable(self, prompt: list[int]) -> int:
         """Tokens of the prompt's full blocks before its last token, which vLLM always computes itself."""

@@ -50,6 +50,12 @@ class ConnectorSettings(BaseModel):
         description="start a request's lookup (or claim) as the engine core's input thread decodes it, beside the "
         "step then running, instead of when the scheduler takes it in between steps",
     )
+    inline_when_idle: bool = Field(
+        False,
+        description="on an engine with nothing in flight, make an arriving request's lookup on the input thread "
+        "itself before vLLM queues the request, so that the first step of a burst finds its answer ready (not with "
+        "lookup_wait_ms, which bounds the scheduler's waits only; off until measured on a GPU)",
+    )
     lookup_wait_ms: float | None = Field(
         None, ge=0, le=60_000,
         description="how long a scheduler step waits in all for lookups started on arrival; a request whose answer "
