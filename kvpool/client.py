@@ -210,11 +210,17 @@ class PoolClient:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
         return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None) -> CommitResponse:
+    def commit(
+        self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None, start: int = 0,
+        release: bool = False,
+    ) -> CommitResponse:  # fmt: skip
         """Make the full blocks of ``token_ids`` findable by other sessions (call after your KV writes finished);
-        with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt."""
+        with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt. ``start``: the pool holds the
+        first blocks already (you looked them up) and ``block_ids`` hold block ``start`` on; ``release``: drop your
+        refs on ``block_ids`` too (commit and free in one call)."""
         tokens = _as_list(token_ids)
-        req, ids = self._with_ids(CommitRequest, block_ids, session_id=self.session_id, token_ids=tokens, salt=salt)
+        fields = {"session_id": self.session_id, "token_ids": tokens, "salt": salt, "start": start, "release": release}
+        req, ids = self._with_ids(CommitRequest, block_ids, **fields)
         call = self._call
         return self.slabs.through_pool(block_ids, lambda: call(b"commit", "/commit", req, CommitResponse, ids=ids)[0])
 

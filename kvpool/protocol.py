@@ -124,12 +124,19 @@ class CommitRequest(_Request):
     block_ids: list[int] = Field(max_length=MAX_IDS)
     token_ids: list[int] = Field(max_length=MAX_TOKENS)
     salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
+    start: int = Field(
+        0, ge=0, le=MAX_TOKENS,
+        description="full blocks of token_ids that the pool's index already holds (a prefix you looked up): "
+        "block_ids then hold block start onwards; if the pool no longer holds that prefix, nothing is committed",
+    )  # fmt: skip
+    release: bool = Field(False, description="then drop your refs on block_ids, as free would (commit and let go)")
 
 
 class CommitResponse(BaseModel):
     committed: int = Field(description="blocks newly indexed")
     duplicates: int = Field(description="full blocks whose content was already indexed")
     num_blocks: int = Field(description="full blocks in token_ids")
+    missing: int = Field(0, description="blocks of the first start that the pool no longer held (then none committed)")
 
 
 class LookupRequest(_Request):

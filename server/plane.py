@@ -237,8 +237,9 @@ class ControlPlane:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
 
     def commit(self, req: CommitRequest) -> CommitResponse:
-        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids, req.salt)
-        return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks)
+        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids, req.salt, req.start, req.release)
+        return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks,
+                              missing=r.missing)  # fmt: skip
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
         r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device), req.salt)

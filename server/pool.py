@@ -9,6 +9,7 @@ block is never unowned and a crashed worker's refs are found and released when i
 from __future__ import annotations
 
 import heapq
+import itertools
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -220,39 +221,65 @@ class Pool(Parking, PoolStats):
     # -- prefix cache -----------------------------------------------------------------------------------
 
     def commit(
-        self, session_id: str, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None
+        self,
+        session_id: str,
+        block_ids: Sequence[int],
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        start: int = 0,
+        release: bool = False,
     ) -> CommitResult:
         """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
-        ``salt``'s chains: only lookups with the same salt find them."""
+        ``salt``'s chains: only lookups with the same salt find them.
+
+        ``start``: the chain's first blocks are in the index already (a prefix the caller looked up), and
+        ``block_ids`` hold block ``start`` onwards; the pool checks that prefix instead of taking refs on it, and
+        commits nothing if part of it was evicted since (a chain cannot go on past a gap). ``release``: then drop
+        the caller's refs on ``block_ids``, as :meth:`free` does. A caller that saves a prompt after a hit thus
+        makes one call where it made three (lookup, commit, free).
+        """
         holder = self.session(session_id).holder
         if self.on_gives_up is not None:
             self.on_gives_up(session_id)
         num_full = len(token_ids) // self.layout.block_size
-        if len(block_ids) < num_full:
+        if start > num_full:
+            raise InvalidRequest(f"start {start} is past the {num_full} full blocks of token_ids")
+        if len(block_ids) < num_full - start:
             raise InvalidRequest(
-                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens but only "
-                f"{len(block_ids)} block ids were given"
+                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens, {num_full - start} of them "
+                f"from block {start} on, but only {len(block_ids)} block ids were given"
             )
         if len(set(block_ids)) != len(block_ids):
             raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
         held = self.unfence(block_ids, holder)
-        blocks = held[:num_full]
+        result = self._index(held[: num_full - start], token_ids, salt, start, num_full)
+        if release:
+            self.allocator.drop(holder, held)
+            self.counters.free_blocks += len(held)
+        return result
+
+    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int,
+               num_full: int) -> CommitResult:  # fmt: skip
         if not blocks:
-            return CommitResult(committed=0, duplicates=0, num_blocks=0)
+            return CommitResult(committed=0, duplicates=0, num_blocks=num_full)
         arena = 0
         if len(self.arena_sizes) > 1:
             arenas = {self.allocator.arena_of[b] for b in blocks}
             if len(arenas) > 1:
                 raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
             arena = arenas.pop()
-        new = self.index.plan(self.hashers[arena].blocks(token_ids, salt), blocks)
+        chain = self.hashers[arena].blocks(token_ids, salt)
+        parent, missing = self.index.tail(itertools.islice(chain, start)) if start else (None, 0)
+        if missing:
+            return CommitResult(committed=0, duplicates=0, num_blocks=num_full, missing=missing)
+        new = self.index.plan(chain, blocks, parent)
         self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
         c = self.counters
         c.commit_requests += 1
         c.committed_blocks += len(new)
-        c.duplicate_blocks += num_full - len(new)
-        return CommitResult(committed=len(new), duplicates=num_full - len(new), num_blocks=num_full)
+        c.duplicate_blocks += len(blocks) - len(new)
+        return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
 
     def lookup(
         self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None

@@ -136,15 +136,30 @@ class PrefixIndex:
             prev = node
         return out
 
-    def plan(self, blocks: Iterable[tuple[bytes, bytes]], block_ids: Sequence[int]) -> list[_Node]:
+    def tail(self, blocks: Iterable[tuple[bytes, bytes]]) -> tuple[_Node | None, int]:
+        """The last node of ``blocks`` if every one of them is indexed, verified as :meth:`match` verifies, and
+        how many were not (0, or all from the first missing one on)."""
+        pairs = list(blocks)
+        nodes, prev = self._nodes, None
+        for i, (key, chunk) in enumerate(pairs):
+            node = nodes.get(key)
+            if node is None or node.parent is not prev or node.tokens != chunk:
+                return None, len(pairs) - i
+            prev = node
+        return prev, 0
+
+    def plan(
+        self, blocks: Iterable[tuple[bytes, bytes]], block_ids: Sequence[int], parent: _Node | None = None
+    ) -> list[_Node]:
         """Check a commit without changing anything; return the nodes :meth:`apply` would add.
 
         A block whose content is already indexed (the same tokens after the same parent) is a duplicate: it is
         not indexed again, and the chain goes on from the indexed node, as vLLM does. A key held by another
         node (a collision, or an orphan whose parent was evicted) is taken over by the new node: that costs at
-        most a miss on the other chain, and never a wrong hit.
+        most a miss on the other chain, and never a wrong hit. ``parent``: the indexed node the chain goes on from,
+        for a commit past a prefix the index holds.
         """
-        nodes, by_block, prev = self._nodes, self._by_block, None
+        nodes, by_block, prev = self._nodes, self._by_block, parent
         new: list[_Node] = []
         pairs = zip(blocks, block_ids, strict=True)
         for (key, chunk), block in pairs:

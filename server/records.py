@@ -115,3 +115,4 @@ class CommitResult:
     committed: int
     duplicates: int
     num_blocks: int
+    missing: int = 0

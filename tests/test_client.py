@@ -99,6 +99,21 @@ def test_lookup_many_answers_each_prompt_as_lookup_does(pool_server, fast):
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_a_commit_past_a_looked_up_prefix_is_one_call_that_lets_go(pool_server, fast):
+    with PoolClient(pool_server.url, name="t", fast=fast) as pool:
+        head, tail = pool.alloc(2), pool.alloc(2)
+        tokens = [5000 + i for i in range(16)]
+        pool.commit(head, tokens[:8], release=True)
+        before = pool.stats()["in_use"]
+        r = pool.commit(tail, tokens, start=2, release=True)
+        assert (r.committed, r.duplicates, r.num_blocks, r.missing) == (2, 0, 4, 0)
+        assert pool.stats()["in_use"] == before - 2  # the tail's refs let go
+        hit = pool.lookup(tokens)
+        assert hit.block_ids == head + tail
+        pool.free(hit.block_ids)
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
 def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
     with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d", fast=fast) as decode:
         ids = [prefill.alloc(2), prefill.alloc(3)]

@@ -91,6 +91,45 @@ def test_commit_validates_before_changing_anything():
         pool.commit(a, ids, [9] * 8)
 
 
+def test_a_commit_past_a_prefix_the_pool_holds_goes_on_from_it_and_lets_go():
+    pool = make_pool()
+    a = pool.open_session("a", "prefill").session_id
+    b = pool.open_session("b", "prefill").session_id
+    prompt = list(range(100, 116))  # 4 full blocks
+    ids = pool.alloc(a, 2)
+    pool.commit(a, ids, prompt[:8], release=True)
+    assert pool.stats()["cached"] == 2 and pool.stats()["in_use"] == 0
+    tail = pool.alloc(b, 2)
+    r = pool.commit(b, tail, prompt, start=2, release=True)
+    assert (r.committed, r.duplicates, r.num_blocks, r.missing) == (2, 0, 4, 0)
+    assert pool.stats()["in_use"] == 0 and pool.stats()["cached"] == 4
+    hit = pool.lookup(a, prompt)
+    assert hit.block_ids == ids + tail and hit.num_tokens == 16
+
+
+def test_a_commit_past_a_prefix_the_pool_no_longer_holds_commits_nothing():
+    pool = make_pool(num_blocks=4)
+    a = pool.open_session("a", "prefill").session_id
+    prompt = list(range(100, 116))
+    pool.commit(a, pool.alloc(a, 2), prompt[:8], release=True)
+    pool.free(a, pool.alloc(a, 3))  # evicts one cached block of the prefix
+    tail = pool.alloc(a, 2)
+    r = pool.commit(a, tail, prompt, start=2, release=True)
+    assert r.committed == 0 and r.missing in (1, 2)
+    assert pool.stats()["in_use"] == 0 and pool.stats()["cached"] == 1  # the tail went back to free
+    assert pool.lookup(a, prompt).num_tokens <= 4
+
+
+def test_a_commit_past_a_prefix_is_checked_before_anything_changes():
+    pool = make_pool()
+    a = pool.open_session("a", "prefill").session_id
+    ids = pool.alloc(a, 2)
+    for start, given in [(4, ids[:1]), (1, ids[:1])]:  # past the 3 full blocks; one id short of blocks 1-2
+        with pytest.raises(InvalidRequest):
+            pool.commit(a, given, list(range(12)), start=start, release=True)
+    assert len(pool.index) == 0 and pool.stats()["in_use"] == 2
+
+
 def weak_digest(data: bytes) -> bytes:
     """A 4-bit hash: almost every pair of blocks collides."""
     return bytes([xxhash.xxh3_64_digest(data)[0] & 0x0F])

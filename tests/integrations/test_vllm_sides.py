@@ -14,8 +14,9 @@ from kvpool.client import PoolClient
 from kvpool.errors import InvalidRequest
 from kvpool.integrations.vllm.kvviews import kv_views
 from kvpool.integrations.vllm.link import PoolLink
-from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.plan import Save, prompt_digest
 from kvpool.integrations.vllm.profile import Profile
+from kvpool.integrations.vllm.saver import Job, Saver
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -256,6 +257,31 @@ def test_the_first_arrival_on_an_idle_engine_is_answered_before_vllm_queues_it(p
         gate.set()
         for e in (a, b, off, d):
             e.close()
+
+
+def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool: PoolProcess) -> None:
+    """The saver commits past the prefix the pool held at the match, in one call; if that prefix has gone since
+    (its refs let go, then evicted), the chain has a gap: nothing is committed, and the new blocks go back."""
+    with PoolClient(pool.url, name="probe") as c:
+        saver = Saver(PoolLink(pool.url, "sv"), BS, reserve=4)
+        try:
+            saver.flush()
+            before = stats(pool)
+            held, gone = prompt_of(70, 12), prompt_of(71, 12)
+            ids = c.alloc(2)
+            c.commit(ids, held[:8])
+            for prompt in (held, gone):  # ``gone``'s first two blocks were never in the pool
+                new = saver.take(1)
+                assert new is not None
+                saver.submit(None, [Job(Save("r", prompt, [0, 1, 2], skip=2), skip=2, new=new)])
+                saver.flush()
+            assert c.lookup(held).num_tokens == 12 and c.lookup(gone).num_tokens == 0
+            after = stats(pool)
+            # the reserve gave 2 blocks and holds neither now; in use: ids, and the lookup's ref on held's tail
+            assert after["in_use"] == before["in_use"] - 2 + 3
+            assert after["indexed"] == before["indexed"] + 3 and saver.stats["saved_blocks"] == 1
+        finally:
+            saver.close()
 
 
 def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:

@@ -1,10 +1,12 @@
 """The worker's saves, off the engine's critical path: a thread that commits and parks what the forward wrote.
 
-A save's pool calls (lookup, commit, handoff, free) wait for the copies out of vLLM's blocks and take the GIL
-back after every socket wait; on the engine's thread they added tens of milliseconds to the steps that finish
-prompts. Here the engine's thread only takes arena blocks from a reserve this thread keeps allocated, launches the
-copies and records an event; this thread waits on the event, then talks to the pool. A committed block is thus
-never readable before its bytes are written.
+A save's pool calls wait for the copies out of vLLM's blocks and take the GIL back after every socket wait; on the
+engine's thread they added tens of milliseconds to the steps that finish prompts. Here the engine's thread only
+takes arena blocks from a reserve this thread keeps allocated, launches the copies and records an event; this
+thread waits on the event, then talks to the pool. A committed block is thus never readable before its bytes are
+written. A prompt is saved in one call: a commit past the prefix the pool held when it was matched, which lets go
+of the new blocks too. A prefill parked for a decode engine needs the whole prompt's ids: it looks the prefix up,
+commits, and parks.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from kvpool.integrations.vllm.profile import Profile
 @dataclass
 class Job:
     save: Save
-    skip: int  # leading blocks the pool held already (looked up again here, refs taken)
+    skip: int  # leading blocks the pool held at the match: committed past, or looked up again to park them
     new: list[int]  # reserve blocks the copies wrote the rest into
 
 
@@ -93,6 +95,14 @@ class Saver:
     def _finish(self, job: Job) -> None:
         s, bs = job.save, self.block_size
         full = len(s.token_ids) // bs
+        if not s.park:  # one call: commit past the prefix the pool held at the match, and let go of the new blocks
+            tokens = s.token_ids[: full * bs]
+            done = self.link.call("commit", lambda c: c.commit(job.new, tokens, start=job.skip, release=True), None)
+            if done is None:  # refused, or the pool is gone (then it releases the session's refs itself)
+                self._free(job.new)
+            elif not done.missing:
+                self.stats["saved_blocks"] += len(job.new)
+            return
         hit: list[int] = []
         if job.skip:
             hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: job.skip * bs]).block_ids), [])
