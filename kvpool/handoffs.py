@@ -38,6 +38,8 @@ from kvpool.transport import Transport
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+A = TypeVar("A")
+
 
 #: how long the pool holds a directly delivered claim (accept) for its handoff to be parked; it is always
 #: parked already, since the pool delivers the ids only once it parked the handoff
@@ -46,6 +48,18 @@ ACCEPT_WAIT_S = 10.0
 CLAIMED_KEPT = 4096
 #: errors about the session itself, not about one claim: the claimer's refs are then gone with the session
 SESSION_ERRORS = (ArenaClosed, PoolRestarted, PoolUnavailable, Unauthorized, UnknownSession)
+
+
+def granted(answers: Sequence[Any], convert: Callable[[Any], T]) -> list[T | None]:
+    """The answers to calls sent in one write, converted; ``None`` for each the pool refused. An error about the
+    session itself is raised, after every answer was read: the session's refs are then the pool's to release,
+    while a call refused alone must not lose what was granted beside it."""
+    out: list[T | None] = []
+    for answer in answers:
+        if isinstance(answer, SESSION_ERRORS):
+            raise answer
+        out.append(None if isinstance(answer, KvpoolError) else convert(answer))
+    return out
 
 
 class Claim:
@@ -199,23 +213,17 @@ class DirectHandoffs:
         return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
 
     def claim_many_in_pool(self, reqs: list[ClaimRequest], wait_s: float) -> list[Claim | None]:
-        """Claims answered by the pool, all sent in one write; ``None`` where it refused one. An error about the
-        session itself is raised, after every answer was read: the session's refs are then the pool's to release,
-        while a claim refused alone must not lose the ids of those granted beside it."""
+        """Claims answered by the pool, all sent in one write; ``None`` where it refused one (see :func:`granted`)."""
         answers = self.guard(lambda: self.transport.call_many(b"claim", "/claim", reqs, ClaimResponse, wait_s))
-        out: list[Claim | None] = []
-        for answer in answers:
-            if isinstance(answer, SESSION_ERRORS):
-                raise answer
-            out.append(None if isinstance(answer, KvpoolError) else self.claimed_in_pool(*answer))
-        return out
+        return granted(answers, lambda answer: self.claimed_in_pool(*answer))
 
     @staticmethod
-    def one_by_one(request_ids: Sequence[str], claim: Callable[[str], Claim]) -> list[Claim | None]:
-        out: list[Claim | None] = []
-        for request_id in request_ids:
+    def one_by_one(items: Sequence[A], call: Callable[[A], T]) -> list[T | None]:
+        """``call`` of each item in turn, ``None`` for each the pool refused; an error about the session raises."""
+        out: list[T | None] = []
+        for item in items:
             try:
-                out.append(claim(request_id))
+                out.append(call(item))
             except SESSION_ERRORS:
                 raise
             except KvpoolError:

@@ -114,6 +114,27 @@ def test_a_commit_past_a_looked_up_prefix_is_one_call_that_lets_go(pool_server, 
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_commit_many_commits_each_as_commit_does_and_a_refusal_stays_alone(pool_server, fast):
+    with PoolClient(pool_server.url, name="t", fast=fast) as pool, PoolClient(pool_server.url, name="o") as other:
+        start = pool.stats()["in_use"]
+        head, tail, one, theirs = pool.alloc(2), pool.alloc(2), pool.alloc(1), other.alloc(1)
+        long, short = [6000 + i for i in range(16)], [7000 + i for i in range(4)]
+        pool.commit(head, long[:8], release=True)
+        got = pool.commit_many([(tail, long, 2), (theirs, [8000 + i for i in range(4)], 0), (one, short, 0)],
+                               release=True)  # fmt: skip
+        assert got[1] is None  # not this session's block: refused alone
+        assert [(g.committed, g.missing) for g in (got[0], got[2])] == [(2, 0), (1, 0)]
+        hits = pool.lookup_many([long, short])
+        assert [h.block_ids for h in hits] == [head + tail, one]
+        pool.free([i for h in hits for i in h.block_ids])
+        assert pool.stats()["in_use"] == start + 1  # ``theirs``, still the other session's
+        other.free(theirs)
+        pool.session.session_id = "f" * 32  # a session the pool does not know: the error raises, nothing is taken
+        with pytest.raises(UnknownSession):
+            pool.commit_many([([], [], 0)])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
 def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
     with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d", fast=fast) as decode:
         ids = [prefill.alloc(2), prefill.alloc(3)]

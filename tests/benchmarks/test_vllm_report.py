@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 from kvpool.benchmarks.vllm_drive import per_transfer, profile_delta
 from kvpool.benchmarks.vllm_graphs_report import summary
@@ -73,3 +75,15 @@ def test_the_timeline_lays_the_main_step_of_a_burst_beside_vllms_stamps(tmp_path
     step = report(tmp_path)["pool_flat"][0]
     assert step == {"requests": 3, "queued": 10.2, "lookups": 11.0, "planned": 12.5, "forward": 14.0,
                     "gpu_done": 55.0, "first_token": 60.0}  # fmt: skip
+
+
+def test_the_saver_benchmark_runs_alone_and_beside_a_thread_holding_the_gil(tmp_path) -> None:
+    """A smoke test of ``vllm_saves`` (CPU, no vLLM): it saves every block it is given and writes both cases."""
+    out = tmp_path / "saves.json"
+    cmd = [sys.executable, "-m", "kvpool.benchmarks.vllm_saves", "--prompts", "3", "--held", "2", "--new", "2",
+           "--rounds", "3", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(out.read_text())["cases"]
+    assert set(cases) == {"alone", "beside a thread holding the GIL"}
+    assert all(c["n"] == 1 and c["wall_ms_p50"] > 0 for c in cases.values())

@@ -4,9 +4,9 @@ A save's pool calls wait for the copies out of vLLM's blocks and take the GIL ba
 engine's thread they added tens of milliseconds to the steps that finish prompts. Here the engine's thread only
 takes arena blocks from a reserve this thread keeps allocated, launches the copies and records an event; this
 thread waits on the event, then talks to the pool. A committed block is thus never readable before its bytes are
-written. A prompt is saved in one call: a commit past the prefix the pool held when it was matched, which lets go
-of the new blocks too. A prefill parked for a decode engine needs the whole prompt's ids: it looks the prefix up,
-commits, and parks.
+written. A step's prompts are saved in one write: for each, a commit past the prefix the pool held when it was
+matched, which lets go of the new blocks too. A prefill parked for a decode engine needs the whole prompt's ids: it
+looks the prefix up, commits, and parks.
 """
 
 from __future__ import annotations
@@ -82,8 +82,10 @@ class Saver:
                     done.synchronize()
                 self.profile.mark("saver_wait", began)
                 t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
+                self._commit([job for job in jobs if not job.save.park])
                 for job in jobs:
-                    self._finish(job)
+                    if job.save.park:
+                        self._park(job)
                 self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
                 cpu_ms = round((time.thread_time() - cpu) * 1e3, 3)
                 self.profile.mark("saver_calls", began, jobs=len(jobs), cpu_ms=cpu_ms)
@@ -92,17 +94,26 @@ class Saver:
             if item[0] == "flush":
                 item[1].set()
 
-    def _finish(self, job: Job) -> None:
-        s, bs = job.save, self.block_size
-        full = len(s.token_ids) // bs
-        if not s.park:  # one call: commit past the prefix the pool held at the match, and let go of the new blocks
-            tokens = s.token_ids[: full * bs]
-            done = self.link.call("commit", lambda c: c.commit(job.new, tokens, start=job.skip, release=True), None)
-            if done is None:  # refused, or the pool is gone (then it releases the session's refs itself)
-                self._free(job.new)
-            elif not done.missing:
-                self.stats["saved_blocks"] += len(job.new)
+    def _commit(self, jobs: list[Job]) -> None:
+        """A step's saves in one write: each a commit past the prefix the pool held at the match, letting go of the
+        new blocks."""
+        if not jobs:
             return
+        bs = self.block_size
+        commits = [(job.new, job.save.token_ids[: len(job.save.token_ids) // bs * bs], job.skip) for job in jobs]
+        done = self.link.call("commit", lambda c: c.commit_many(commits, release=True), [None] * len(jobs))
+        refused: list[int] = []  # or the pool is gone: then it releases the session's refs itself
+        for job, got in zip(jobs, done, strict=True):
+            if got is None:
+                refused += job.new
+            elif not got.missing:
+                self.stats["saved_blocks"] += len(job.new)
+        self._free(refused)
+
+    def _park(self, job: Job) -> None:
+        """A prefill for a decode engine: its handoff needs every id of the prompt, so the prefix is looked up."""
+        s, bs, park = job.save, self.block_size, str(job.save.park)
+        full = len(s.token_ids) // bs
         hit: list[int] = []
         if job.skip:
             hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: job.skip * bs]).block_ids), [])
@@ -112,12 +123,11 @@ class Saver:
         ids = hit + job.new
         self.link.call("commit", lambda c: c.commit(ids, s.token_ids[: full * bs]), None)
         self.stats["saved_blocks"] += len(job.new)
-        if s.park:
-            meta = {"digest": s.digest}
-            if self.link.call("handoff", lambda c: c.handoff(s.park, array("q", ids), full * bs, meta), None):
-                self.stats["parked"] += 1
-                return
-            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", s.park)
+        meta = {"digest": s.digest}
+        if self.link.call("handoff", lambda c: c.handoff(park, array("q", ids), full * bs, meta), None):
+            self.stats["parked"] += 1
+            return
+        log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", park)
         self._free(ids)
 
     def _free(self, ids: list[int]) -> None:
