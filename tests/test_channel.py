@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+import socket
+import threading
+import time
 from array import array
 
 import numpy as np
 import pytest
 import torch
 
-from kvpool.channel import decode, encode
+from kvpool.channel import RECV_CHUNK, FastConnection, decode, encode, frame
 from kvpool.errors import InvalidRequest
 from kvpool.ids import pack_ids, unpack_ids
 from kvpool.protocol import MAX_IDS, AllocRequest, ClaimResponse, FreeRequest
@@ -95,3 +99,54 @@ def test_more_attached_ids_than_a_call_may_carry_are_refused():
     body = encode(FreeRequest(session_id="s", block_ids=[]), pack_ids(array("q", bytes(8 * (MAX_IDS + 1)))))
     with pytest.raises(InvalidRequest, match="more than"):
         decode(FreeRequest, body)
+
+
+def serve_once(path: str, replies: list[bytes], pieces: int) -> threading.Thread:
+    """A stand-in pool: takes one connection, reads whatever comes, and writes ``replies`` (framed) in ``pieces``
+    writes of uneven size, pausing between them so that they reach the client as separate reads."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            conn.recv(1 << 16)
+            data = b"".join(frame(b"200", r) for r in replies)
+            cuts = sorted({len(data) * k // pieces for k in range(1, pieces)} | {0, len(data)})
+            for a, b in itertools.pairwise(cuts):
+                conn.sendall(data[a:b])
+                time.sleep(0.01)
+            conn.recv(1)  # until the client closes
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("pieces", [1, 3, 40])
+def test_replies_read_in_large_pieces_come_back_whole_and_in_order(tmp_path, pieces):
+    replies = [b"a" * 10, b"b" * (3 * RECV_CHUNK + 17), b"", b"c" * 5]
+    path = str(tmp_path / "s.sock")
+    thread = serve_once(path, replies, pieces)
+    conn = FastConnection(path, timeout_s=10)
+    try:
+        assert conn.call_many(b"x", [b"1", b"2", b"3", b"4"]) == [(200, r) for r in replies]
+        assert not conn._buf
+    finally:
+        conn.close()
+        thread.join(5)
+
+
+def test_an_exact_read_leaves_what_follows_in_the_socket(tmp_path):
+    """Before a reply that carries a file descriptor, nothing past the reply in hand may be read."""
+    path = str(tmp_path / "s.sock")
+    thread = serve_once(path, [b"hello", b"next"], 1)
+    conn = FastConnection(path, timeout_s=10)
+    try:
+        conn.sock.sendall(b"go")
+        assert conn.receive(exact=True) == (200, b"hello") and not conn._buf
+        assert conn.sock.recv(64) == frame(b"200", b"next")
+    finally:
+        conn.close()
+        thread.join(5)
