@@ -64,6 +64,9 @@ R = TypeVar("R", bound=BaseModel)
 
 
 def _as_list(ids: Sequence[int] | Any) -> list[int]:
+    """A list as it is (the request model validates it into its own), anything else as a new list."""
+    if type(ids) is list:
+        return ids
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
 
 

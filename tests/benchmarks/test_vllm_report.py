@@ -1,10 +1,12 @@
-"""The vLLM benchmarks' bookkeeping, without vLLM: what a phase's files say once summed up."""
+"""The vLLM benchmarks' bookkeeping, and smoke runs of those that need no GPU (one needs vLLM: it skips without)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+
+import pytest
 
 from kvpool.benchmarks.vllm_drive import per_transfer, profile_delta
 from kvpool.benchmarks.vllm_graphs_report import summary
@@ -87,3 +89,18 @@ def test_the_saver_benchmark_runs_alone_and_beside_a_thread_holding_the_gil(tmp_
     cases = json.loads(out.read_text())["cases"]
     assert set(cases) == {"alone", "beside a thread holding the GIL"}
     assert all(c["n"] == 1 and c["wall_ms_p50"] > 0 for c in cases.values())
+
+
+def test_the_schedule_benchmark_times_both_schedulers_and_the_connector_calls(tmp_path) -> None:
+    """A smoke test of ``vllm_schedule`` (vLLM on the CPU; skipped without it): every prompt of the burst is
+    scheduled with its prefix hit, by vLLM's own cache and through the pool, and the figures are written."""
+    pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+    out = tmp_path / "schedule.json"
+    cmd = [sys.executable, "-m", "kvpool.benchmarks.vllm_schedule", "--requests", "4", "--rounds", "2",
+           "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert set(got["schedule_ms_p50"]) == {"own prefix cache", "kvpool connector"}
+    assert set(got["connector_calls_ms_p50"]) == {"get_num_new_matched_tokens", "update_state_after_alloc",
+                                                  "build_connector_meta"}  # fmt: skip

@@ -119,7 +119,7 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        prompt = list(request.prompt_token_ids or [])
+        prompt = _tokens(request.prompt_token_ids)
         if not prompt or request.mm_features or request.lora_request is not None or _salted(request):
             self._sched.skip(request.request_id)
             return 0, False
@@ -136,9 +136,9 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def _prefetch(self, request: Request, arriving: bool) -> None:
         assert self._sched is not None
-        prompt = request.prompt_token_ids
+        prompt = _tokens(request.prompt_token_ids)
         if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
-            self._sched.prefetch(request.request_id, list(prompt), request.kv_transfer_params, arriving)
+            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params, arriving)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -149,7 +149,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         out = scheduler_output
         scheduled = [
             Scheduled(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0),
-                      list(r.block_ids[0]), True, list(r.prompt_token_ids or []))
+                      list(r.block_ids[0]), True, _tokens(r.prompt_token_ids))
             for r in out.scheduled_new_reqs
         ]
         cached = out.scheduled_cached_reqs
@@ -206,6 +206,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         for side in (self._sched, self._worker):
             if side is not None:
                 side.close()
+
+
+def _tokens(prompt: list[int] | None) -> list[int]:
+    """vLLM's own list of a prompt's token ids, not a copy: it never changes them, and neither does the connector.
+    Each copy of a 1,024-token prompt touches 1,024 int objects; in a burst's step, the copies the scheduler side
+    made were most of its own time (``python -m kvpool.benchmarks.vllm_schedule``)."""
+    return prompt if type(prompt) is list else list(prompt or [])
 
 
 def _salted(request: Request) -> bool:

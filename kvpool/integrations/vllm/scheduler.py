@@ -96,7 +96,7 @@ class SchedulerSide:
         old = self.reqs.get(req_id)
         if old is not None:
             self._release(old.held, lane=old.lane)  # asked again (vLLM could not place it, or it was preempted)
-        t = self.reqs[req_id] = Tracked(prompt=list(prompt), saved=old is not None and old.saved)
+        t = self.reqs[req_id] = Tracked(prompt=prompt, saved=old is not None and old.saved)
         params = params or {}
         if params.get("do_remote_decode"):
             t.park = f"{self.engine_id}:{req_id}"
@@ -141,10 +141,10 @@ class SchedulerSide:
         inline = arriving and not claim and self._idle()  # a claim may wait in the pool for its handoff
         with self._batch_lock:
             if claim:
-                self._claims.append((list(prompt), params, queued, future))
+                self._claims.append((prompt, params, queued, future))
                 start, run = len(self._claims) == 1, self._claim_batch
             else:
-                self._batch.append((list(prompt[: self._loadable(prompt)]), queued, future))
+                self._batch.append((prompt[: self._loadable(prompt)], queued, future))
                 start, run = len(self._batch) == 1, self._lookup_batch
         self._ahead[req_id] = future
         if not start:
@@ -278,7 +278,7 @@ class SchedulerSide:
             if t is None:
                 if s.prompt is None:
                     continue
-                t = self.reqs[s.req_id] = Tracked(prompt=list(s.prompt))
+                t = self.reqs[s.req_id] = Tracked(prompt=s.prompt)
             t.blocks = list(s.new_blocks) if s.replace_blocks else t.blocks + list(s.new_blocks)
             save = self._save_of(s, t)
             if save is not None:
