@@ -210,8 +210,8 @@ class KvpoolConnector(KVConnectorBase_V1):
 
 def _tokens(prompt: list[int] | None) -> list[int]:
     """vLLM's own list of a prompt's token ids, not a copy: it never changes them, and neither does the connector.
-    Each copy of a 1,024-token prompt touches 1,024 int objects; in a burst's step, the copies the scheduler side
-    made were most of its own time (``python -m kvpool.benchmarks.vllm_schedule``)."""
+    Each copy of a 1,024-token prompt touches 1,024 int objects; in a burst's step, three copies a request were a
+    third of the scheduler side's time (vLLM's ``schedule()`` timed on the CPU: see the docs' benchmarks)."""
     return prompt if type(prompt) is list else list(prompt or [])
 
 
