@@ -33,15 +33,15 @@ CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connec
 
 
 def model_dir(work: Path) -> Path:
+    """A Llama config small enough for the CPU (only the scheduler reads it: no weights)."""
+    from transformers import LlamaConfig
+
     d = work / "model"
-    d.mkdir()
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * HEAD_DIM,
-        "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
-        "num_hidden_layers": LAYERS, "vocab_size": 128256, "max_position_embeddings": 4096, "head_dim": HEAD_DIM,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
-    }  # fmt: skip
-    (d / "config.json").write_text(json.dumps(config))
+    LlamaConfig(
+        architectures=["LlamaForCausalLM"], hidden_size=HEADS * 2 * HEAD_DIM, intermediate_size=128,
+        num_attention_heads=HEADS * 2, num_key_value_heads=HEADS, num_hidden_layers=LAYERS, head_dim=HEAD_DIM,
+        vocab_size=128_256, max_position_embeddings=4096, torch_dtype="float32", tie_word_embeddings=True,
+    ).save_pretrained(d)  # fmt: skip
     return d
 
 
