@@ -1,11 +1,12 @@
 """The vLLM connector's saver on one step's saves, alone and beside a thread that wants the GIL (CPU, no vLLM).
 
-    python -m kvpool.benchmarks.vllm_saves [--prompts 32] [--rounds 12] [--json out.json]
+    python -m kvpool.benchmarks.vllm_saves [--prompts 32] [--rounds 12] [--park] [--json out.json]
 
 A pool is started on a Unix socket (block size 16); each round commits, for every prompt, the first ``--held``
 blocks of a fresh 1,024-token prompt (what another engine computed), then gives a ``Saver`` one step's saves: each
 prompt's next ``--new`` blocks, taken from its reserve, past the held prefix. Timed from the saver's own
-``saver_calls`` profile event: the wall time of the step's pool calls and the saver thread's CPU.
+``saver_calls`` profile event: the wall time of the step's pool calls and the saver thread's CPU. With ``--park``
+the saves are a prefill engine's, parked for a decode engine (which needs every id of each prompt).
 
 In an engine core the saver shares the GIL with vLLM's scheduler and input thread. With ``--hog`` (the default runs
 both) a thread computes in pure Python meanwhile: a thread that waits on a socket then waits for the GIL too, up to
@@ -25,7 +26,7 @@ from typing import Any
 
 from kvpool.client import PoolClient
 from kvpool.integrations.vllm.link import PoolLink
-from kvpool.integrations.vllm.plan import Save
+from kvpool.integrations.vllm.plan import Save, prompt_digest
 from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.saver import Job, Saver
 from kvpool.server.launch import spawn
@@ -41,7 +42,7 @@ def hog(stop: threading.Event) -> None:
 def one_step(url: str, probe: PoolClient, rng: random.Random, args: argparse.Namespace, work: Path, hogged: bool,
              i: int) -> tuple[float, float]:  # fmt: skip
     prompts = [[rng.randrange(128_000) for _ in range(PROMPT)] for _ in range(args.prompts)]
-    for p in prompts:
+    for p in prompts if args.held else ():
         ids = probe.alloc(args.held)
         probe.commit(ids, p[: args.held * BS])
         probe.free(ids)
@@ -57,7 +58,10 @@ def one_step(url: str, probe: PoolClient, rng: random.Random, args: argparse.Nam
             if new is None:
                 raise RuntimeError("the saver's reserve is short")
             blocks = args.held + args.new
-            jobs.append(Job(Save(f"r{n}", p[: blocks * BS], list(range(blocks)), skip=args.held), args.held, new))
+            tokens = p[: blocks * BS]
+            park = f"saves-{i}:r{n}" if args.park else None
+            digest = prompt_digest(tokens) if args.park else ""
+            jobs.append(Job(Save(f"r{n}", tokens, list(range(blocks)), park, digest, skip=args.held), args.held, new))
         if hogged:
             other.start()
         saver.submit(None, jobs)
@@ -70,8 +74,11 @@ def one_step(url: str, probe: PoolClient, rng: random.Random, args: argparse.Nam
     saver.profile.maybe_write(force=True)
     events = [json.loads(line) for f in pdir.glob("timeline-*.jsonl") for line in f.read_text().splitlines()]
     calls = next(e for e in events if e["k"] == "saver_calls")
-    if saver.stats["saved_blocks"] != args.prompts * args.new:
-        raise RuntimeError(f"saved {saver.stats['saved_blocks']} blocks, not {args.prompts * args.new}")
+    if saver.stats["saved_blocks"] != args.prompts * args.new or saver.stats["parked"] != args.park * args.prompts:
+        raise RuntimeError(f"saved {saver.stats['saved_blocks']} blocks and parked {saver.stats['parked']} prompts")
+    if args.park:  # the decode engine's part: take the handoffs, and the blocks go back
+        claims = probe.claim_many([f"saves-{i}:r{n}" for n in range(args.prompts)])
+        probe.free([b for c in claims if c is not None for b in c.block_ids])
     return calls["ms"], calls["cpu_ms"]
 
 
@@ -82,6 +89,7 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=16, help="blocks of each prompt the step saves")
     ap.add_argument("--rounds", type=int, default=12, help="steps timed per case (the first two are warm-up)")
     ap.add_argument("--hog", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--park", action="store_true", help="prefills parked for a decode engine")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     args = ap.parse_args()
     if args.held + args.new > PROMPT // BS:
@@ -106,7 +114,8 @@ def main() -> None:
             name = "beside a thread holding the GIL" if h else "alone"
             wall, cpu = statistics.median(w for w, _ in kept), statistics.median(c for _, c in kept)
             out["cases"][name] = {"wall_ms_p50": round(wall, 2), "cpu_ms_p50": round(cpu, 2), "n": len(kept)}
-            print(f"{args.prompts} saves ({args.held} blocks held, {args.new} new each), {name}: the step's pool calls "
+            what = f"{args.prompts} {'parked prefills' if args.park else 'saves'}"
+            print(f"{what} ({args.held} blocks held, {args.new} new each), {name}: the step's pool calls "
                   f"{wall:.2f} ms wall, {cpu:.2f} ms CPU of the saver thread (p50 of {len(kept)})")  # fmt: skip
     finally:
         pool.stop()

@@ -277,6 +277,19 @@ class PoolClient:
         return self.slabs.through_pool(block_ids, lambda: self._handoff_in_pool(request_id, block_ids, num_tokens,
                                                                                 meta, ttl_s, to))  # fmt: skip
 
+    def handoff_many(
+        self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]], ttl_s: float | None = None
+    ) -> list[HandoffResponse | None]:
+        """``handoff(request_id, block_ids, num_tokens, meta, ttl_s)`` of each, parked in the pool for any consumer, in
+        order: over the fast channel all in one write. ``None`` for each the pool refused, whose blocks stay yours;
+        an error about the session itself raises."""
+        if self.slabs.slab is not None:  # a slab's blocks leave it handoff by handoff
+            return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s))
+        reqs = [_req(HandoffRequest, session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
+                     meta=meta or {}, ttl_s=ttl_s) for r, ids, n, meta in handoffs]  # fmt: skip
+        answers = self.direct.guard(lambda: self.transport.call_many(b"handoff", "/handoff", reqs, HandoffResponse))
+        return granted(answers, lambda answer: answer[0])
+
     def _handoff_in_pool(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any] | None,
         ttl_s: float | None, to: str | None,

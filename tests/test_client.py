@@ -135,6 +135,23 @@ def test_commit_many_commits_each_as_commit_does_and_a_refusal_stays_alone(pool_
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
+def test_handoff_many_parks_each_as_handoff_does_and_a_refusal_stays_alone(pool_server, fast):
+    with PoolClient(pool_server.url, name="p", fast=fast) as prefill, PoolClient(pool_server.url, name="d") as decode:
+        prefill.handoff(f"taken-{fast}", prefill.alloc(1), 3)
+        a, b, c = prefill.alloc(2), prefill.alloc(1), prefill.alloc(3)
+        parks = [(f"a-{fast}", a, 8, {"k": 1}), (f"taken-{fast}", b, 3, None), (f"c-{fast}", c, 12, None)]
+        got = prefill.handoff_many(parks)
+        assert got[1] is None and [g.num_blocks for g in (got[0], got[2])] == [2, 3]
+        claims = decode.claim_many([f"a-{fast}", f"c-{fast}", f"taken-{fast}"])
+        assert [x.block_ids for x in claims] == [a, c, claims[2].block_ids] and claims[0].meta == {"k": 1}
+        prefill.free(b)  # refused: still the producer's
+        decode.free([i for x in claims for i in x.block_ids])
+        prefill.session.session_id = "f" * 32
+        with pytest.raises(UnknownSession):
+            prefill.handoff_many([("x", [], 0, None)])
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
 def test_claim_many_answers_each_handoff_as_claim_does(pool_server, fast):
     with PoolClient(pool_server.url, name="p") as prefill, PoolClient(pool_server.url, name="d", fast=fast) as decode:
         ids = [prefill.alloc(2), prefill.alloc(3)]

@@ -284,6 +284,35 @@ def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool
             saver.close()
 
 
+def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool: PoolProcess) -> None:
+    """Parked prefills: the held prefixes looked up, all committed, all parked; one whose prefix is gone is not
+    parked, and its blocks go back."""
+    with PoolClient(pool.url, name="dec") as decode, PoolClient(pool.url, name="probe2") as c:
+        saver = Saver(PoolLink(pool.url, "sv2"), BS, reserve=8)
+        try:
+            saver.flush()
+            fresh, held, gone = prompt_of(80, 9), prompt_of(81, 12), prompt_of(82, 12)
+            ids = c.alloc(2)
+            c.commit(ids, held[:8], release=True)
+            jobs = []
+            for i, (prompt, skip) in enumerate([(fresh, 0), (held, 2), (gone, 2)]):
+                new = saver.take(len(prompt) // BS - skip)
+                assert new is not None
+                save = Save(f"r{i}", prompt, [], park=f"e:r{i}", digest=prompt_digest(prompt), skip=skip)
+                jobs.append(Job(save, skip, new))
+            before = stats(pool)["handoffs"]
+            saver.submit(None, jobs)
+            saver.flush()
+            assert stats(pool)["handoffs"] == before + 2 and saver.stats["parked"] == 2
+            got = decode.claim_many(["e:r0", "e:r1", "e:r2"], timeout_s=0.05)
+            assert got[2] is None and [x.num_tokens for x in got[:2]] == [8, 12]
+            assert got[1].block_ids[:2] == ids and got[1].block_ids[2:] == jobs[1].new
+            assert got[0].meta == {"digest": prompt_digest(fresh)}
+            decode.free([i for x in got[:2] for i in x.block_ids])
+        finally:
+            saver.close()
+
+
 def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:
     """Ids carry their block's generation once a block has been reused: the copies must index the arena with the
     block alone, or every load after the first reuse would fail."""

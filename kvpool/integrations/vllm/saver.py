@@ -5,8 +5,8 @@ engine's thread they added tens of milliseconds to the steps that finish prompts
 takes arena blocks from a reserve this thread keeps allocated, launches the copies and records an event; this
 thread waits on the event, then talks to the pool. A committed block is thus never readable before its bytes are
 written. A step's prompts are saved in one write: for each, a commit past the prefix the pool held when it was
-matched, which lets go of the new blocks too. A prefill parked for a decode engine needs the whole prompt's ids: it
-looks the prefix up, commits, and parks.
+matched, which lets go of the new blocks too. A step's prefills parked for decode engines need their whole
+prompts' ids: their prefixes are looked up, then all are committed and parked, a write for each of the three.
 """
 
 from __future__ import annotations
@@ -83,9 +83,7 @@ class Saver:
                 self.profile.mark("saver_wait", began)
                 t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
                 self._commit([job for job in jobs if not job.save.park])
-                for job in jobs:
-                    if job.save.park:
-                        self._park(job)
+                self._park([job for job in jobs if job.save.park])
                 self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
                 cpu_ms = round((time.thread_time() - cpu) * 1e3, 3)
                 self.profile.mark("saver_calls", began, jobs=len(jobs), cpu_ms=cpu_ms)
@@ -110,25 +108,44 @@ class Saver:
                 self.stats["saved_blocks"] += len(job.new)
         self._free(refused)
 
-    def _park(self, job: Job) -> None:
-        """A prefill for a decode engine: its handoff needs every id of the prompt, so the prefix is looked up."""
-        s, bs, park = job.save, self.block_size, str(job.save.park)
-        full = len(s.token_ids) // bs
-        hit: list[int] = []
-        if job.skip:
-            hit = self.link.call("lookup", lambda c: list(c.lookup(s.token_ids[: job.skip * bs]).block_ids), [])
-        if len(hit) < job.skip:  # evicted meanwhile: the chain has a gap, so nothing after it can be committed
-            self._free(hit + job.new)
+    def _park(self, jobs: list[Job]) -> None:
+        """A step's prefills for decode engines, in a write per kind of call: each handoff needs every id of its
+        prompt, so the prefixes the pool held at the match are looked up, then all are committed, then parked."""
+        if not jobs:
             return
-        ids = hit + job.new
-        self.link.call("commit", lambda c: c.commit(ids, s.token_ids[: full * bs]), None)
-        self.stats["saved_blocks"] += len(job.new)
-        meta = {"digest": s.digest}
-        if self.link.call("handoff", lambda c: c.handoff(park, array("q", ids), full * bs, meta), None):
-            self.stats["parked"] += 1
+        bs = self.block_size
+        held = [job for job in jobs if job.skip]
+        prefixes = [job.save.token_ids[: job.skip * bs] for job in held]
+        found = []  # a pool that cannot answer gives no hits: those prompts are not parked, their blocks freed
+        if held:
+            found = self.link.call("lookup", lambda c: c.lookup_many(prefixes), [])
+        hits = {id(job): list(hit.block_ids) for job, hit in zip(held, found, strict=False)}
+        ready: list[tuple[Job, list[int]]] = []
+        gone: list[int] = []
+        for job in jobs:
+            hit = hits.get(id(job), [])
+            if len(hit) < job.skip:  # evicted meanwhile (or not looked up): the chain has a gap
+                gone += hit + job.new
+            else:
+                ready.append((job, hit + job.new))
+        self._free(gone)
+        if not ready:
             return
-        log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", park)
-        self._free(ids)
+        full = [len(job.save.token_ids) // bs * bs for job, _ in ready]
+        commits = [(ids, job.save.token_ids[:n], 0) for (job, ids), n in zip(ready, full, strict=True)]
+        self.link.call("commit", lambda c: c.commit_many(commits), [])
+        parks = [(str(job.save.park), array("q", ids), n, {"digest": job.save.digest})
+                 for (job, ids), n in zip(ready, full, strict=True)]  # fmt: skip
+        done = self.link.call("handoff", lambda c: c.handoff_many(parks), [None] * len(ready))
+        failed: list[int] = []
+        for (job, ids), parked in zip(ready, done, strict=True):
+            self.stats["saved_blocks"] += len(job.new)
+            if parked is not None:
+                self.stats["parked"] += 1
+                continue
+            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", job.save.park)
+            failed += ids
+        self._free(failed)
 
     def _free(self, ids: list[int]) -> None:
         if ids:
