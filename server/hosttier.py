@@ -120,7 +120,7 @@ class HostTier:
         """Arena blocks of the longest verified prefix, restoring the part on the host; (ids, host hits)."""
         assert self.allocator is not None
         alloc, host_of = self.allocator, self.host_of
-        nodes = self.match(blocks)
+        nodes = self.index.match_nodes(blocks)
         room = alloc.available(arena)
         take, on_host = 0, 0
         for node in nodes:
@@ -162,17 +162,6 @@ class HostTier:
         alloc.mark_committed(fresh)
         self.counters.host_hit_blocks += len(restoring)
         return [n.block for n in nodes], len(restoring)
-
-    def match(self, blocks: Iterable[tuple[bytes, bytes]]) -> list[_Node]:
-        """Nodes of the longest verified prefix, in either tier (see :meth:`PrefixIndex.match`)."""
-        nodes, prev, out = self.index._nodes, None, []
-        for key, chunk in blocks:
-            node = nodes.get(key)
-            if node is None or node.parent is not prev or node.tokens != chunk:
-                break
-            out.append(node)
-            prev = node
-        return out
 
     # -- helpers ----------------------------------------------------------------------------------------
 

@@ -127,26 +127,28 @@ class PrefixIndex:
 
     def match(self, blocks: Iterable[tuple[bytes, bytes]]) -> list[int]:
         """Blocks of the longest verified prefix of ``blocks`` ((key, token bytes) pairs, in order)."""
+        return [node.block for node in self.match_nodes(blocks)]
+
+    def match_nodes(self, blocks: Iterable[tuple[bytes, bytes]]) -> list[_Node]:
+        """Nodes of the longest verified prefix of ``blocks``: each found by its key, with the tokens and the parent
+        node it was walked to with (a node whose block went to the host tier included)."""
         nodes, prev, out = self._nodes, None, []
         for key, chunk in blocks:
             node = nodes.get(key)
             if node is None or node.parent is not prev or node.tokens != chunk:
                 break
-            out.append(node.block)
+            out.append(node)
             prev = node
         return out
 
     def tail(self, blocks: Iterable[tuple[bytes, bytes]]) -> tuple[_Node | None, int]:
-        """The last node of ``blocks`` if every one of them is indexed, verified as :meth:`match` verifies, and
-        how many were not (0, or all from the first missing one on)."""
+        """The last node of ``blocks`` if every one of them is indexed (verified as :meth:`match_nodes` verifies),
+        and how many were not (0, or all from the first missing one on)."""
         pairs = list(blocks)
-        nodes, prev = self._nodes, None
-        for i, (key, chunk) in enumerate(pairs):
-            node = nodes.get(key)
-            if node is None or node.parent is not prev or node.tokens != chunk:
-                return None, len(pairs) - i
-            prev = node
-        return prev, 0
+        found = self.match_nodes(pairs)
+        if len(found) < len(pairs):
+            return None, len(pairs) - len(found)
+        return (found[-1] if found else None), 0
 
     def plan(
         self, blocks: Iterable[tuple[bytes, bytes]], block_ids: Sequence[int], parent: _Node | None = None
