@@ -237,8 +237,7 @@ class PoolClient:
             return self.direct.one_by_one(commits, lambda c: self.commit(c[0], c[1], start=c[2], release=release))
         reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), token_ids=_as_list(tokens),
                      start=start, release=release) for ids, tokens, start in commits]  # fmt: skip
-        answers = self.direct.guard(lambda: self.transport.call_many(b"commit", "/commit", reqs, CommitResponse))
-        return granted(answers, lambda answer: answer[0])
+        return self._many(b"commit", "/commit", reqs, CommitResponse)
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
@@ -287,8 +286,7 @@ class PoolClient:
             return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s))
         reqs = [_req(HandoffRequest, session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
                      meta=meta or {}, ttl_s=ttl_s) for r, ids, n, meta in handoffs]  # fmt: skip
-        answers = self.direct.guard(lambda: self.transport.call_many(b"handoff", "/handoff", reqs, HandoffResponse))
-        return granted(answers, lambda answer: answer[0])
+        return self._many(b"handoff", "/handoff", reqs, HandoffResponse)
 
     def _handoff_in_pool(
         self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any] | None,
@@ -370,6 +368,11 @@ class PoolClient:
         """The request, and its ids packed to go attached on the fast channel (then ``block_ids`` is empty)."""
         ids = pack_ids(block_ids) if self.transport.fast_path is not None else None
         return _req(model, block_ids=[] if ids is not None else _as_list(block_ids), **fields), ids
+
+    def _many(self, op: bytes, path: str, reqs: list[BaseModel], resp: type[R]) -> list[R | None]:
+        """Calls of one kind sent in one write, answered in order (see :func:`kvpool.handoffs.granted`)."""
+        answers = self.direct.guard(lambda: self.transport.call_many(op, path, reqs, resp))
+        return granted(answers, lambda answer: answer[0])
 
     def _call(
         self, op: bytes, path: str, req: BaseModel, resp: type[R], wait_s: float = 0.0, ids: memoryview | None = None
