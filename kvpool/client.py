@@ -10,7 +10,7 @@ on the way. :class:`DeviceSession` gives workers plain arena indices instead, an
 back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it (``handoff(..., to=name)``)
 in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`). A client given a
 ``slab`` (where the pool serves them, ``--leases``) allocates and frees uncommitted blocks locally and hands them to
-other slab sessions with no round trip (:mod:`kvpool.slab`, :mod:`kvpool.slabbox`).
+other slab sessions with no round trip (:mod:`kvpool.slab`, :mod:`kvpool.slabsend`, :mod:`kvpool.slabbox`).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import contextlib
 import mmap
 import os
 import struct
+from array import array
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,11 @@ SLOT = np.dtype([("block", "<i8"), ("state", "<u4"), ("to_region", "<u4"), ("seq
 HEAD_BYTES = 64
 NONCE, WANT, DONE, HSEQ = 0, 1, 2, 3  # the header's words; then each slot is 4: block, state | to_region << 32,
 # seq, to_nonce
+
+
+def column(typecode: str, value: int, n: int) -> memoryview:
+    """``n`` copies of ``value``: one word of each slot of a run of ``n``, written or compared in one call."""
+    return memoryview(array(typecode, (value,)) * n)
 
 
 def region_dtype(slots: int) -> np.dtype:
@@ -107,13 +113,14 @@ class TableView:
         # field of a record a microsecond): own header nonce, want, done, hseq at 0..3, slot s at 8 + 4 s
         self.words = memoryview(self._rw).cast("Q")
         self.all_words = memoryview(self._ro).cast("Q")  # region r starts at PAGE / 8 + r * region_words
+        self.halves = memoryview(self._rw).cast("I")  # slot s's state (the low half of its word 1) at 18 + 8 s
 
     def close(self) -> None:
         # numpy views keep the maps' buffers exported: drop them first, and leave the maps to the collector if a
         # caller still holds a view
         del self.table, self.mine
-        self.words.release()
-        self.all_words.release()
+        for view in (self.words, self.all_words, self.halves):
+            view.release()
         for mm in (self._ro, self._rw):
             with contextlib.suppress(BufferError):
                 mm.close()

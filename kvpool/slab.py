@@ -295,7 +295,8 @@ class Slab:
             return
         req = SlabRequest(session_id=self.session_id, take=take)
         ids = np.asarray(self.transport.fetch("POST", "/leases/slab", req, SlabResponse).block_ids, np.int64)
-        slots = np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32)[::-1]
+        # ascending, so that alloc (from the top) hands out runs of consecutive slots, which a handoff checks at once
+        slots = np.sort(np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32))
         del self.empty[len(self.empty) - len(ids) :]
         self.block[slots] = ids
         self.state[slots] = IDLE

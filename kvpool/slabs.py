@@ -14,7 +14,8 @@ from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError
 from kvpool.handoffs import Claim
 from kvpool.protocol import HandoffResponse
 from kvpool.slab import Slab, SlabConfig
-from kvpool.slabbox import SlabHandoffs
+from kvpool.slabbox import SlabBox
+from kvpool.slabsend import SlabSender
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class Slabs:
         self.config = config
         self.spin_s = spin_s
         self.slab: Slab | None = None
-        self.handoffs: SlabHandoffs | None = None
+        self.sender: SlabSender | None = None
+        self.box: SlabBox | None = None
 
     def open(self, session_id: str, epoch: str, mode: int) -> None:
         """Take a region of the pool's lease table for this session; without one (a pool without ``--leases``,
@@ -60,14 +62,15 @@ class Slabs:
         except (KvpoolError, OSError) as exc:
             log.warning("no slab for this session, alloc and free go through the pool: %s", exc)
             return
-        self.handoffs = SlabHandoffs(self.slab, mode)
+        self.sender, self.box = SlabSender(self.slab), SlabBox(self.slab, mode)
 
     def close(self) -> None:
-        if self.handoffs is not None:
-            self.handoffs.close()
+        for side in (self.sender, self.box):
+            if side is not None:
+                side.close()
         if self.slab is not None:
             self.slab.close()
-        self.slab = self.handoffs = None
+        self.slab = self.sender = self.box = None
 
     def answer_want(self) -> None:
         if self.slab is not None:
@@ -75,7 +78,7 @@ class Slabs:
 
     @property
     def receiving(self) -> bool:
-        return self.handoffs is not None and self.handoffs.box is not None
+        return self.box is not None and self.box.sock is not None
 
     def alloc(self, n: int) -> list[int] | None:
         return self.slab.alloc(n) if self.slab is not None else None
@@ -100,28 +103,28 @@ class Slabs:
         return self.slab.leave(ids, call)
 
     def settle(self) -> None:
-        if self.handoffs is not None:
-            self.handoffs.settle()
+        if self.box is not None:
+            self.box.settle()
 
     def handoff(
         self, request_id: str, ids: Sequence[int] | Any, num_tokens: int, meta: dict[str, Any] | None, to: str
     ) -> HandoffResponse | None:
-        if self.handoffs is None:
+        if self.sender is None:
             return None
         try:
             extra = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
         except (TypeError, ValueError) as exc:
             raise InvalidRequest(f"cannot send this handoff: meta must be a JSON object ({exc})") from None
-        n = self.handoffs.handoff(request_id, ids, int(num_tokens), extra, to)
+        n = self.sender.handoff(request_id, ids, int(num_tokens), extra, to)
         if n is None:
             return None
         return _sent(request_id, n)
 
     def claim(self, request_id: str | None, timeout_s: float, from_pool: Callable[[str | None, float], Claim]) -> Claim:
         """A handoff from a slab or, failing that, one parked in the pool, whichever turns up first."""
-        assert self.handoffs is not None
+        assert self.box is not None
         deadline = time.perf_counter() + timeout_s
-        got = self.handoffs.receive(request_id, self.spin_s, self.spin_s)
+        got = self.box.receive(request_id, self.spin_s, self.spin_s)
         while got is None:
             try:
                 return from_pool(request_id, 0.0)
@@ -129,5 +132,5 @@ class Slabs:
                 remaining = deadline - time.perf_counter()
                 if remaining <= 0:
                     raise
-            got = self.handoffs.receive(request_id, 0.0, min(POLL_S, remaining))
+            got = self.box.receive(request_id, 0.0, min(POLL_S, remaining))
         return got

@@ -1,7 +1,8 @@
 """The datagram of a handoff between two live sessions' slabs: the producer sends it, the pool is not on the way.
 
 The producer first marks the blocks handed in its region of the lease table (to the consumer's region and nonce,
-under the next sequence number), then sends the ids, their slots and that sequence to the consumer's lease box,
+under the next sequence number), then sends the ids, their slots (the first slot alone when they sit in a run of
+consecutive slots, as a slab hands them out) and that sequence to the consumer's lease box,
 sealed with the key the pool issued for this producer-consumer pair (a keyed BLAKE2b MAC, issued once per pair,
 never per handoff). The consumer takes the ids only if the seal holds, the sequence is newer than every one it took
 from that producer, and the producer's region (mapped read-only) says the same thing as the datagram.
@@ -19,10 +20,11 @@ from typing import Any
 
 from kvpool.inbox import MAX_DATAGRAM, SEAL_BYTES
 
-MAGIC = b"KVL1"
-#: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes;
-#: then the slots (i32), the ids (i64), the request id, the meta JSON and the seal
-HEAD = struct.Struct("<4sIIQQQHI")
+MAGIC = b"KVL2"
+#: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes, first
+#: slot of a run (-1: slots listed); then the slots (i32, unless a run), the ids (i64), request id, meta JSON, seal
+HEAD = struct.Struct("<4sIIQQQHIi")
+NO_SLOTS = array("i")  # a run's: its slots follow from its first
 
 
 @dataclass(slots=True)
@@ -33,8 +35,9 @@ class SlabHandoff:
     request_id: str
     num_tokens: int
     meta: dict[str, Any]
-    slots: array  # int32
+    slots: array  # int32; empty when ``run`` is set
     packed: array  # the ids, int64
+    run: int  # the ids sit in slots run, run + 1, ...; -1 when ``slots`` lists them
 
 
 def pair_key(secret: bytes, producer: str, consumer: str) -> bytes:
@@ -47,12 +50,6 @@ def sealer(key: bytes) -> Any:
     return hashlib.blake2b(key=key, digest_size=SEAL_BYTES)
 
 
-def _mac(key: bytes | Any, data: bytes | memoryview) -> bytes:
-    mac = sealer(key) if isinstance(key, bytes) else key.copy()
-    mac.update(data)
-    return mac.digest()
-
-
 def encode(
     key: bytes | Any,
     region: int,
@@ -63,44 +60,58 @@ def encode(
     meta: bytes,
     slots: bytes,
     ids: bytes,
+    run: int = -1,
 ) -> bytes:
     """The sealed datagram; ``key`` is the pair's key or its :func:`sealer`; ``slots`` are int32 and ``ids`` int64,
-    little-endian, already packed."""
+    little-endian, already packed; with ``run`` (the first of consecutive slots), ``slots`` is empty."""
     rid = request_id.encode()
-    head = HEAD.pack(MAGIC, region, len(ids) // 8, nonce, seq, num_tokens, len(rid), len(meta))
+    head = HEAD.pack(MAGIC, region, len(ids) // 8, nonce, seq, num_tokens, len(rid), len(meta), run)
     body = b"".join((head, slots, ids, rid, meta))
-    return body + _mac(key, body)
+    mac = sealer(key) if isinstance(key, bytes) else key.copy()
+    mac.update(body)
+    return body + mac.digest()
+
+
+def head(data: memoryview) -> tuple[Any, ...] | None:
+    """The header's fields of a datagram, or None if it is not one of ours."""
+    if len(data) < HEAD.size + SEAL_BYTES:
+        return None
+    fields = HEAD.unpack_from(data)
+    return fields if fields[0] == MAGIC else None
 
 
 def peek(data: memoryview) -> tuple[int, int] | None:
     """(producer region, nonce) of a datagram, to find its pair key; None if it is not one of ours."""
-    if len(data) < HEAD.size + SEAL_BYTES or data[:4] != MAGIC:
-        return None
-    _, region, _, nonce, *_ = HEAD.unpack_from(data)
-    return region, nonce
+    fields = head(data)
+    return None if fields is None else (fields[1], fields[3])
 
 
-def decode(data: memoryview, key: bytes | Any) -> SlabHandoff | None:
+def decode(data: memoryview, key: bytes | Any, fields: tuple[Any, ...] | None = None) -> SlabHandoff | None:
     """The handoff a datagram carries, or None when it is malformed or its seal is not the pair's (``key``: the
-    pair's key or its :func:`sealer`)."""
-    if len(data) < HEAD.size + SEAL_BYTES:
+    pair's key or its :func:`sealer`; ``fields``: its :func:`head`, if read already)."""
+    if fields is None and (fields := head(data)) is None:
         return None
-    magic, region, n, nonce, seq, num_tokens, rid_len, meta_len = HEAD.unpack_from(data)
-    at = HEAD.size + 12 * n
-    if magic != MAGIC or len(data) != at + rid_len + meta_len + SEAL_BYTES:
+    _, region, n, nonce, seq, num_tokens, rid_len, meta_len, run = fields
+    listed = 4 * n if run < 0 else 0
+    at = HEAD.size + listed + 8 * n
+    if len(data) != at + rid_len + meta_len + SEAL_BYTES:
         return None
-    if not hmac.compare_digest(_mac(key, data[:-SEAL_BYTES]), data[-SEAL_BYTES:]):
+    mac = sealer(key) if isinstance(key, bytes) else key.copy()
+    mac.update(data[:-SEAL_BYTES])
+    if not hmac.compare_digest(mac.digest(), data[-SEAL_BYTES:]):
         return None
     try:
         request_id = str(data[at : at + rid_len], "utf-8")
         meta = json.loads(data[at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
-    slots, packed = array("i"), array("q")
-    slots.frombytes(data[HEAD.size : HEAD.size + 4 * n])
-    packed.frombytes(data[HEAD.size + 4 * n : at])
-    meta = meta if isinstance(meta, dict) else {}
-    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta, slots, packed)
+    packed, slots = array("q"), NO_SLOTS
+    packed.frombytes(data[HEAD.size + listed : at])
+    if listed:
+        slots = array("i")
+        slots.frombytes(data[HEAD.size : HEAD.size + listed])
+    return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta if type(meta) is dict else {}, slots, packed,
+                       run)  # fmt: skip
 
 
-__all__ = ["MAX_DATAGRAM", "SEAL_BYTES", "SlabHandoff", "decode", "encode", "pair_key", "peek", "sealer"]
+__all__ = ["MAX_DATAGRAM", "SEAL_BYTES", "SlabHandoff", "decode", "encode", "head", "pair_key", "peek", "sealer"]

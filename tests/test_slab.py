@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Iterator
 from typing import Any
 
@@ -173,8 +174,9 @@ def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess
     with PoolClient(pool.url, name="slab-s", slab=SMALL) as p, PoolClient(pool.url, name="slab-t", slab=SMALL) as q:
         p.handoff("req-warm", p.alloc(1), 1, to="slab-t")  # p knows the way to q's box now
         q.free(q.claim("req-warm", timeout_s=5).ids)
-        assert q.slabs.handoffs is not None and q.slabs.slab is not None
+        assert q.slabs.box is not None and q.slabs.box.sock is not None and q.slabs.slab is not None
         os.unlink(q.slabs.slab.info.box or "")
+        q.slabs.box.sock.close()  # as when its process died: p's socket, connected to it, is refused
         ids = p.alloc(3)
         with pytest.raises(HandoffRefused, match="could not reach") as refused:
             p.handoff("req-lost", ids, 4, to="slab-t")
@@ -189,41 +191,105 @@ def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess
 
 
 class Recorder:
-    """Stands in for a producer's sending socket, keeping what it sends."""
+    """Stands in for a producer's socket to one consumer, keeping what it sends."""
 
     def __init__(self, real: socket.socket) -> None:
         self.real = real
-        self.sent: list[tuple[bytes, str]] = []
+        self.sent: list[bytes] = []
 
-    def sendto(self, data: bytes, path: str) -> int:
-        self.sent.append((data, path))
-        return self.real.sendto(data, path)
-
-    def fileno(self) -> int:
-        return self.real.fileno()
+    def send(self, data: bytes) -> int:
+        self.sent.append(data)
+        return self.real.send(data)
 
     def close(self) -> None:
         self.real.close()
 
 
+def recorded(producer: PoolClient, to: str) -> tuple[Recorder, str]:
+    """What the producer sends to ``to`` from now on, and the path of ``to``'s lease box."""
+    sender = producer.slabs.sender
+    assert sender is not None
+    peer = sender._peer(to)
+    assert peer is not None
+    recorder = Recorder(peer.sock)
+    peer.sock = recorder  # type: ignore[assignment]
+    return recorder, peer.box
+
+
+def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: PoolProcess) -> None:
+    """The blocks of one alloc sit in consecutive slots, checked and sent as a run; ids in another order are
+    checked and sent one by one. The consumer takes both on its producer's word (no round trip to the pool)."""
+    with PoolClient(pool.url, name="slab-r", slab=SMALL) as p, PoolClient(pool.url, name="slab-u", slab=SMALL) as q:
+        assert p.slabs.slab is not None and q.slabs.box is not None
+        recorder, _ = recorded(p, "slab-u")
+        ids = p.alloc(4)
+        for request_id, handed in (("req-run", ids[:2]), ("req-listed", [ids[3], ids[2]])):
+            p.handoff(request_id, handed, 2, to="slab-u")
+            got = q.claim(request_id, timeout_s=5)
+            assert got.block_ids == handed and p.slabs.slab.info.region in q.slabs.box.to_settle
+        runs = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
+        assert runs[0] >= 0 and runs[1] == -1
+        assert q.free(ids) == 4
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_stale_id_among_a_run_goes_to_the_pool_which_refuses_it(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-v", slab=SMALL) as p, PoolClient(pool.url, name="slab-w", slab=SMALL) as q:
+        ids = p.alloc(3)
+        assert p.free(ids[2:]) == 1
+        with pytest.raises(StaleBlock):
+            p.handoff("req-stale-run", ids, 3, to="slab-w")
+        with pytest.raises(HandoffRefused, match="StaleBlock"):
+            q.claim("req-stale-run", timeout_s=5)  # the pool tells the addressee
+        assert p.free(ids[:2]) == 2  # nothing changed: still the producer's
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
+    """A producer holds the pair's key, so its seal proves nothing about the slots: a run that names blocks its
+    region does not show handed to this consumer under this sequence (allocated still, or in other slots), or
+    slots past the slab, is dropped."""
+    with PoolClient(pool.url, name="slab-x", slab=SMALL) as p, PoolClient(pool.url, name="slab-y", slab=SMALL) as q:
+        assert q.slabs.box is not None and q.slabs.slab is not None
+        recorder, path = recorded(p, "slab-y")
+        ids = p.alloc(2)
+        p.handoff("req-true", ids, 2, to="slab-y")
+        assert q.claim("req-true", timeout_s=5).block_ids == ids
+        datagram = memoryview(recorder.sent[0])
+        key = q.slabs.box.keys[slabwire.peek(datagram)]  # type: ignore[index]
+        h = slabwire.decode(datagram, key)
+        assert h is not None and h.run >= 0
+        kept = p.alloc(2)
+        own = p.slabs.sender._allocated(kept)  # type: ignore[union-attr]
+        assert own is not None and own[1] >= 0
+        out, capacity = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), q.slabs.slab.capacity
+        lies = (("req-not-handed", own[1]), ("req-other-slots", h.run), ("req-past", capacity - 1))
+        for n, (request_id, run) in enumerate(lies):
+            lie = slabwire.encode(key, h.from_region, h.from_nonce, h.seq + 1 + n, request_id, 2, b"", b"",
+                                  array("q", kept).tobytes(), run)  # fmt: skip
+            out.sendto(lie, path)
+            with pytest.raises(HandoffNotFound):
+                q.claim(request_id, timeout_s=0.2)
+        out.close()
+        assert q.free(ids) == 2 and p.free(kept) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
 def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-f", slab=SMALL) as p, PoolClient(pool.url, name="slab-g", slab=SMALL) as q:
-        box = p.slabs.handoffs
-        assert box is not None
-        recorder = Recorder(box.out)
-        box.out = recorder  # type: ignore[assignment]
+        recorder, path = recorded(p, "slab-g")
         ids = p.alloc(2)
         p.handoff("req-real", ids, 4, to="slab-g")
         assert q.claim("req-real", timeout_s=5).block_ids == ids
-        (datagram, path), out = recorder.sent[0], socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        datagram, out = recorder.sent[0], socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         out.sendto(datagram, path)  # the same datagram again: a replay
         tampered = bytearray(datagram)
         tampered[slabwire.HEAD.size + 8] ^= 1  # another block id, under the pair's seal
         out.sendto(bytes(tampered), path)
-        h = slabwire.decode(memoryview(datagram), q.slabs.handoffs.keys[slabwire.peek(memoryview(datagram))])
+        h = slabwire.decode(memoryview(datagram), q.slabs.box.keys[slabwire.peek(memoryview(datagram))])
         assert h is not None
         forged = slabwire.encode(secrets.token_bytes(32), h.from_region, h.from_nonce, h.seq + 1, "req-forged", 4, b"",
-                                 h.slots.tobytes(), h.packed.tobytes())  # fmt: skip
+                                 h.slots.tobytes(), h.packed.tobytes(), h.run)  # fmt: skip
         out.sendto(forged, path)
         out.close()
         for request_id in ("req-real", "req-forged", None):

@@ -1,0 +1,311 @@
+"""Handoffs from this session's slab to another live session's, the producer's side: no round trip to the pool.
+
+The producer checks that the ids name blocks its slab holds allocated at their generations, marks them handed in
+its region of the lease table (to the consumer's region and nonce, under its next sequence: each slot's other
+words first, its state last), and sends the consumer's lease box one datagram sealed with their pair's key
+(:mod:`kvpool.slabwire`, the consumer's side in :mod:`kvpool.slabbox`). The blocks of one alloc sit in consecutive
+slots, so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run,
+where other ids take one per slot. If the datagram cannot leave, the slots are taken back before the pool settles
+them, and the refusal says which ids are still the caller's.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool import slabwire
+from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
+from kvpool.ids import BLOCK_MASK
+from kvpool.lease_protocol import PairRequest, PairResponse
+from kvpool.leases import ALLOCATED, EMPTY, HANDED, HSEQ, NONCE, PAGE, column
+from kvpool.slab import Slab, as_ids
+
+log = logging.getLogger(__name__)
+
+#: how often a producer tries again to send handoffs a consumer had no room for
+FLUSH_S = 0.0005
+FLUSH_MAX_S = 0.05
+#: how long a producer remembers that a consumer has no lease box before it asks the pool again
+NO_BOX_S = 1.0
+#: up to this many ids a handoff is checked and marked one id at a time (numpy's per-call cost is a microsecond)
+FEW = 128
+STATE_MASK = 0xFFFFFFFF
+
+
+@dataclass(slots=True)
+class Peer:
+    region: int
+    nonce: int
+    box: str
+    sock: socket.socket  # connected to the box: a send skips the kernel's lookup of its path (a microsecond)
+    key: Any  # the pair's keyed MAC, ready to copy (slabwire.sealer)
+    tag: int  # a handed slot's state word: HANDED | region << 32
+    tags: memoryview  # the tag and the nonce over a whole slab's slots, to mark a run of them in one write each
+    nonces: memoryview
+
+
+class SlabSender:
+    def __init__(self, slab: Slab) -> None:
+        self.slab = slab
+        self.transport = slab.transport
+        self.peers: dict[str, Peer] = {}
+        self.no_box: dict[str, float] = {}
+        self.queued: deque[tuple[bytes, Peer]] = deque()
+        self.closed = False
+        self._allocated_row = column("I", ALLOCATED, slab.capacity)
+
+    def _peer(self, to: str) -> Peer | None:
+        peer = self.peers.get(to)
+        view = self.slab.view
+        if peer is not None and view.all_words[PAGE // 8 + peer.region * view.region_words + NONCE] == peer.nonce:
+            return peer
+        if self.no_box.get(to, 0.0) > time.monotonic():
+            return None
+        try:
+            req = PairRequest(session_id=self.slab.session_id, to=to)
+            got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
+        except InvalidRequest:  # no such session, or one with no lease box: through the pool
+            self.no_box[to] = time.monotonic() + NO_BOX_S
+            return None
+        assert got.region is not None and got.nonce is not None and got.box is not None
+        self._drop(to)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(got.box)
+        except OSError as exc:
+            sock.close()
+            log.debug("no lease box to send to at %s (%s): handoffs to %s go through the pool", got.box, exc, to)
+            self.no_box[to] = time.monotonic() + NO_BOX_S
+            return None
+        tag, capacity = HANDED | got.region << 32, self.slab.capacity
+        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, slabwire.sealer(bytes.fromhex(got.key)),
+                                     tag, column("Q", tag, capacity), column("Q", got.nonce, capacity))  # fmt: skip
+        return peer
+
+    def _drop(self, to: str) -> None:
+        """Forget a peer; datagrams still queued for it are dropped when their turn comes."""
+        peer = self.peers.pop(to, None)
+        if peer is not None:
+            peer.sock.close()
+
+    def handoff(self, request_id: str, ids: object, num_tokens: int, meta: bytes, to: str) -> int | None:
+        """Hand the slab's allocated blocks ``ids`` to the session called ``to``; how many, or None when this path
+        does not apply (not all slab blocks, or no lease box there): then the caller goes through the pool."""
+        slab = self.slab
+        listed = ids if type(ids) is list else as_ids(ids).tolist()
+        n = len(listed)
+        if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
+            return None
+        with slab.lock:
+            slab._answer_want()
+            found = self._allocated(listed)
+            if found is None:
+                return None
+            slots, run, packed = found
+            peer = self._peer(to)
+            if peer is None:
+                return None
+            words = slab.view.words
+            seq = words[HSEQ] + 1
+            words[HSEQ] = seq
+            if run >= 0:
+                self._mark_run(run, n, seq, peer)
+            else:
+                self._mark(slots, seq, peer)
+            slab.handed += n
+            info = slab.info
+            listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
+            datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
+                                       listed_slots, packed.tobytes(), run)  # fmt: skip
+            failed = self._send(datagram, peer)
+            self._forget(listed)  # the slab's own map, after the datagram left: off the consumer's path
+            if failed is not None:
+                self._drop(to)
+                raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
+        return n
+
+    def _send(self, datagram: bytes, peer: Peer) -> OSError | None:
+        """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay."""
+        if self.queued:
+            self.queued.append((datagram, peer))
+            return None
+        try:
+            peer.sock.send(datagram)
+        except BlockingIOError:  # the consumer's queue is full (a few datagrams): send it later, never wait
+            self.queued.append((datagram, peer))
+            threading.Thread(target=self._flush, name="kvpool-slab-send", daemon=True).start()
+        except OSError as exc:
+            return exc
+        return None
+
+    def _unsent(
+        self, request_id: str, to: str, exc: OSError, slots: Sequence[int], seq: int, tag: int
+    ) -> HandoffRefused:
+        kept = self._take_back(slots, seq, tag)
+        n = len(slots)
+        if kept is None:
+            why = "its blocks are handed already: they go to that session if it is still there, else back to the pool"
+        elif len(kept) == n:
+            why = "nothing was handed: the blocks are still yours"
+        else:
+            why = (
+                f"the pool had settled {n - len(kept)} of its blocks already (they go to that session if it is still "
+                f"there, else back to the pool); these are still yours: {kept}"
+            )
+        err = HandoffRefused(f"the handoff of {request_id!r} could not reach {to!r} ({exc}); {why}")
+        err.kept = tuple(kept or ())  # the ids still the caller's
+        return err
+
+    def _take_back(self, slots: Sequence[int], seq: int, tag: int) -> list[int] | None:
+        """After a datagram that could not leave: the ids of the blocks that are allocated here again, or None if the
+        pool could not be asked. Each slot's state goes back first; then one round trip to the pool (a settle of
+        this region), after which any settle of the pool's that saw them handed is over, and ``settled`` says which
+        it moved."""
+        slab = self.slab
+        words = slab.view.words
+        for slot in slots:
+            words[9 + 4 * slot] = ALLOCATED
+        try:
+            slab.settle([slab.info.region])
+        except KvpoolError:
+            for slot in slots:
+                words[9 + 4 * slot] = tag  # handed, as they were: the pool settles them
+            return None
+        kept = []
+        for slot in slots:
+            if slab.settled[slot] == seq:
+                words[9 + 4 * slot] = EMPTY
+                slab.empty.append(slot)
+            else:
+                fid = words[8 + 4 * slot]
+                slab.slot_at[fid & BLOCK_MASK] = slot
+                kept.append(fid)
+        slab.handed -= len(slots)
+        return kept
+
+    def _allocated(self, ids: list[int]) -> tuple[Sequence[int], int, array] | None:
+        """The slots of these ids, the first of them if they are consecutive (else -1) and the ids packed, if each
+        names a distinct allocated block of this slab at its generation; else None."""
+        try:
+            packed = array("Q", ids)  # unsigned, as the slots' block words: a negative id is no block of ours
+        except (OverflowError, TypeError):
+            return None
+        n = len(ids)
+        run = self._allocated_run(ids, packed)
+        if run >= 0:
+            return range(run, run + n), run, packed
+        slots = self._allocated_slots(ids) if n <= FEW else self._allocated_array(as_ids(ids))
+        if slots is None or (n > 1 and len(set(slots)) != n):
+            return None
+        return slots, -1, packed
+
+    def _allocated_run(self, ids: list[int], packed: array) -> int:
+        """The first slot if these ids sit allocated, at their generations, in consecutive slots from there (as a
+        slab hands out the blocks of one alloc): then one comparison of each column checks them all; else -1."""
+        slab, n = self.slab, len(ids)
+        block = ids[0] & BLOCK_MASK
+        first = slab.slot_at[block] if block < len(slab.slot_at) else -1
+        if first < 0 or first + n > slab.capacity:
+            return -1
+        at = 8 + 4 * first
+        view = slab.view
+        if view.words[at : at + 4 * n : 4] != packed:
+            return -1
+        if view.halves[2 * at + 2 : 2 * at + 8 * n : 8] != self._allocated_row[:n]:
+            return -1
+        return first
+
+    def _allocated_slots(self, ids: list[int]) -> list[int] | None:
+        """The slots of these ids if each names an allocated block of this slab at its generation, else None."""
+        slot_at, words, n = self.slab.slot_at, self.slab.view.words, len(self.slab.slot_at)
+        slots = []
+        for fid in ids:
+            block = fid & BLOCK_MASK
+            slot = slot_at[block] if block < n and fid >= 0 else -1
+            if slot < 0 or words[8 + 4 * slot] != fid or words[9 + 4 * slot] & STATE_MASK != ALLOCATED:
+                return None
+            slots.append(slot)
+        return slots
+
+    def _allocated_array(self, arr: np.ndarray) -> list[int] | None:
+        """The same for many ids at once (an id that is no allocated block of this slab fails one of the two
+        comparisons: a block not in the slab maps to slot -1, whose block field never holds such an id)."""
+        slab = self.slab
+        slots = slab.slot_of.take(arr & BLOCK_MASK, mode="clip")
+        if not ((slab.state[slots] == ALLOCATED).all() and (slab.block[slots] == arr).all()):
+            return None
+        return slots.tolist()
+
+    def _mark(self, slots: list[int], seq: int, peer: Peer) -> None:
+        """Mark the slots handed to ``peer`` under ``seq`` (each slot's other fields first, its state last: readers
+        read the state first)."""
+        slab = self.slab
+        words, tag, nonce = slab.view.words, peer.tag, peer.nonce
+        if len(slots) <= FEW:
+            for slot in slots:
+                at = 8 + 4 * slot
+                words[at + 2] = seq
+                words[at + 3] = nonce
+                words[at + 1] = tag
+            return
+        at = np.asarray(slots)
+        slab.words[at, 2:] = (seq, nonce)
+        slab.words[at, 1] = tag
+
+    def _mark_run(self, first: int, n: int, seq: int, peer: Peer) -> None:
+        """The same for consecutive slots, a column at a time, states last."""
+        words, at = self.slab.view.words, 8 + 4 * first
+        end = at + 4 * n
+        words[at + 2 : end : 4] = array("Q", (seq,)) * n
+        words[at + 3 : end : 4] = peer.nonces[:n]
+        words[at + 1 : end : 4] = peer.tags[:n]
+
+    def _forget(self, ids: list[int]) -> None:
+        """The handed blocks are no longer this slab's to alloc, free or hand."""
+        slab = self.slab
+        if len(ids) <= FEW:
+            slot_at = slab.slot_at
+            for fid in ids:
+                slot_at[fid & BLOCK_MASK] = -1
+        else:
+            slab.slot_of[np.asarray(ids, np.int64) & BLOCK_MASK] = -1
+
+    def _flush(self) -> None:
+        """Send the queued datagrams in order as their consumers make room; one whose consumer is gone is dropped
+        (the pool gives its blocks back when it settles)."""
+        pause = FLUSH_S
+        while True:
+            with self.slab.lock:
+                if not self.queued or self.closed:
+                    self.queued.clear()
+                    return
+                datagram, peer = self.queued[0]
+                try:
+                    peer.sock.send(datagram)
+                except BlockingIOError:
+                    pause = min(2 * pause, FLUSH_MAX_S)  # a consumer that does not read: no busy loop meanwhile
+                except OSError as exc:
+                    log.warning("dropped a slab handoff to %s: %s", peer.box, exc)
+                    self.queued.popleft()
+                else:
+                    self.queued.popleft()
+                    pause = FLUSH_S
+                    continue
+            time.sleep(pause)
+
+    def close(self) -> None:
+        with self.slab.lock:
+            self.closed = True
+            for to in list(self.peers):
+                self._drop(to)
