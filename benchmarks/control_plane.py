@@ -233,8 +233,7 @@ def _body(report: harness.Report, batches: list[int], clients: list[int]) -> str
     rate = harness.fmt_rate
     tput = [[b, n, *(rate(rows[v, b, n]["blocks_per_s"]) for v in VARIANTS)] for b in batches for n in clients]
     parts.append(
-        "Blocks allocated and freed per second, all clients:\n"
-        + harness.table(["batch", "clients", *VARIANTS], tput)
+        "Blocks allocated and freed per second, all clients:\n" + harness.table(["batch", "clients", *VARIANTS], tput)
     )
     return "\n\n".join(parts)
 

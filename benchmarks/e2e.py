@@ -270,5 +270,3 @@ def _scenario(report: harness.Report, env: Env, scenario: str, vocab: int) -> No
                             f"scenario {scenario}, {workload} at {rate:g}/s: {bad} of {len(first)} requests' tokens "
                             "differ between sides"
                         )
-
-

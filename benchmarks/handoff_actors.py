@@ -16,6 +16,7 @@ from kvpool.benchmarks import harness
 #: a layer's K and V: the tensors per layer the tensor variants move
 NUM_TENSORS_PER_LAYER = 2
 
+
 class Actor:
     """State of the producer or the consumer process: its pool clients, its mapping of the arena, its tensors."""
 

@@ -79,8 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between killed workers (0: none) [1.5]")  # fmt: skip
     parser.add_argument("--no-verify-data", action="store_true", help="do not map the arena to stamp and check bytes")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary alone here")
-    parser.add_argument("--slabs", action="store_true", help="start the pool with --leases and give the fast-channel "
-                        "clients and the killed workers a small slab each (alloc, free, handoffs between them local)")
+    parser.add_argument(
+        "--slabs",
+        action="store_true",
+        help="start the pool with --leases and give the fast-channel "
+        "clients and the killed workers a small slab each (alloc, free, handoffs between them local)",
+    )
 
 
 # -- the side jobs: sampling the books, killing workers -----------------------------------------------------
@@ -272,8 +276,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(summary, indent=2))
-    names = ("duration", "clients", "url", "num_blocks", "lease_ttl_s", "handoff_ttl_s", "sample_interval",
-             "crash_every", "seed", "host_blocks", "slabs")
+    names = (
+        "duration",
+        "clients",
+        "url",
+        "num_blocks",
+        "lease_ttl_s",
+        "handoff_ttl_s",
+        "sample_interval",
+        "crash_every",
+        "seed",
+        "host_blocks",
+        "slabs",
+    )
     config = {k: getattr(args, k) for k in names}
     report = harness.Report("soak", args, machine.Device("cpu"), config)
     ops, rates = summary["ops"], summary["ops_per_s"]

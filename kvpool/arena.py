@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+
 def torch_dtype(name: str) -> torch.dtype:
     import torch
 

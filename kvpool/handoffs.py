@@ -107,8 +107,7 @@ def refused_error(refused: list[tuple[str, int, bytes]]) -> KvpoolError:
     exc = error_for(status, body)
     more = f" (and of {len(refused) - 1} more)" if len(refused) > 1 else ""
     err = type(exc)(
-        f"the pool refused the claim of request {label!r}{more}, whose ids were delivered to your inbox: "
-        f"{exc}"
+        f"the pool refused the claim of request {label!r}{more}, whose ids were delivered to your inbox: {exc}"
     )
     err.refused = tuple(r[0] for r in refused)
     return err

@@ -197,8 +197,11 @@ class HandoffResponse(BaseModel):
     request_id: str
     num_blocks: int
     inbox: str | None = Field(None, description="the addressee's inbox, if it has one (see `to`)")
-    slab: bool = Field(False, description="sent from the producer's slab to the addressee's lease box, no pool on "
-                       "the way (the pool moves the refs afterwards)")
+    slab: bool = Field(
+        False,
+        description="sent from the producer's slab to the addressee's lease box, no pool on "
+        "the way (the pool moves the refs afterwards)",
+    )
 
 
 class ClaimRequest(_Request):

@@ -47,8 +47,9 @@ class PoolSettings(BaseSettings):
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
     shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
     arena_handle: Literal["auto", "vmm", "legacy"] = Field(
-        "auto", description="how workers map the CUDA arena: vmm (an fd over the fast channel's Unix socket), "
-        "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible)"
+        "auto",
+        description="how workers map the CUDA arena: vmm (an fd over the fast channel's Unix socket), "
+        "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible)",
     )
     host_blocks: int | None = Field(
         None, ge=1, description="host tier size in blocks: evicted prefix blocks are kept in host memory (off: none)"
@@ -61,8 +62,9 @@ class PoolSettings(BaseSettings):
     head_dim: int = Field(32, ge=1, le=4096, description="size of one attention head")
     block_size: int = Field(16, ge=1, le=4096, description="tokens per block")
     dtype: DType = Field("float16", description="KV dtype (fp16, bf16, fp32 and fp8 are accepted too)")
-    order: Order = Field("layer_major", description="layer_major: contiguous per-layer views; block_major: "
-                         "contiguous blocks")
+    order: Order = Field(
+        "layer_major", description="layer_major: contiguous per-layer views; block_major: contiguous blocks"
+    )
     model: str = Field("", description="model name mixed into prefix hashes, so models never share KV")
     prefix_hash: Literal["xxh3", "sha256"] = Field(
         "xxh3", description="hash of prefix chains: xxh3 (fast), or sha256 where tenants must not craft collisions"
@@ -81,21 +83,30 @@ class PoolSettings(BaseSettings):
     max_claims_per_session: int = Field(64, ge=1, description="claims of one session waiting in the pool at once")
     max_fast_connections: int = Field(4096, ge=1, description="fast-channel connections open at once")
     hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
-    leases: bool = Field(False, description="serve reservation slabs and a lease table in shared memory, so that "
-                         "alloc, free and handoffs between live sessions skip the round trip (docs/operations.md)")
+    leases: bool = Field(
+        False,
+        description="serve reservation slabs and a lease table in shared memory, so that "
+        "alloc, free and handoffs between live sessions skip the round trip (docs/operations.md)",
+    )
     lease_regions: int = Field(256, ge=1, le=1 << 16, description="sessions that may hold a slab at once")
-    slab_max_blocks: int = Field(4096, ge=1, le=1 << 20, description="most blocks one session's slab holds, "
-                                 "handed blocks not yet settled included")
+    slab_max_blocks: int = Field(
+        4096,
+        ge=1,
+        le=1 << 20,
+        description="most blocks one session's slab holds, handed blocks not yet settled included",
+    )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
 
     # KV events in vLLM's format, for KV-aware routers (docs/kv-events.md)
     kv_events_endpoint: str | None = Field(
-        None, description="ZeroMQ address of the pool's KV events PUB socket (tcp://*:5557, "
-        "ipc:///run/kvpool/events; see --kv-events-mode); none: off"
+        None,
+        description="ZeroMQ address of the pool's KV events PUB socket (tcp://*:5557, "
+        "ipc:///run/kvpool/events; see --kv-events-mode); none: off",
     )
     kv_events_mode: Literal["auto", "bind", "connect"] = Field(
-        "auto", description="bind the KV events endpoint, or connect to a subscriber that binds (llm-d's central "
-        "indexer); auto, as vLLM does: bind a wildcard host (tcp://*:5557), ipc:// or inproc://, else connect"
+        "auto",
+        description="bind the KV events endpoint, or connect to a subscriber that binds (llm-d's central "
+        "indexer); auto, as vLLM does: bind a wildcard host (tcp://*:5557), ipc:// or inproc://, else connect",
     )
     kv_events_replay_endpoint: str | None = Field(
         None, description="ZeroMQ ROUTER address the pool binds to replay missed KV event batches; none: off"

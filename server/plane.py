@@ -52,6 +52,7 @@ from kvpool.server.records import Limits, Session
 
 log = logging.getLogger(__name__)
 
+
 class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
         self.settings = settings

@@ -39,7 +39,8 @@ def test_every_kind_of_id_sequence_packs_to_the_same_bytes(ids):
 
 
 @pytest.mark.parametrize(
-    "make", [lambda v: array("q", v), lambda v: np.array(v, dtype=np.int64), lambda v: torch.tensor(v)],
+    "make",
+    [lambda v: array("q", v), lambda v: np.array(v, dtype=np.int64), lambda v: torch.tensor(v)],
     ids=["array", "numpy", "tensor"],
 )
 def test_an_int64_sequence_is_sent_without_a_copy(make):

@@ -33,4 +33,3 @@ def test_fences_give_back_the_generation_each_index_was_handed_out_with():
     for bad in ([4], [-1]):
         with pytest.raises(IndexError, match=r"outside \[0, 4\)"):
             fences.restore(bad)
-

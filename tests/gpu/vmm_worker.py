@@ -44,8 +44,14 @@ def write(url: str, request_id: str) -> dict:
         torch.cuda.synchronize()
         pool.handoff(request_id, [first, last], 2 * arena.layout.block_size, {})
         pool.free([i for i in ids if i not in (first, last)])
-        return {"pid": os.getpid(), "pool_pid": arena.descriptor.owner_pid, "map_ms": ms,
-                "kind": arena.descriptor.handle_kind, "nbytes": arena.descriptor.nbytes, "blocks": [first, last]}
+        return {
+            "pid": os.getpid(),
+            "pool_pid": arena.descriptor.owner_pid,
+            "map_ms": ms,
+            "kind": arena.descriptor.handle_kind,
+            "nbytes": arena.descriptor.nbytes,
+            "blocks": [first, last],
+        }
 
 
 def read(url: str, request_id: str) -> dict:
@@ -58,8 +64,13 @@ def read(url: str, request_id: str) -> dict:
             for view in arena.block(block)
         )
         pool.free(got.block_ids)
-        return {"pid": os.getpid(), "pool_pid": arena.descriptor.owner_pid, "map_ms": ms, "read_ok": ok,
-                "blocks": got.block_ids}
+        return {
+            "pid": os.getpid(),
+            "pool_pid": arena.descriptor.owner_pid,
+            "map_ms": ms,
+            "read_ok": ok,
+            "blocks": got.block_ids,
+        }
 
 
 def stranger(url: str, descriptor: str, token: str) -> dict:

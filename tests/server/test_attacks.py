@@ -244,6 +244,7 @@ def test_per_client_bounds_are_settings_and_say_which(tmp_path: Path) -> None:
             with pytest.raises(LimitExceeded, match="max-handoffs-per-session"):
                 a.handoff("h3", a.alloc(1), 1)
             assert pool.stats()["handoffs"] == before["handoffs"] == 2
+
             def wait_in_vain() -> None:
                 with pytest.raises(HandoffNotFound):
                     b.claim("x", timeout_s=3.0)

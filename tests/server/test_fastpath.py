@@ -47,7 +47,7 @@ def hello(token: str | None = "s3cret") -> bytes:
 def test_calls_before_hello_or_with_a_wrong_token_are_refused(plane: ControlPlane, tmp_path: Path) -> None:
     sid = plane.open_session(SessionCreate(name="w", role="other")).session_id
     alloc = frame(b"alloc", json.dumps({"session_id": sid, "num_blocks": 1}).encode())
-    (status, body), = run(plane, tmp_path, alloc)
+    ((status, body),) = run(plane, tmp_path, alloc)
     assert status == 401 and json.loads(body)["error"] == "Unauthorized"
     (status, _), (again, _) = run(plane, tmp_path, hello("wrong"), alloc)
     assert (status, again) == (401, 401)
@@ -83,5 +83,5 @@ def test_a_frame_over_the_limit_closes_the_connection_with_413(plane: ControlPla
 
 
 def test_before_hello_only_a_small_frame_is_read(plane: ControlPlane, tmp_path: Path) -> None:
-    (status, body), = run(plane, tmp_path, HEADER.pack(1 << 20) + b"x" * 16)
+    ((status, body),) = run(plane, tmp_path, HEADER.pack(1 << 20) + b"x" * 16)
     assert status == 413 and "before hello" in json.loads(body)["detail"]

@@ -148,8 +148,14 @@ class KvpoolConnector(KVConnectorBase_V1):
         assert self._sched is not None
         out = scheduler_output
         scheduled = [
-            Scheduled(r.req_id, r.num_computed_tokens, out.num_scheduled_tokens.get(r.req_id, 0),
-                      list(r.block_ids[0]), True, _tokens(r.prompt_token_ids))
+            Scheduled(
+                r.req_id,
+                r.num_computed_tokens,
+                out.num_scheduled_tokens.get(r.req_id, 0),
+                list(r.block_ids[0]),
+                True,
+                _tokens(r.prompt_token_ids),
+            )
             for r in out.scheduled_new_reqs
         ]
         cached = out.scheduled_cached_reqs

@@ -57,12 +57,16 @@ class ConnectorSettings(BaseModel):
         "lookup_wait_ms, which bounds the scheduler's waits only; off until measured on a GPU)",
     )
     lookup_wait_ms: float | None = Field(
-        None, ge=0, le=60_000,
+        None,
+        ge=0,
+        le=60_000,
         description="how long a scheduler step waits in all for lookups started on arrival; a request whose answer "
         "is not back by then is asked again next step (default: wait for the answer)",
     )
     switch_interval_ms: float | None = Field(
-        None, ge=0.01, le=100,
+        None,
+        ge=0.01,
+        le=100,
         description="set the engine core process's GIL switch interval (Python's default: 5 ms); the connector's "
         "pool calls run on threads beside the engine's, and each of their socket waits can cost them a whole "
         "interval to get the GIL back while vLLM's threads compute",
