@@ -27,7 +27,7 @@ from kvpool import slabwire
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ALLOCATED, EMPTY, HANDED, HSEQ, NONCE, PAGE, column
+from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, HSEQ, NONCE, PAGE, WANT, column
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
@@ -108,32 +108,76 @@ class SlabSender:
         if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
             return None
         with slab.lock:
+            sent = self._run(request_id, listed, num_tokens, meta, to)
+            if sent is not None:
+                return sent
             slab._answer_want()
-            found = self._allocated(listed)
-            if found is None:
+            slots = self._allocated_slots(listed) if n <= FEW else self._allocated_array(as_ids(listed))
+            if slots is None or (n > 1 and len(set(slots)) != n):
                 return None
-            slots, run, packed = found
             peer = self._peer(to)
             if peer is None:
                 return None
-            words = slab.view.words
-            seq = words[HSEQ] + 1
-            words[HSEQ] = seq
-            if run >= 0:
-                self._mark_run(run, n, seq, peer)
-            else:
-                self._mark(slots, seq, peer)
-            slab.handed += n
+            seq = self._next_seq()
+            self._mark(slots, seq, peer)
             info = slab.info
-            listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
             datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
-                                       listed_slots, packed.tobytes(), run)  # fmt: skip
-            failed = self._send(datagram, peer)
-            self._forget(listed)  # the slab's own map, after the datagram left: off the consumer's path
-            if failed is not None:
-                self._drop(to)
-                raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
+                                       array("i", slots).tobytes(), array("q", listed).tobytes())  # fmt: skip
+            self._send_marked(datagram, peer, to, request_id, listed, slots, seq)
         return n
+
+    def _run(self, request_id: str, ids: list[int], num_tokens: int, meta: bytes, to: str) -> int | None:
+        """The common case, in one frame: ids that sit allocated, at their generations, in consecutive slots (as a
+        slab hands out the blocks of one alloc), to a consumer already paired, with no flag from the pool to answer.
+        Each column of the run is then checked or marked in one call (the ids, the states; the sequences, nonces
+        and states), and the datagram names the first slot. None, having changed nothing, where this does not
+        apply: :meth:`handoff` then goes slot by slot."""
+        slab, n = self.slab, len(ids)
+        view = slab.view
+        words = view.words
+        peer = self.peers.get(to)
+        if peer is None or words[NONCE] != slab.info.nonce or words[WANT] != words[DONE]:
+            return None
+        if view.all_words[PAGE // 8 + peer.region * view.region_words + NONCE] != peer.nonce:
+            return None
+        try:
+            packed = array("Q", ids)  # unsigned, as the slots' block words: a negative id is no block of ours
+        except (OverflowError, TypeError):
+            return None
+        block = ids[0] & BLOCK_MASK
+        first = slab.slot_at[block] if block < len(slab.slot_at) else -1
+        if first < 0 or first + n > slab.capacity:
+            return None
+        at = 8 + 4 * first
+        end = at + 4 * n
+        if words[at:end:4] != packed or view.halves[2 * at + 2 : 2 * end : 8] != self._allocated_row[:n]:
+            return None
+        seq = self._next_seq()
+        words[at + 2 : end : 4] = array("Q", (seq,)) * n
+        words[at + 3 : end : 4] = peer.nonces[:n]
+        words[at + 1 : end : 4] = peer.tags[:n]
+        info = slab.info
+        datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, b"",
+                                   packed.tobytes(), first)  # fmt: skip
+        self._send_marked(datagram, peer, to, request_id, ids, range(first, first + n), seq)
+        return n
+
+    def _next_seq(self) -> int:
+        words = self.slab.view.words
+        seq = words[HSEQ] + 1
+        words[HSEQ] = seq
+        return seq
+
+    def _send_marked(
+        self, datagram: bytes, peer: Peer, to: str, request_id: str, ids: list[int], slots: Sequence[int], seq: int
+    ) -> None:
+        """Send the datagram of marked slots; the blocks leave the slab's map, or come back if it cannot leave."""
+        failed = self._send(datagram, peer)
+        self.slab.handed += len(ids)
+        self._forget(ids)  # the slab's own map, after the datagram left: off the consumer's path
+        if failed is not None:
+            self._drop(to)
+            raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
 
     def _send(self, datagram: bytes, peer: Peer) -> OSError | None:
         """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay."""
@@ -194,38 +238,6 @@ class SlabSender:
         slab.handed -= len(slots)
         return kept
 
-    def _allocated(self, ids: list[int]) -> tuple[Sequence[int], int, array] | None:
-        """The slots of these ids, the first of them if they are consecutive (else -1) and the ids packed, if each
-        names a distinct allocated block of this slab at its generation; else None."""
-        try:
-            packed = array("Q", ids)  # unsigned, as the slots' block words: a negative id is no block of ours
-        except (OverflowError, TypeError):
-            return None
-        n = len(ids)
-        run = self._allocated_run(ids, packed)
-        if run >= 0:
-            return range(run, run + n), run, packed
-        slots = self._allocated_slots(ids) if n <= FEW else self._allocated_array(as_ids(ids))
-        if slots is None or (n > 1 and len(set(slots)) != n):
-            return None
-        return slots, -1, packed
-
-    def _allocated_run(self, ids: list[int], packed: array) -> int:
-        """The first slot if these ids sit allocated, at their generations, in consecutive slots from there (as a
-        slab hands out the blocks of one alloc): then one comparison of each column checks them all; else -1."""
-        slab, n = self.slab, len(ids)
-        block = ids[0] & BLOCK_MASK
-        first = slab.slot_at[block] if block < len(slab.slot_at) else -1
-        if first < 0 or first + n > slab.capacity:
-            return -1
-        at = 8 + 4 * first
-        view = slab.view
-        if view.words[at : at + 4 * n : 4] != packed:
-            return -1
-        if view.halves[2 * at + 2 : 2 * at + 8 * n : 8] != self._allocated_row[:n]:
-            return -1
-        return first
-
     def _allocated_slots(self, ids: list[int]) -> list[int] | None:
         """The slots of these ids if each names an allocated block of this slab at its generation, else None."""
         slot_at, words, n = self.slab.slot_at, self.slab.view.words, len(self.slab.slot_at)
@@ -262,14 +274,6 @@ class SlabSender:
         at = np.asarray(slots)
         slab.words[at, 2:] = (seq, nonce)
         slab.words[at, 1] = tag
-
-    def _mark_run(self, first: int, n: int, seq: int, peer: Peer) -> None:
-        """The same for consecutive slots, a column at a time, states last."""
-        words, at = self.slab.view.words, 8 + 4 * first
-        end = at + 4 * n
-        words[at + 2 : end : 4] = array("Q", (seq,)) * n
-        words[at + 3 : end : 4] = peer.nonces[:n]
-        words[at + 1 : end : 4] = peer.tags[:n]
 
     def _forget(self, ids: list[int]) -> None:
         """The handed blocks are no longer this slab's to alloc, free or hand."""
