@@ -4,9 +4,9 @@ The producer checks that the ids name blocks its slab holds allocated at their g
 its region of the lease table (to the consumer's region and nonce, under its next sequence: each slot's other
 words first, its state last), and sends the consumer's lease box one datagram sealed with their pair's key
 (:mod:`kvpool.slabwire`, the consumer's side in :mod:`kvpool.slabbox`). The blocks of one alloc sit in consecutive
-slots, so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run,
-where other ids take one per slot. If the datagram cannot leave, the slots are taken back before the pool settles
-them, and the refusal says which ids are still the caller's.
+slots, so a handoff of them to a consumer already paired is checked, marked and sent as a run: one comparison or
+write per column of the run, where other ids take one per slot. If the datagram cannot leave, the slots are taken
+back before the pool settles them, and the refusal says which ids are still the caller's.
 """
 
 from __future__ import annotations
