@@ -9,7 +9,11 @@ round, interleaved:
   floor-connected  the same from a socket connected to that path once, which spares each send the kernel's path
                lookup; the handoff sends this way, so the targets are judged against the lower of the two floors
   handoff      ``handoff(..., to=consumer)`` of slab blocks, from the producer's call to the consumer's ``claim``
-               returning the ids it checked (seal, sequence, the producer's region); the consumer spins too
+               returning the ids it checked (seal, sequence, the producer's region); the consumer spins too. The
+               blocks of one alloc, in slot order: the common case, checked and compared a run of slots at a time
+  handoff-chunks  the same number of blocks from 4 allocs in a row (as a chunked prefill allocates them): still one
+               run of slots
+  handoff-scattered  the ids of one alloc in reverse order, which go slot by slot (as ids freed and taken again may)
   pair         ``alloc(1)`` + ``free`` from the producer's slab, in one process
   pool-pair    the same pair through the pool's fast channel (a client without a slab): what slabs replace
   batch        ``alloc(N)`` + ``free`` of N blocks from the slab: blocks allocated (and freed) per second
@@ -37,7 +41,9 @@ TARGET_FLOOR_RATIO = 3.0
 TARGET_BLOCKS_PER_S = 10e6
 CONSUMER = "bench-lease-consumer"
 FLOORS = ("floor", "floor-connected")
-VARIANTS = (*FLOORS, "handoff", "pair", "pool-pair")
+HANDOFFS = ("handoff", "handoff-chunks", "handoff-scattered")
+CHUNKS = 4
+VARIANTS = (*FLOORS, *HANDOFFS, "pair", "pool-pair")
 #: blocks a consumer collects before it frees them (its free settles and goes through the pool)
 FREE_EVERY = 512
 
@@ -114,9 +120,13 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
         while (msg := conn.recv()) is not None:
             kind, count, n = msg
             lat = array("q")
-            if kind in (*FLOORS, "handoff"):
+            if kind in (*FLOORS, *HANDOFFS):
                 for i in range(count):
-                    ids = pool.alloc(blocks) if kind == "handoff" else None
+                    ids = pool.alloc(blocks) if kind in ("handoff", "handoff-scattered") else None
+                    if kind == "handoff-chunks":
+                        ids = [i for _ in range(CHUNKS) for i in pool.alloc(blocks // CHUNKS)]
+                    elif kind == "handoff-scattered":
+                        ids = ids[::-1]  # type: ignore[index]  # not in slot order: checked slot by slot
                     ready.recv(16)
                     t0 = clock()
                     if kind == "floor":
@@ -170,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             with harness.progress(len(plan), "lease", args.no_progress) as bar:
                 for r, variant in plan:
                     n = count if r else max(10, count // 10)
-                    if variant in (*FLOORS, "handoff"):
+                    if variant in (*FLOORS, *HANDOFFS):
                         ca.send((variant, n))
                         pa.send((variant, n, 0))
                         pa.recv()
@@ -195,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summarize(report: harness.Report, samples: dict[str, list[int]], batch: int, blocks: int) -> None:
-    sizes = {"floor": 0, "floor-connected": 0, "handoff": blocks, "pair": 1, "pool-pair": 1, "batch": batch}
+    sizes = {**dict.fromkeys(FLOORS, 0), **dict.fromkeys(HANDOFFS, blocks), "pair": 1, "pool-pair": 1, "batch": batch}
     for variant, lat in samples.items():
         row = {"variant": variant, "blocks": sizes[variant], **timings.summarize_ns(lat)}
         if variant == "batch":

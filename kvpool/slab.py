@@ -141,7 +141,7 @@ class Slab:
                 words = self.view.words
                 words[9 + 4 * slot] = ALLOCATED
                 return [words[8 + 4 * slot]]
-            taken = self.idle[top - n : top]
+            taken = self.idle[top - n : top][::-1]  # ascending slots (the stack holds them descending)
             self.top = top - n
             self.state[taken] = ALLOCATED
             return self.block[taken].tolist()
@@ -295,8 +295,9 @@ class Slab:
             return
         req = SlabRequest(session_id=self.session_id, take=take)
         ids = np.asarray(self.transport.fetch("POST", "/leases/slab", req, SlabResponse).block_ids, np.int64)
-        # ascending, so that alloc (from the top) hands out runs of consecutive slots, which a handoff checks at once
-        slots = np.sort(np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32))
+        # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
+        # another: a request's blocks then sit in one run of slots, which a handoff checks at once
+        slots = np.sort(np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32))[::-1]
         del self.empty[len(self.empty) - len(ids) :]
         self.block[slots] = ids
         self.state[slots] = IDLE

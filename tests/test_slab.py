@@ -218,19 +218,20 @@ def recorded(producer: PoolClient, to: str) -> tuple[Recorder, str]:
 
 
 def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: PoolProcess) -> None:
-    """The blocks of one alloc sit in consecutive slots, checked and sent as a run; ids in another order are
-    checked and sent one by one. The consumer takes both on its producer's word (no round trip to the pool)."""
+    """Allocs one after another hand out consecutive slots, so a request's blocks from several allocs are checked
+    and sent as one run; ids in another order are checked and sent one by one. The consumer takes both on its
+    producer's word (no round trip to the pool)."""
     with PoolClient(pool.url, name="slab-r", slab=SMALL) as p, PoolClient(pool.url, name="slab-u", slab=SMALL) as q:
         assert p.slabs.slab is not None and q.slabs.box is not None
         recorder, _ = recorded(p, "slab-u")
-        ids = p.alloc(4)
-        for request_id, handed in (("req-run", ids[:2]), ("req-listed", [ids[3], ids[2]])):
+        ids = p.alloc(2) + p.alloc(1) + p.alloc(1) + p.alloc(2)
+        for request_id, handed in (("req-run", ids[:4]), ("req-listed", [ids[5], ids[4]])):
             p.handoff(request_id, handed, 2, to="slab-u")
             got = q.claim(request_id, timeout_s=5)
             assert got.block_ids == handed and p.slabs.slab.info.region in q.slabs.box.to_settle
         runs = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
         assert runs[0] >= 0 and runs[1] == -1
-        assert q.free(ids) == 4
+        assert q.free(ids[:4] + ids[4:][::-1]) == 6
     assert wait_idle(pool)["in_use"] == 0
 
 
@@ -314,7 +315,7 @@ def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
         p.free(p.alloc(1))
         p.slabs.sender._peer("slab-j")
         top = slab.num_idle
-        slots = [int(s) for s in slab.idle[top - 2 : top]]
+        slots = [int(s) for s in slab.idle[top - 2 : top][::-1]]  # the next alloc's, ascending
         assert slots[1] == slots[0] + 1
         idle = [int(slab.block[s]) for s in slots]
         with pytest.raises(NotOwner):
