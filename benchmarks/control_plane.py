@@ -4,6 +4,7 @@ Every variant runs the same loop (allocate a batch of blocks, free them, time th
 processes, interleaved round by round:
 
   pool-fast        PoolClient's default: the pool's fast channel (framed JSON on a kept-open Unix socket)
+  pool-fast-spin   the same with ``reply_spin_s`` (200 us): the client polls for each answer before it sleeps
   pool-http-unix   PoolClient(fast=False): HTTP through httpx keep-alive over the pool's Unix socket
   pool-http-tcp    the same over loopback TCP
   bare-*           the same three transports against benchmarks/bare_server.py: the pool's routes and models with
@@ -26,12 +27,14 @@ from typing import Any
 from kvpool.benchmarks import harness, machine, timings
 from kvpool.layout import KVLayout
 
-VARIANTS = ("pool-fast", "pool-http-unix", "pool-http-tcp", "bare-fast", "bare-http-unix", "bare-http-tcp", "inproc")
+POOL_VARIANTS = ("pool-fast", "pool-fast-spin", "pool-http-unix", "pool-http-tcp")
+VARIANTS = (*POOL_VARIANTS, "bare-fast", "bare-http-unix", "bare-http-tcp", "inproc")
 # A tiny arena (512-byte blocks): the control plane never touches KV bytes, so their size does not matter here.
 POOL_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float16")
 TARGET_FLOOR_RATIO = 1.5
 TARGET_BLOCKS_PER_S = 1e6
 GOAL_LABEL = f"goal {TARGET_BLOCKS_PER_S / 1e6:.0f}M blocks/s"
+SPIN_S = 200e-6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +43,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk-s", type=float, default=None, help="seconds each variant runs per round [0.25]")
 
 
-def _client(conn: Any, urls: dict[str, tuple[str, bool]], inproc_blocks: int) -> None:
+def _client(conn: Any, urls: dict[str, tuple[str, bool, float]], inproc_blocks: int) -> None:
     """One client process: a PoolClient per transport and a private allocator; runs timed chunks on command."""
     from kvpool.client import PoolClient
     from kvpool.server.allocator import BlockAllocator
 
     clients = {
-        name: PoolClient(url, name=f"bench-{name}", fast=fast, heartbeat=False) for name, (url, fast) in urls.items()
+        name: PoolClient(url, name=f"bench-{name}", fast=fast, heartbeat=False, reply_spin_s=spin)
+        for name, (url, fast, spin) in urls.items()
     }
     books = BlockAllocator(inproc_blocks)
     calls: dict[str, tuple[Any, Any]] = {name: (c.alloc, c.free) for name, c in clients.items()}
@@ -102,12 +106,13 @@ def run(args: argparse.Namespace) -> int:
         lambda: harness.start_server("bare", ["kvpool.benchmarks.bare_server"]),
     ) as (pool, bare):
         urls = {
-            "pool-fast": (pool.url, True),
-            "pool-http-unix": (pool.url, False),
-            "pool-http-tcp": (pool.tcp_url, False),
-            "bare-fast": (bare.url, True),
-            "bare-http-unix": (bare.url, False),
-            "bare-http-tcp": (bare.tcp_url, False),
+            "pool-fast": (pool.url, True, 0.0),
+            "pool-fast-spin": (pool.url, True, SPIN_S),
+            "pool-http-unix": (pool.url, False, 0.0),
+            "pool-http-tcp": (pool.tcp_url, False, 0.0),
+            "bare-fast": (bare.url, True, 0.0),
+            "bare-http-unix": (bare.url, False, 0.0),
+            "bare-http-tcp": (bare.tcp_url, False, 0.0),
         }
         ctx = mp.get_context("spawn")
         pipes, procs = [], []
@@ -198,7 +203,8 @@ def _summarize(
                 ratio <= TARGET_FLOOR_RATIO,
             )
         )
-    per_call = {v: get(v, big, c0, "blocks_per_s") for v in VARIANTS if v.startswith("pool-")}
+    # the goals are judged on clients as they come (no polling): the spin's figures are beside them
+    per_call = {v: get(v, big, c0, "blocks_per_s") for v in POOL_VARIANTS if v != "pool-fast-spin"}
     best = max(per_call, key=lambda v: per_call[v])
     report.targets.append(
         harness.Target(

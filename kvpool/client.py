@@ -56,7 +56,7 @@ from kvpool.protocol import (
 from kvpool.session import Session
 from kvpool.slab import SlabConfig
 from kvpool.slabs import Slabs
-from kvpool.transport import Transport, http_client
+from kvpool.transport import Transport, http_client, reply_spin
 
 __all__ = ["Claim", "DeviceSession", "PoolClient", "http_client", "raise_for"]
 
@@ -93,6 +93,10 @@ class PoolClient:
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
         slab: keep a reservation slab (a :class:`SlabConfig`, or True for the defaults; default from
             ``KVPOOL_SLAB_BLOCKS``): alloc, free and handoffs to other slab sessions then skip the round trip.
+        reply_spin_s: how long a call over the fast channel polls for the pool's answer before it sleeps (default
+            ``KVPOOL_REPLY_SPIN_US``, else 0). An answer that comes meanwhile spares this thread a wake-up, about half
+            a round trip on a VM; the polling holds a core and the GIL, so leave it 0 where other threads of the
+            process must run meanwhile (an inference engine's scheduler).
     """
 
     def __init__(
@@ -109,6 +113,7 @@ class PoolClient:
         inbox: bool = False,
         spin_s: float = 0.001,
         slab: SlabConfig | bool | None = None,
+        reply_spin_s: float | None = None,
     ) -> None:
         self.url = url or default_url()
         self.name = name
@@ -120,7 +125,7 @@ class PoolClient:
         self._want_inbox = inbox
         self._arenas: dict[int | None, Arena] = {}
         self._closed = False
-        self.transport = Transport(self.url, self.token, timeout_s)
+        self.transport = Transport(self.url, self.token, timeout_s, reply_spin(reply_spin_s))
         self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear)
         self.mapper = ArenaMapper(self.transport, self.session, self._arenas)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)

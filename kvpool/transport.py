@@ -19,7 +19,7 @@ import httpx
 from pydantic import BaseModel
 
 from kvpool.channel import SEP, FastConnection, decode, encode
-from kvpool.errors import KvpoolError, PoolUnavailable, error_for, raise_for
+from kvpool.errors import InvalidRequest, KvpoolError, PoolUnavailable, error_for, raise_for
 from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
@@ -40,13 +40,27 @@ def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
     return httpx.Client(base_url=url, headers=headers, timeout=timeout_s, limits=limits, verify=verify)
 
 
+def reply_spin(value: float | None) -> float:
+    """A client's ``reply_spin_s``, or else ``KVPOOL_REPLY_SPIN_US`` (microseconds; unset or 0: no polling)."""
+    if value is None:
+        raw = os.environ.get("KVPOOL_REPLY_SPIN_US") or "0"
+        try:
+            value = float(raw) / 1e6
+        except ValueError:
+            raise InvalidRequest(f"KVPOOL_REPLY_SPIN_US must be a number of microseconds, got {raw!r}") from None
+    if not 0 <= value < 1:
+        raise InvalidRequest(f"a reply spin must be at least 0 and under a second, got {value} s")
+    return value
+
+
 class Transport:
     """One client's ways to the pool; ``fast_path`` is set once the pool has named its fast channel."""
 
-    def __init__(self, url: str, token: str | None, timeout_s: float) -> None:
+    def __init__(self, url: str, token: str | None, timeout_s: float, reply_spin_s: float = 0.0) -> None:
         self.url = url
         self.token = token
         self.timeout_s = timeout_s
+        self.reply_spin_s = reply_spin_s
         self.http = http_client(url, token, timeout_s)
         self.fast_path: str | None = None
         self._local = threading.local()
@@ -155,7 +169,7 @@ class Transport:
     def _connect(self, path: str) -> FastConnection:
         check_socket(path)  # the pool named it, but whoever answers hello gets the token
         try:
-            return FastConnection(path)
+            return FastConnection(path, spin_s=self.reply_spin_s)
         except OSError as exc:
             raise PoolUnavailable(f"cannot reach the pool's fast channel at {path}: {exc}") from exc
 

@@ -139,6 +139,31 @@ def test_replies_read_in_large_pieces_come_back_whole_and_in_order(tmp_path, pie
         thread.join(5)
 
 
+def test_a_polling_read_takes_replies_that_come_while_it_polls_and_after(tmp_path):
+    """Pieces 10 ms apart: the first come within the 2 ms of polling, the later ones to a read that sleeps."""
+    replies = [b"a" * 10, b"b" * (2 * RECV_CHUNK + 3), b"c" * 5]
+    path = str(tmp_path / "s.sock")
+    thread = serve_once(path, replies, 12)
+    conn = FastConnection(path, spin_s=0.002)
+    try:
+        assert conn.call_many(b"x", [b"1", b"2", b"3"]) == [(200, r) for r in replies]
+    finally:
+        conn.close()
+        thread.join(5)
+
+
+def test_a_connection_with_a_time_out_does_not_poll(tmp_path):
+    """With a time-out the socket waits in poll(2) on every read, so the polling would sleep there: it is off."""
+    path = str(tmp_path / "s.sock")
+    thread = serve_once(path, [b"x"], 1)
+    conn = FastConnection(path, timeout_s=10, spin_s=0.002)
+    try:
+        assert conn.spin_s == 0.0 and conn.call(b"x", b"1") == (200, b"x")
+    finally:
+        conn.close()
+        thread.join(5)
+
+
 def test_an_exact_read_leaves_what_follows_in_the_socket(tmp_path):
     """Before a reply that carries a file descriptor, nothing past the reply in hand may be read."""
     path = str(tmp_path / "s.sock")

@@ -84,6 +84,21 @@ def test_both_transports_give_the_same_answers(pool_server, fast):
             pool.claim("r", timeout_s=0.05)
 
 
+def test_a_client_that_polls_for_answers_gets_the_same_answers(pool_server):
+    """``reply_spin_s``: answers that come while the call polls, and one that comes after (a claim that waits)."""
+    with PoolClient(pool_server.url, name="t-spin", reply_spin_s=0.0005) as pool:
+        assert pool.transport.connection().spin_s == 0.0005
+        ids = pool.alloc(3)
+        assert pool.commit(ids, list(range(10))).committed == 2
+        assert pool.lookup(list(range(8))).block_ids == ids[:2]
+        assert pool.free(ids[:2]) == 2
+        pool.handoff("r-spin", ids, 10)
+        assert pool.claim("r-spin").block_ids == ids
+        with pytest.raises(HandoffNotFound):
+            pool.claim("r-spin", timeout_s=0.05)
+        assert pool.free(ids) == 3
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
 def test_lookup_many_answers_each_prompt_as_lookup_does(pool_server, fast):
     with PoolClient(pool_server.url, name="t", fast=fast) as pool:
