@@ -22,5 +22,5 @@ def test_a_reply_spin_that_makes_no_sense_is_refused(monkeypatch, env, arg):
         monkeypatch.delenv("KVPOOL_REPLY_SPIN_US", raising=False)
     else:
         monkeypatch.setenv("KVPOOL_REPLY_SPIN_US", env)
-    with pytest.raises(InvalidRequest, match="(?i)spin"):
+    with pytest.raises(InvalidRequest, match=r"(?i)spin"):
         reply_spin(arg)

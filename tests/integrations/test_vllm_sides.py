@@ -456,6 +456,18 @@ def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess, tm
     assert seen["lookup_queued"]["n"] == 5
 
 
+def test_an_engines_session_never_polls_for_answers(pool: PoolProcess, monkeypatch) -> None:
+    """Polling would keep the GIL from vLLM's threads: the connector's sessions sleep, whatever the environment."""
+    monkeypatch.setenv("KVPOOL_REPLY_SPIN_US", "500")
+    link = PoolLink(pool.url, "no-spin")
+    try:
+        assert link.open().transport.reply_spin_s == 0.0
+    finally:
+        link.client.close()  # type: ignore[union-attr]
+    with PoolClient(pool.url, name="spins") as plain:
+        assert plain.transport.reply_spin_s == 0.0005  # where nothing says otherwise, the environment counts
+
+
 def test_loads_go_layer_by_layer_by_default_only_without_full_cuda_graphs() -> None:
     assert ConnectorSettings().layerwise is None
     assert layerwise_for(None, full_graphs=False) and not layerwise_for(None, full_graphs=True)

@@ -46,7 +46,9 @@ class PoolLink:
     def open(self) -> PoolClient:
         """The session, opened now; errors propagate (for start-up, where a missing pool should be said)."""
         if self.client is None:
-            self.client = self._connect(self.url, name=self.name, role="other", token=self.token, layout=self.layout)
+            # no polling for answers whatever KVPOOL_REPLY_SPIN_US says: the engine's threads need the GIL meanwhile
+            self.client = self._connect(self.url, name=self.name, role="other", token=self.token, layout=self.layout,
+                                        reply_spin_s=0.0)  # fmt: skip
         return self.client
 
     def call(self, what: str, fn: Callable[[PoolClient], T], default: T) -> T:
