@@ -222,9 +222,8 @@ def _body(report: harness.Report, sizes: list[int]) -> str:
     head = ["arena", "total p50 / max", "session", "map", "touch", "cuda ctx (apart)", "imports (apart)"]
     mode = "interleaved" if report.config["interleaved"] else "one pool at a time"
     kind = report.results[0].get("handle_kind")
-    return f"Attach of a new process ({kind} arena), p50 of {report.config['rounds']} ({mode}):\n" + harness.table(
-        head, rows
-    )
+    title = f"Attach of a new process ({kind} arena), p50 of {report.config['rounds']} ({mode}):\n"
+    return title + harness.table(head, rows)
 
 
 def _plot(report: harness.Report, sizes: list[int]) -> Any:

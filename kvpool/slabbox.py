@@ -105,10 +105,6 @@ class SlabBox:
                 log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)
                 return None
         h = slabwire.decode(data, key, fields)
-        if h is not None and h.run >= 0:
-            claim = self._run(h, pair)
-            if claim is not None:
-                return claim
         if h is None:
             log.warning("dropped a slab handoff whose seal is not its pair's")
             return None
@@ -123,28 +119,6 @@ class SlabBox:
         self.last_seq[pair] = h.seq
         return Claim(h.request_id, h.num_tokens, h.meta, h.packed, None, True)
 
-    def _run(self, h: slabwire.SlabHandoff, pair: tuple[int, int]) -> Claim | None:
-        """The common case, in one frame: a run of slots, newer than any taken from its producer, that its producer's
-        region vouches for a column at a time. None where anything differs; :meth:`_take` then looks again slowly
-        and says why it drops the handoff, or asks the pool."""
-        view, n, seq, region, run = self.slab.view, len(h.packed), h.seq, h.from_region, h.run
-        if not n or seq <= self.last_seq.get(pair, 0) or not 0 <= region < view.regions:
-            return None
-        words, base = view.all_words, PAGE // 8 + region * view.region_words
-        if not 0 <= run <= self.slab.capacity - n or words[base + NONCE] != h.from_nonce:
-            return None
-        at = base + 8 + 4 * run
-        end = at + 4 * n
-        if words[at + 1 : end : 4] != self._tags[:n] or words[at:end:4] != memoryview(h.packed).cast("B").cast("Q"):
-            return None
-        if words[at + 2 : end : 4] != array("Q", (seq,)) * n or words[at + 3 : end : 4] != self._nonces[:n]:
-            return None
-        if words[base + NONCE] != h.from_nonce:
-            return None
-        self.to_settle.add(region)
-        self.last_seq[pair] = seq
-        return Claim(h.request_id, h.num_tokens, h.meta, h.packed, None, True)
-
     def _vouched(self, h: slabwire.SlabHandoff) -> bool:
         """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
         must read (id, handed | this region, this sequence, this nonce), word for word."""
@@ -155,9 +129,16 @@ class SlabBox:
         if words[base + NONCE] != h.from_nonce:
             return False
         tag, seq, nonce, capacity = HANDED | info.region << 32, h.seq, info.nonce, self.slab.capacity
-        if h.run >= 0:  # a run its fast path (:meth:`_run`) did not take
-            return False
-        if n <= FEW:
+        if h.run >= 0:  # a column at a time
+            if not 0 <= h.run <= capacity - n:
+                return False
+            at = base + 8 + 4 * h.run
+            end = at + 4 * n
+            if words[at + 1 : end : 4] != self._tags[:n] or words[at:end:4] != memoryview(h.packed).cast("B").cast("Q"):
+                return False
+            if words[at + 2 : end : 4] != array("Q", (seq,)) * n or words[at + 3 : end : 4] != self._nonces[:n]:
+                return False
+        elif n <= FEW:
             for slot, fid in zip(h.slots, h.packed, strict=True):
                 at = base + 8 + 4 * slot
                 if not 0 <= slot < capacity or words[at] != fid or words[at + 1] != tag:

@@ -4,8 +4,8 @@ The producer checks that the ids name blocks its slab holds allocated at their g
 its region of the lease table (to the consumer's region and nonce, under its next sequence: each slot's other
 words first, its state last), and sends the consumer's lease box one datagram sealed with their pair's key
 (:mod:`kvpool.slabwire`, the consumer's side in :mod:`kvpool.slabbox`). The blocks of one alloc sit in consecutive
-slots, so a handoff of them to a consumer already paired is checked, marked and sent as a run: one comparison or
-write per column of the run, where other ids take one per slot. If the datagram cannot leave, the slots are taken
+slots, so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run,
+where other ids take one per slot. If the datagram cannot leave, the slots are taken
 back before the pool settles them, and the refusal says which ids are still the caller's.
 """
 
@@ -27,7 +27,7 @@ from kvpool import slabwire
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, HSEQ, NONCE, PAGE, WANT, column
+from kvpool.leases import ALLOCATED, EMPTY, HANDED, HSEQ, NONCE, PAGE, column
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
@@ -108,76 +108,59 @@ class SlabSender:
         if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
             return None
         with slab.lock:
-            sent = self._run(request_id, listed, num_tokens, meta, to)
-            if sent is not None:
-                return sent
             slab._answer_want()
-            slots = self._allocated_slots(listed) if n <= FEW else self._allocated_array(as_ids(listed))
-            if slots is None or (n > 1 and len(set(slots)) != n):
+            try:
+                packed = array("Q", listed)  # unsigned, as the slots' block words: a negative id is no block of ours
+            except (OverflowError, TypeError):
+                return None
+            run = self._allocated_run(listed, packed)
+            slots = range(run, run + n) if run >= 0 else self._allocated_listed(listed)
+            if slots is None:
                 return None
             peer = self._peer(to)
             if peer is None:
                 return None
-            seq = self._next_seq()
-            self._mark(slots, seq, peer)
+            words = slab.view.words
+            seq = words[HSEQ] + 1
+            words[HSEQ] = seq
+            if run >= 0:
+                self._mark_run(run, n, seq, peer)
+            else:
+                self._mark(slots, seq, peer)
             info = slab.info
+            listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
             datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
-                                       array("i", slots).tobytes(), array("q", listed).tobytes())  # fmt: skip
-            self._send_marked(datagram, peer, to, request_id, listed, slots, seq)
+                                       listed_slots, packed.tobytes(), run)  # fmt: skip
+            failed = self._send(datagram, peer)
+            slab.handed += n
+            self._forget(listed)  # the slab's own map, after the datagram left: off the consumer's path
+            if failed is not None:
+                self._drop(to)
+                raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
         return n
 
-    def _run(self, request_id: str, ids: list[int], num_tokens: int, meta: bytes, to: str) -> int | None:
-        """The common case, in one frame: ids that sit allocated, at their generations, in consecutive slots (as a
-        slab hands out the blocks of one alloc), to a consumer already paired, with no flag from the pool to answer.
-        Each column of the run is then checked or marked in one call (the ids, the states; the sequences, nonces
-        and states), and the datagram names the first slot. None, having changed nothing, where this does not
-        apply: :meth:`handoff` then goes slot by slot."""
+    def _allocated_run(self, ids: list[int], packed: array) -> int:
+        """The first slot if these ids sit allocated, at their generations, in consecutive slots from there (as a
+        slab hands out its blocks): then one comparison of each column checks them all; else -1."""
         slab, n = self.slab, len(ids)
-        view = slab.view
-        words = view.words
-        peer = self.peers.get(to)
-        if peer is None or words[NONCE] != slab.info.nonce or words[WANT] != words[DONE]:
-            return None
-        if view.all_words[PAGE // 8 + peer.region * view.region_words + NONCE] != peer.nonce:
-            return None
-        try:
-            packed = array("Q", ids)  # unsigned, as the slots' block words: a negative id is no block of ours
-        except (OverflowError, TypeError):
-            return None
         block = ids[0] & BLOCK_MASK
         first = slab.slot_at[block] if block < len(slab.slot_at) else -1
         if first < 0 or first + n > slab.capacity:
-            return None
+            return -1
         at = 8 + 4 * first
         end = at + 4 * n
-        if words[at:end:4] != packed or view.halves[2 * at + 2 : 2 * end : 8] != self._allocated_row[:n]:
+        if slab.view.words[at:end:4] != packed or slab.view.halves[2 * at + 2 : 2 * end : 8] != self._allocated_row[:n]:
+            return -1
+        return first
+
+    def _allocated_listed(self, ids: list[int]) -> list[int] | None:
+        """The slots of ids in any order, checked one by one (numpy past ``FEW``), if each names a distinct
+        allocated block of this slab at its generation; else None."""
+        n = len(ids)
+        slots = self._allocated_slots(ids) if n <= FEW else self._allocated_array(as_ids(ids))
+        if slots is None or (n > 1 and len(set(slots)) != n):
             return None
-        seq = self._next_seq()
-        words[at + 2 : end : 4] = array("Q", (seq,)) * n
-        words[at + 3 : end : 4] = peer.nonces[:n]
-        words[at + 1 : end : 4] = peer.tags[:n]
-        info = slab.info
-        datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta, b"",
-                                   packed.tobytes(), first)  # fmt: skip
-        self._send_marked(datagram, peer, to, request_id, ids, range(first, first + n), seq)
-        return n
-
-    def _next_seq(self) -> int:
-        words = self.slab.view.words
-        seq = words[HSEQ] + 1
-        words[HSEQ] = seq
-        return seq
-
-    def _send_marked(
-        self, datagram: bytes, peer: Peer, to: str, request_id: str, ids: list[int], slots: Sequence[int], seq: int
-    ) -> None:
-        """Send the datagram of marked slots; the blocks leave the slab's map, or come back if it cannot leave."""
-        failed = self._send(datagram, peer)
-        self.slab.handed += len(ids)
-        self._forget(ids)  # the slab's own map, after the datagram left: off the consumer's path
-        if failed is not None:
-            self._drop(to)
-            raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
+        return slots
 
     def _send(self, datagram: bytes, peer: Peer) -> OSError | None:
         """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay."""
@@ -259,7 +242,7 @@ class SlabSender:
             return None
         return slots.tolist()
 
-    def _mark(self, slots: list[int], seq: int, peer: Peer) -> None:
+    def _mark(self, slots: Sequence[int], seq: int, peer: Peer) -> None:
         """Mark the slots handed to ``peer`` under ``seq`` (each slot's other fields first, its state last: readers
         read the state first)."""
         slab = self.slab
@@ -274,6 +257,14 @@ class SlabSender:
         at = np.asarray(slots)
         slab.words[at, 2:] = (seq, nonce)
         slab.words[at, 1] = tag
+
+    def _mark_run(self, first: int, n: int, seq: int, peer: Peer) -> None:
+        """The same for consecutive slots, a column at a time, states last."""
+        words, at = self.slab.view.words, 8 + 4 * first
+        end = at + 4 * n
+        words[at + 2 : end : 4] = array("Q", (seq,)) * n
+        words[at + 3 : end : 4] = peer.nonces[:n]
+        words[at + 1 : end : 4] = peer.tags[:n]
 
     def _forget(self, ids: list[int]) -> None:
         """The handed blocks are no longer this slab's to alloc, free or hand."""

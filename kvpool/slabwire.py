@@ -24,7 +24,6 @@ MAGIC = b"KVL2"
 #: magic, producer region, number of ids, producer nonce, sequence, num_tokens, request id bytes, meta bytes, first
 #: slot of a run (-1: slots listed); then the slots (i32, unless a run), the ids (i64), request id, meta JSON, seal
 HEAD = struct.Struct("<4sIIQQQHIi")
-NO_SLOTS = array("i")  # a run's: its slots follow from its first
 
 
 @dataclass(slots=True)
@@ -50,6 +49,12 @@ def sealer(key: bytes) -> Any:
     return hashlib.blake2b(key=key, digest_size=SEAL_BYTES)
 
 
+def _mac(key: bytes | Any, data: bytes | memoryview) -> bytes:
+    mac = sealer(key) if isinstance(key, bytes) else key.copy()
+    mac.update(data)
+    return mac.digest()
+
+
 def encode(
     key: bytes | Any,
     region: int,
@@ -67,9 +72,7 @@ def encode(
     rid = request_id.encode()
     head = HEAD.pack(MAGIC, region, len(ids) // 8, nonce, seq, num_tokens, len(rid), len(meta), run)
     body = b"".join((head, slots, ids, rid, meta))
-    mac = sealer(key) if isinstance(key, bytes) else key.copy()
-    mac.update(body)
-    return body + mac.digest()
+    return body + _mac(key, body)
 
 
 def head(data: memoryview) -> tuple[Any, ...] | None:
@@ -96,19 +99,16 @@ def decode(data: memoryview, key: bytes | Any, fields: tuple[Any, ...] | None = 
     at = HEAD.size + listed + 8 * n
     if len(data) != at + rid_len + meta_len + SEAL_BYTES:
         return None
-    mac = sealer(key) if isinstance(key, bytes) else key.copy()
-    mac.update(data[:-SEAL_BYTES])
-    if not hmac.compare_digest(mac.digest(), data[-SEAL_BYTES:]):
+    if not hmac.compare_digest(_mac(key, data[:-SEAL_BYTES]), data[-SEAL_BYTES:]):
         return None
     try:
         request_id = str(data[at : at + rid_len], "utf-8")
         meta = json.loads(data[at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
-    packed, slots = array("q"), NO_SLOTS
+    packed, slots = array("q"), array("i")  # no slots listed for a run: they follow from its first
     packed.frombytes(data[HEAD.size + listed : at])
     if listed:
-        slots = array("i")
         slots.frombytes(data[HEAD.size : HEAD.size + listed])
     return SlabHandoff(region, nonce, seq, request_id, num_tokens, meta if type(meta) is dict else {}, slots, packed,
                        run)  # fmt: skip
