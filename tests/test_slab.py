@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvpool import slabwire
 from kvpool.client import PoolClient
@@ -28,7 +30,7 @@ from kvpool.errors import (
     StaleBlock,
     UnknownSession,
 )
-from kvpool.ids import block_of, generation_of
+from kvpool.ids import GEN_STEP, block_of, generation_of
 from kvpool.leases import DONE, WANT
 from kvpool.slab import SlabConfig
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
@@ -123,6 +125,60 @@ def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_
         assert stats(pool)["leases"]["slab_allocated"] == 1  # refused whole: still the slab's, allocated
         c.commit(new, list(range(4)))  # the pool took the new generation in: it accepts the new id
         assert c.free(new) == 1
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess) -> None:
+    """Freed in the order they were allocated, a request's blocks go back so that the next alloc of as many is the
+    same run of slots in the same order (a handoff of it is then checked as one run); the run's checks still refuse
+    ids it does not hold, changing nothing."""
+    with PoolClient(pool.url, name="slab-run", slab=SMALL) as c:
+        ids = c.alloc(4)
+        for _ in range(3):
+            assert c.free(ids) == 4
+            again = c.alloc(4)
+            assert [block_of(i) for i in again] == [block_of(i) for i in ids]
+            assert [generation_of(i) for i in again] == [generation_of(i) + 1 for i in ids]
+            ids = again
+        c.free(ids)
+        idle = [i + GEN_STEP for i in ids]  # the slots' ids now: idle in the slab, not allocated
+        with pytest.raises(NotOwner):
+            c.free(idle)
+        with pytest.raises(StaleBlock):
+            c.free(ids)
+        held = c.alloc(4)
+        with pytest.raises(NotOwner):
+            c.free([held[0], held[1], held[1]])  # not a run: each slot named once, or refused
+        assert stats(pool)["leases"]["slab_allocated"] == 4
+        assert c.free(held) == 4
+    assert wait_idle(pool)["in_use"] == 0
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 6), st.sampled_from(["asc", "desc", "shuffled", "part"])), min_size=1, max_size=14
+    ),
+    st.randoms(use_true_random=False),
+)
+def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, steps: list[Any], rnd: Any) -> None:
+    """Runs and scattered slots alike: every id held is a distinct block, a free gives back exactly what it names,
+    and the pool's view of the slab counts what the client holds."""
+    with PoolClient(pool.url, name="slab-any", slab=SMALL) as c:
+        held: list[int] = []
+        for n, order in steps:
+            held += c.alloc(n)
+            assert len({block_of(i) for i in held}) == len(held)
+            if order == "part":
+                give = held[: len(held) // 2]
+            else:
+                give = sorted(held) if order == "asc" else sorted(held, reverse=True)
+                if order == "shuffled":
+                    rnd.shuffle(give)
+            assert c.free(give) == len(give)
+            held = [i for i in held if i not in set(give)]
+            assert stats(pool)["leases"]["slab_allocated"] == len(held)
+        c.free(held)
     assert wait_idle(pool)["in_use"] == 0
 
 
