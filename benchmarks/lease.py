@@ -16,7 +16,10 @@ round, interleaved:
   handoff-scattered  the ids of one alloc in reverse order, which go slot by slot (as ids freed and taken again may)
   pair         ``alloc(1)`` + ``free`` from the producer's slab, in one process
   pool-pair    the same pair through the pool's fast channel (a client without a slab): what slabs replace
-  batch        ``alloc(N)`` + ``free`` of N blocks from the slab: blocks allocated (and freed) per second
+  batch        ``alloc(N)`` + ``free`` of N blocks from the producer's slab, whose slots the handoffs have
+               scattered: blocks allocated (and freed) per second; the target is judged on this one
+  batch-run    the same from a slab of a third client that only does batches: each alloc's slots come back as a run,
+               which is freed and taken again through slices
 
 The pool settles handed blocks afterwards: the consumer frees what it claimed in bulk, outside the timed part.
 """
@@ -44,6 +47,7 @@ FLOORS = ("floor", "floor-connected")
 HANDOFFS = ("handoff", "handoff-chunks", "handoff-scattered")
 CHUNKS = 4
 VARIANTS = (*FLOORS, *HANDOFFS, "pair", "pool-pair")
+BATCHES = ("batch", "batch-run")
 #: blocks a consumer collects before it frees them (its free settles and goes through the pool)
 FREE_EVERY = 512
 
@@ -108,6 +112,7 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
 
     pool = PoolClient(url, name="bench-lease-producer", slab=_slab(batch), heartbeat=False)
     plain = PoolClient(url, name="bench-lease-plain", slab=False, heartbeat=False)
+    batcher = PoolClient(url, name="bench-lease-batcher", slab=_slab(batch), heartbeat=False)
     ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ready.bind(ready_path)
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -136,7 +141,8 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
                     else:
                         pool.handoff(f"r{i}-{t0}", ids, blocks * POOL_LAYOUT.block_size, to=CONSUMER)
             else:
-                alloc, free = (plain.alloc, plain.free) if kind == "pool-pair" else (pool.alloc, pool.free)
+                client = {"pool-pair": plain, "batch-run": batcher}.get(kind, pool)
+                alloc, free = client.alloc, client.free
                 free(alloc(n))
                 for _ in range(count):
                     t0 = clock()
@@ -146,6 +152,7 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
     finally:
         pool.close()
         plain.close()
+        batcher.close()
         ready.close()
         connected.close()
 
@@ -155,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (2 if args.quick else 5)
     count = args.count or (50 if args.quick else 500)
     batch, blocks = args.batch, args.handoff_blocks
-    num_blocks = 8 * batch + 4096
+    num_blocks = 10 * batch + 4096
     config = {"rounds": rounds, "count": count, "batch": batch, "handoff_blocks": blocks, "pool_blocks": num_blocks,
               "pool_layout": POOL_LAYOUT.model_dump(), "warmup_rounds": 1}  # fmt: skip
     report = harness.Report("lease", args, device, config)
@@ -163,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
              "--slab-max-blocks", str(8 * batch)]  # fmt: skip
     tmp = Path(tempfile.mkdtemp(prefix="kvb-lease-"))
     floor_path, ready_path = str(tmp / "floor.sock"), str(tmp / "ready.sock")
-    samples: dict[str, list[int]] = {v: [] for v in (*VARIANTS, "batch")}
+    samples: dict[str, list[int]] = {v: [] for v in (*VARIANTS, *BATCHES)}
     with harness.servers(lambda: harness.start_pool(device, *flags)) as (pool,):
         ctx = mp.get_context("spawn")
         (pa, pb), (ca, cb) = ctx.Pipe(), ctx.Pipe()
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         if not pa.poll(120) or pa.recv() != "ready":
             raise RuntimeError("the producer process did not start")
         try:
-            plan = [(r, v) for r in range(rounds + 1) for v in timings.rotated((*VARIANTS, "batch"), r)]
+            plan = [(r, v) for r in range(rounds + 1) for v in timings.rotated((*VARIANTS, *BATCHES), r)]
             with harness.progress(len(plan), "lease", args.no_progress) as bar:
                 for r, variant in plan:
                     n = count if r else max(10, count // 10)
@@ -186,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                         pa.recv()
                         blob = ca.recv()
                     else:
-                        pa.send((variant, n, batch if variant == "batch" else 1))
+                        pa.send((variant, n, batch if variant in BATCHES else 1))
                         blob = pa.recv()
                     bar.update()
                     if r:
@@ -205,10 +212,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summarize(report: harness.Report, samples: dict[str, list[int]], batch: int, blocks: int) -> None:
-    sizes = {**dict.fromkeys(FLOORS, 0), **dict.fromkeys(HANDOFFS, blocks), "pair": 1, "pool-pair": 1, "batch": batch}
+    sizes = {**dict.fromkeys(FLOORS, 0), **dict.fromkeys(HANDOFFS, blocks), "pair": 1, "pool-pair": 1}
+    sizes |= dict.fromkeys(BATCHES, batch)
     for variant, lat in samples.items():
         row = {"variant": variant, "blocks": sizes[variant], **timings.summarize_ns(lat)}
-        if variant == "batch":
+        if variant in BATCHES:
             row["blocks_per_s"] = batch / (row["p50_us"] / 1e6)
         report.results.append(row)
         report.raw[variant] = timings.thin(lat)
