@@ -15,6 +15,8 @@ so a later call with the phases still missing completes a run that was cut short
 - ``nixl``: the same pair through vLLM's NixlConnector (a producer and a consumer engine, reads over CUDA IPC).
 - ``plain``: one engine without a connector: B cold and on vLLM's own prefix cache (burst and steady), P cold and
   on its own cache, one request at a time for the tokens.
+- ``plain_stamped``: the same engine and workload with the connector attached but passive (``load`` and ``save``
+  off), for its timeline: where vLLM's own cache spends a burst's steps, stamped as the pool phases are.
 """
 
 from __future__ import annotations
@@ -171,10 +173,13 @@ def nixl_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def plain_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
+def plain_phase(model: Path, args: argparse.Namespace, stamped: str | None = None) -> dict[str, Any]:
+    """With ``stamped`` (a pool's URL), the connector rides along passive, to stamp the engine's steps."""
     res: dict[str, Any] = {"burst": [], "steady": [], "P": [],
                            "single": {"B": [], "B_cold": [], "P": [], "P_ttft_ms": []}}  # fmt: skip
-    llm, res["start_s"] = started(lambda: engine(model, None, 0.3, eager=False))
+    pdir = args.work / f"profiles-{time.time_ns()}"
+    passive = {"load": False, "save": False, "profile_dir": str(pdir / "e2")}
+    llm, res["start_s"] = started(lambda: engine(model, stamped, 0.3, passive if stamped else None, eager=False))
     warm = prompts(999)
     run(llm, warm["A"]), run(llm, warm["B"])
     llm.reset_prefix_cache()
@@ -209,6 +214,10 @@ def plain_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
         res["single"]["P"].append(own["tokens"][0])
         res["single"]["P_ttft_ms"] += own["ttft_ms"]
     close(llm)
+    keep = args.out / "timelines"
+    keep.mkdir(exist_ok=True)
+    for f in pdir.glob("*/timeline-*.jsonl"):
+        shutil.copy(f, keep / f"{f.parent.name}-{f.name}")
     return res
 
 
@@ -216,7 +225,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvp-vllm-graphs"), help="the model and profiles")
-    ap.add_argument("--phases", nargs="*", default=["pool", "nixl", "plain"], choices=[*POOL_VARIANTS, "nixl", "plain"])
+    ap.add_argument("--phases", nargs="*", default=["pool", "nixl", "plain"],
+                    choices=[*POOL_VARIANTS, "nixl", "plain", "plain_stamped"])  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="batches of 32 per burst workload")
     ap.add_argument("--rates", type=float, nargs="*", default=[8.0, 16.0], help="steady arrival rates, requests/s")
     ap.add_argument("--steady-rounds", type=int, default=1, help="batches of 32 per steady rate")
@@ -229,14 +239,19 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     for phase in args.phases:
         t = time.perf_counter()
-        if phase in POOL_VARIANTS:
+        if phase in POOL_VARIANTS or phase == "plain_stamped":
             sock = args.work / "kvpool.sock"
             flags = ["--socket", str(sock), "--port", "0", "--backend", "cuda", "--num-blocks", str(args.pool_blocks),
                      "--num-layers", "16", "--num-kv-heads", "8", "--head-dim", "64", "--block-size", str(BS),
                      "--dtype", "bf16", "--model", str(model), "--log-level", "warning"]  # fmt: skip
             pool = spawn(["kvpool", "serve", *flags], socket=sock, port=0, log=args.out / "pool.log", timeout_s=120)
             try:
-                res = pool_phase(model, f"unix://{sock}", args, POOL_VARIANTS[phase])
+                url = f"unix://{sock}"
+                res = (
+                    pool_phase(model, url, args, POOL_VARIANTS[phase])
+                    if phase in POOL_VARIANTS
+                    else plain_phase(model, args, url)
+                )
             finally:
                 pool.stop()
         elif phase == "nixl":

@@ -6,7 +6,7 @@ step that carries most of a burst: when its requests had reached the engine core
 answered, when vLLM finished scheduling them (the connector's plan), when the forward began, when the GPU had
 run it (the saver's wait for the step's copies ends then) and when the first tokens came out.
 
-    python -m kvpool.benchmarks.vllm_timeline results/            # the pool_* files and timelines there
+    python -m kvpool.benchmarks.vllm_timeline results/   # the pool_* files (and plain_stamped's) and timelines there
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ def events(directory: Path) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: e["t"])
 
 
-def main_step(run: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Milestones of the step that scheduled most of ``run``'s requests, in ms after the first was queued."""
+def main_step(run: dict[str, Any], evs: list[dict[str, Any]], passive: bool = False) -> dict[str, float] | None:
+    """Milestones of the step that scheduled most of ``run``'s requests, in ms after the first was queued; with
+    ``passive`` (a connector that loads nothing), its first plan after vLLM scheduled that step."""
     stamps = run.get("core_ts")
     if not stamps:
         return None
@@ -39,7 +40,7 @@ def main_step(run: dict[str, Any], evs: list[dict[str, Any]]) -> dict[str, float
     sched, members = max(steps.items(), key=lambda kv: len(kv[1]))
     end = max(f for _, _, f in members)
     window = [e for e in evs if t0 - 0.001 <= e["t"] <= end + 0.005]
-    plan = next((e for e in window if e["k"] == "plan" and e["t"] >= sched and e.get("loads")), None)
+    plan = next((e for e in window if e["k"] == "plan" and e["t"] >= sched and (passive or e.get("loads"))), None)
     if plan is None:
         return None
     looked = [e["t"] for e in window if e["k"] in ("lookups", "lookup", "claims", "claim") and e["t"] <= plan["t"]]
@@ -62,6 +63,11 @@ def report(directory: Path) -> dict[str, list[dict[str, float] | None]]:
     for f in sorted(directory.glob("pool*.json")):
         res = json.loads(f.read_text())
         out[f.stem] = [main_step(run, evs) for run in res.get("burst", [])]
+    stamped = directory / "plain_stamped.json"
+    if stamped.exists():
+        res = json.loads(stamped.read_text())
+        for case in ("own", "cold"):
+            out[f"stamped_{case}"] = [main_step(run[case], evs, passive=True) for run in res.get("burst", [])]
     return out
 
 

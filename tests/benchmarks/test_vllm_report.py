@@ -79,6 +79,24 @@ def test_the_timeline_lays_the_main_step_of_a_burst_beside_vllms_stamps(tmp_path
                     "gpu_done": 55.0, "first_token": 60.0}  # fmt: skip
 
 
+def test_the_timeline_of_a_passive_connector_takes_the_first_plan_after_vllm_scheduled(tmp_path) -> None:
+    """``plain_stamped``: vLLM's own cache with the connector loading nothing, its plans all without loads."""
+    from kvpool.benchmarks.vllm_timeline import report
+
+    t = 200.0
+    stamps = [(t, t + 0.001, t + 0.030)] + [(t + 0.010 + i * 1e-4, t + 0.012, t + 0.050) for i in range(3)]
+    case = run([30.0, 50.0, 50.0, 50.0], [[1]] * 4) | {"core_ts": stamps}
+    (tmp_path / "plain_stamped.json").write_text(json.dumps({"burst": [{"own": case, "cold": case}]}))
+    marks = [(0.002, "plan", {"loads": 0}), (0.0135, "plan", {"loads": 0}), (0.016, "forward")]
+    (tmp_path / "timelines").mkdir()
+    lines = [json.dumps({"t": t + m[0], "k": m[1], **(m[2] if len(m) > 2 else {})}) for m in marks]
+    (tmp_path / "timelines" / "e2-timeline-scheduler-1.jsonl").write_text("\n".join(lines) + "\n")
+    got = report(tmp_path)
+    assert got["stamped_own"][0] == {"requests": 3, "queued": 10.2, "lookups": None, "planned": 13.5,
+                                     "forward": 16.0, "gpu_done": None, "first_token": 50.0}  # fmt: skip
+    assert got["stamped_cold"] == got["stamped_own"]
+
+
 def test_the_saver_benchmark_runs_alone_and_beside_a_thread_holding_the_gil(tmp_path) -> None:
     """A smoke test of ``vllm_saves`` (CPU, no vLLM): it saves every block it is given and writes both cases."""
     out = tmp_path / "saves.json"
