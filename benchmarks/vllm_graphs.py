@@ -17,6 +17,7 @@ so a later call with the phases still missing completes a run that was cut short
   on its own cache, one request at a time for the tokens.
 - ``plain_stamped``: the same engine and workload with the connector attached but passive (``load`` and ``save``
   off), for its timeline: where vLLM's own cache spends a burst's steps, stamped as the pool phases are.
+- ``plain_passive``: the same without the stamps (no ``profile_dir``): what the connector's presence alone costs.
 """
 
 from __future__ import annotations
@@ -41,11 +42,13 @@ from kvpool.benchmarks.vllm_drive import (
     settle,
 )
 from kvpool.benchmarks.vllm_engines import BS, N_REQ, PROMPT, SINGLES, build_model, close, engine, prompts, run
-from kvpool.benchmarks.vllm_graphs_report import summary
+from kvpool.benchmarks.vllm_graphs_report import passive, summary
 from kvpool.client import PoolClient
 from kvpool.server.launch import spawn
 
 PARK = {"do_remote_decode": True}
+#: the plain engine's workload with the connector attached, loading and saving nothing: stamped, and not
+PASSIVE = ("plain_stamped", "plain_passive")
 #: the connector's settings per pool phase: its defaults, loads before the forward (no per-layer hook, so vLLM
 #: may capture full CUDA graphs), and variants of that (two lookup lanes, a short GIL switch interval, lookups
 #: started when the scheduler takes a request in rather than on arrival, a 1 ms wait for lookups, the first
@@ -173,13 +176,16 @@ def nixl_phase(model: Path, args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
-def plain_phase(model: Path, args: argparse.Namespace, stamped: str | None = None) -> dict[str, Any]:
-    """With ``stamped`` (a pool's URL), the connector rides along passive, to stamp the engine's steps."""
+def plain_phase(
+    model: Path, args: argparse.Namespace, pool_url: str | None = None, stamps: bool = False
+) -> dict[str, Any]:
+    """With ``pool_url`` (a pool's URL), the connector rides along loading and saving nothing; with ``stamps``, it
+    stamps the engine's steps."""
     res: dict[str, Any] = {"burst": [], "steady": [], "P": [],
                            "single": {"B": [], "B_cold": [], "P": [], "P_ttft_ms": []}}  # fmt: skip
     pdir = args.work / f"profiles-{time.time_ns()}"
-    passive = {"load": False, "save": False, "profile_dir": str(pdir / "e2")}
-    llm, res["start_s"] = started(lambda: engine(model, stamped, 0.3, passive if stamped else None, eager=False))
+    extra = {"load": False, "save": False, **({"profile_dir": str(pdir / "e2")} if stamps else {})}
+    llm, res["start_s"] = started(lambda: engine(model, pool_url, 0.3, extra if pool_url else None, eager=False))
     warm = prompts(999)
     run(llm, warm["A"]), run(llm, warm["B"])
     llm.reset_prefix_cache()
@@ -226,7 +232,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvp-vllm-graphs"), help="the model and profiles")
     ap.add_argument("--phases", nargs="*", default=["pool", "nixl", "plain"],
-                    choices=[*POOL_VARIANTS, "nixl", "plain", "plain_stamped"])  # fmt: skip
+                    choices=[*POOL_VARIANTS, "nixl", "plain", *PASSIVE])  # fmt: skip
     ap.add_argument("--rounds", type=int, default=3, help="batches of 32 per burst workload")
     ap.add_argument("--rates", type=float, nargs="*", default=[8.0, 16.0], help="steady arrival rates, requests/s")
     ap.add_argument("--steady-rounds", type=int, default=1, help="batches of 32 per steady rate")
@@ -239,7 +245,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     for phase in args.phases:
         t = time.perf_counter()
-        if phase in POOL_VARIANTS or phase == "plain_stamped":
+        if phase in POOL_VARIANTS or phase in PASSIVE:
             sock = args.work / "kvpool.sock"
             flags = ["--socket", str(sock), "--port", "0", "--backend", "cuda", "--num-blocks", str(args.pool_blocks),
                      "--num-layers", "16", "--num-kv-heads", "8", "--head-dim", "64", "--block-size", str(BS),
@@ -250,7 +256,7 @@ def main() -> None:
                 res = (
                     pool_phase(model, url, args, POOL_VARIANTS[phase])
                     if phase in POOL_VARIANTS
-                    else plain_phase(model, args, url)
+                    else plain_phase(model, args, url, stamps=phase == "plain_stamped")
                 )
             finally:
                 pool.stop()
@@ -266,6 +272,8 @@ def main() -> None:
         (args.out / f"{phase}.json").write_text(json.dumps(res))
         print(f"phase {phase} done in {res['seconds']} s", flush=True)
     s = {v: summary(args.out, v) for v in POOL_VARIANTS if (args.out / f"{v}.json").exists()} or summary(args.out)
+    if quiet := passive(args.out, PASSIVE):
+        s["passive_burst_ttft_p50_ms"] = quiet
     (args.out / "summary.json").write_text(json.dumps(s, indent=1))
     print(json.dumps(s, indent=1))
 

@@ -118,3 +118,16 @@ def _identical(pool: dict | None, nixl: dict | None, plain: dict | None) -> dict
                 nixl["single"]["P"], nixl["single"]["P_producer_own"]
             )
     return out
+
+
+def passive(out: Path, phases: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """B's burst TTFT p50, cold and on vLLM's own cache, of each plain phase that ran with the connector passive,
+    beside the plain engine's (``plain``) where it ran too."""
+    got = {}
+    for phase in ("plain", *phases):
+        f = out / f"{phase}.json"
+        if f.exists():
+            burst = json.loads(f.read_text())["burst"]
+            got[phase] = {"B_cold": p50(_cat([r["cold"] for r in burst], "ttft_ms")),
+                          "B_own_cache": p50(_cat([r["own"] for r in burst], "ttft_ms"))}  # fmt: skip
+    return got if len(got) > ("plain" in got) else {}

@@ -97,6 +97,22 @@ def test_the_timeline_of_a_passive_connector_takes_the_first_plan_after_vllm_sch
     assert got["stamped_cold"] == got["stamped_own"]
 
 
+def test_the_passive_phases_burst_ttft_is_reported_beside_the_plain_engines(tmp_path) -> None:
+    from kvpool.benchmarks.vllm_graphs_report import passive
+
+    def burst(cold: list[float], own: list[float]) -> dict:
+        return {"burst": [{"cold": run(cold, [[1]] * len(cold)), "own": run(own, [[1]] * len(own))}]}
+
+    assert passive(tmp_path, ("plain_passive",)) == {}
+    (tmp_path / "plain.json").write_text(json.dumps(burst([100.0, 120.0, 140.0], [50.0, 60.0, 70.0])))
+    assert passive(tmp_path, ("plain_passive",)) == {}  # nothing to set beside the plain engine
+    (tmp_path / "plain_passive.json").write_text(json.dumps(burst([90.0, 110.0, 130.0], [55.0, 65.0, 75.0])))
+    assert passive(tmp_path, ("plain_stamped", "plain_passive")) == {
+        "plain": {"B_cold": 120.0, "B_own_cache": 60.0},
+        "plain_passive": {"B_cold": 110.0, "B_own_cache": 65.0},
+    }
+
+
 def test_the_saver_benchmark_runs_alone_and_beside_a_thread_holding_the_gil(tmp_path) -> None:
     """A smoke test of ``vllm_saves`` (CPU, no vLLM): it saves every block it is given and writes both cases."""
     out = tmp_path / "saves.json"
