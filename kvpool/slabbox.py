@@ -18,7 +18,6 @@ import os
 import select
 import socket
 import time
-from array import array
 from collections import OrderedDict
 from typing import Any
 
@@ -136,7 +135,7 @@ class SlabBox:
             end = at + 4 * n
             if words[at + 1 : end : 4] != self._tags[:n] or words[at:end:4] != memoryview(h.packed).cast("B").cast("Q"):
                 return False
-            if words[at + 2 : end : 4] != array("Q", (seq,)) * n or words[at + 3 : end : 4] != self._nonces[:n]:
+            if words[at + 2 : end : 4] != column("Q", seq, n) or words[at + 3 : end : 4] != self._nonces[:n]:
                 return False
         elif n <= FEW:
             for slot, fid in zip(h.slots, h.packed, strict=True):

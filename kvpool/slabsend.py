@@ -262,7 +262,7 @@ class SlabSender:
         """The same for consecutive slots, a column at a time, states last."""
         words, at = self.slab.view.words, 8 + 4 * first
         end = at + 4 * n
-        words[at + 2 : end : 4] = array("Q", (seq,)) * n
+        words[at + 2 : end : 4] = column("Q", seq, n)
         words[at + 3 : end : 4] = peer.nonces[:n]
         words[at + 1 : end : 4] = peer.tags[:n]
 
