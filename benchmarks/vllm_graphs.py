@@ -18,6 +18,8 @@ so a later call with the phases still missing completes a run that was cut short
 - ``plain_stamped``: the same engine and workload with the connector attached but passive (``load`` and ``save``
   off), for its timeline: where vLLM's own cache spends a burst's steps, stamped as the pool phases are.
 - ``plain_passive``: the same without the stamps (no ``profile_dir``): what the connector's presence alone costs.
+- ``pool_quiet``: ``pool_flat`` without the connector's profile and timeline, as users run it (no figures of the
+  connector's own, vLLM's stamps only).
 """
 
 from __future__ import annotations
@@ -62,7 +64,10 @@ POOL_VARIANTS: dict[str, dict[str, Any]] = {
     "pool_late": {"layerwise": False, "early_lookup": False},
     "pool_wait1": {"layerwise": False, "lookup_wait_ms": 1.0},
     "pool_inline": {"layerwise": False, "inline_when_idle": True},
+    "pool_quiet": {"layerwise": False},
 }
+#: pool phases whose engines run without ``profile_dir``: nothing of the connector's is timed or written
+UNSTAMPED = frozenset({"pool_quiet"})
 
 
 def steady_seeds(rates: list[float], rounds: int) -> list[tuple[float, int]]:
@@ -83,15 +88,19 @@ def started(make: Any) -> tuple[Any, float]:
     return llm, round(time.perf_counter() - t, 1)
 
 
-def pool_phase(model: Path, url: str, args: argparse.Namespace, extra: dict[str, Any]) -> dict[str, Any]:
+def pool_phase(
+    model: Path, url: str, args: argparse.Namespace, extra: dict[str, Any], stamps: bool = True
+) -> dict[str, Any]:
     res: dict[str, Any] = {"pair": [], "burst": [], "steady": [], "single": {"B": [], "P": [], "P_ttft_ms": []},
-                           "settings": extra}  # fmt: skip
+                           "settings": extra, "stamps": stamps}  # fmt: skip
     pdir = args.work / f"profiles-{time.time_ns()}"
+
+    def settings(name: str) -> dict[str, Any]:
+        return {"profile_dir": str(pdir / name), **extra} if stamps else dict(extra)
+
     with PoolClient(url, name="bench") as probe:
-        e1, res["start_s_e1"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e1"), **extra},
-                                                       eager=False))  # fmt: skip
-        e2, res["start_s_e2"] = started(lambda: engine(model, url, 0.2, {"profile_dir": str(pdir / "e2"), **extra},
-                                                       eager=False))  # fmt: skip
+        e1, res["start_s_e1"] = started(lambda: engine(model, url, 0.2, settings("e1"), eager=False))
+        e2, res["start_s_e2"] = started(lambda: engine(model, url, 0.2, settings("e2"), eager=False))
         warm = prompts(998)
         run(e1, warm["A"]), run(e2, warm["B"])
         pre = run(e1, warm["P"], max_tokens=1, params=[PARK] * N_REQ)
@@ -254,7 +263,7 @@ def main() -> None:
             try:
                 url = f"unix://{sock}"
                 res = (
-                    pool_phase(model, url, args, POOL_VARIANTS[phase])
+                    pool_phase(model, url, args, POOL_VARIANTS[phase], stamps=phase not in UNSTAMPED)
                     if phase in POOL_VARIANTS
                     else plain_phase(model, args, url, stamps=phase == "plain_stamped")
                 )

@@ -18,6 +18,11 @@ def _toks(runs: list[dict]) -> list[list[int]]:
     return [t for r in runs for t in r["tokens"]]
 
 
+def _rounds(runs: list[dict]) -> list[float]:
+    """Each round's p50: how a burst's split into steps moves from one round to the next."""
+    return [p50(r["ttft_ms"]) for r in runs]
+
+
 def agree(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
 
@@ -53,10 +58,13 @@ def summary(out: Path, pool_variant: str = "pool") -> dict[str, Any]:
         s["burst_ttft_p50_ms"] = {"B_cold": p50(_cat([r["cold"] for r in burst], "ttft_ms")),
                                   "B_own_cache": p50(_cat([r["own"] for r in burst], "ttft_ms"))}  # fmt: skip
         s["burst_tpot_p50_ms"] = {"B_cold": p50(_cat([r["cold"] for r in burst], "tpot_ms"))}
+        s["burst_rounds_ttft_p50_ms"] = {"B_cold": _rounds([r["cold"] for r in burst]),
+                                         "B_own_cache": _rounds([r["own"] for r in burst])}  # fmt: skip
         s["P_own_cache_ttft_p50_ms"] = p50(_cat(plain["P"], "ttft_ms"))
     if pool:
         s.setdefault("burst_ttft_p50_ms", {})["B_pool"] = p50(_cat(pool["burst"], "ttft_ms"))
         s.setdefault("burst_tpot_p50_ms", {})["B_pool"] = p50(_cat(pool["burst"], "tpot_ms"))
+        s.setdefault("burst_rounds_ttft_p50_ms", {})["B_pool"] = _rounds(pool["burst"])
         s["pool_per_burst_round"] = [r["pool"] for r in pool["burst"]]
         s["pool_ttft_profile"] = pool["ttft_profile"]
     if plain and pool:
@@ -129,5 +137,7 @@ def passive(out: Path, phases: tuple[str, ...]) -> dict[str, dict[str, float]]:
         if f.exists():
             burst = json.loads(f.read_text())["burst"]
             got[phase] = {"B_cold": p50(_cat([r["cold"] for r in burst], "ttft_ms")),
-                          "B_own_cache": p50(_cat([r["own"] for r in burst], "ttft_ms"))}  # fmt: skip
+                          "B_own_cache": p50(_cat([r["own"] for r in burst], "ttft_ms")),
+                          "B_cold_rounds": _rounds([r["cold"] for r in burst]),
+                          "B_own_cache_rounds": _rounds([r["own"] for r in burst])}  # fmt: skip
     return got if len(got) > ("plain" in got) else {}

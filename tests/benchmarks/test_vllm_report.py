@@ -52,6 +52,7 @@ def test_the_summary_compares_the_phases_that_ran(tmp_path) -> None:
     assert s["phases"] == ["plain", "pool"]
     assert s["burst_ttft_p50_ms"] == {"B_cold": 110.0, "B_own_cache": 75.0, "B_pool": 60.0}
     assert s["burst_ratio_vs_cold"] == {"pool": 0.545, "own_cache": 0.682}
+    assert s["burst_rounds_ttft_p50_ms"] == {"B_cold": [110.0], "B_own_cache": [75.0], "B_pool": [60.0]}
     assert s["steady_ttft_p50_ms"]["8.0"] == {"cold": 20.0, "own_cache": 10.0, "pool": 8.0, "pool_vs_cold": 0.4,
                                               "own_cache_vs_cold": 0.5}  # fmt: skip
     assert s["pair_kvpool"]["claim_call_ms_per_request"] == 0.25
@@ -101,15 +102,27 @@ def test_the_passive_phases_burst_ttft_is_reported_beside_the_plain_engines(tmp_
     from kvpool.benchmarks.vllm_graphs_report import passive
 
     def burst(cold: list[float], own: list[float]) -> dict:
-        return {"burst": [{"cold": run(cold, [[1]] * len(cold)), "own": run(own, [[1]] * len(own))}]}
+        half = len(cold) // 2  # two rounds
+        return {"burst": [{"cold": run(c, [[1]] * len(c)), "own": run(o, [[1]] * len(o))}
+                          for c, o in ((cold[:half], own[:half]), (cold[half:], own[half:]))]}  # fmt: skip
 
     assert passive(tmp_path, ("plain_passive",)) == {}
     (tmp_path / "plain.json").write_text(json.dumps(burst([100.0, 120.0, 140.0], [50.0, 60.0, 70.0])))
     assert passive(tmp_path, ("plain_passive",)) == {}  # nothing to set beside the plain engine
     (tmp_path / "plain_passive.json").write_text(json.dumps(burst([90.0, 110.0, 130.0], [55.0, 65.0, 75.0])))
     assert passive(tmp_path, ("plain_stamped", "plain_passive")) == {
-        "plain": {"B_cold": 120.0, "B_own_cache": 60.0},
-        "plain_passive": {"B_cold": 110.0, "B_own_cache": 65.0},
+        "plain": {
+            "B_cold": 120.0,
+            "B_own_cache": 60.0,
+            "B_cold_rounds": [100.0, 130.0],
+            "B_own_cache_rounds": [50.0, 65.0],
+        },
+        "plain_passive": {
+            "B_cold": 110.0,
+            "B_own_cache": 65.0,
+            "B_cold_rounds": [90.0, 120.0],
+            "B_own_cache_rounds": [55.0, 70.0],
+        },
     }
 
 
