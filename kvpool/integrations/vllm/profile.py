@@ -4,7 +4,10 @@ and a timeline of the connector's events on the engine core's monotonic clock (t
 timestamps), so that a request's time in vLLM's queue and in its first step can be laid beside what the connector
 did meanwhile.
 
-The engine core runs in its own process, so a file is how a benchmark reads what the connector saw.
+The engine core runs in its own process, so a file is how a benchmark reads what the connector saw. The timeline's
+events are kept in memory as they happen and written out at shutdown (or when many have piled up): an event costs
+a tuple appended on the thread that stamps it, where formatting and writing it there cost the engine's threads
+several microseconds each, at the very moments a benchmark times.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 #: events a timeline keeps (about 100 bytes each); past them it says so once and stops growing
 MAX_TIMELINE_EVENTS = 1_000_000
+#: events held in memory before they are written out on the thread that stamps the next one
+FLUSH_EVENTS = 50_000
 
 
 class Profile:
@@ -25,7 +30,8 @@ class Profile:
         self.path = Path(directory) / f"{side}-{os.getpid()}.json" if directory else None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._timeline = self.path.with_name(f"timeline-{side}-{os.getpid()}.jsonl").open("a") if self.path else None
+        self._timeline = self.path.with_name(f"timeline-{side}-{os.getpid()}.jsonl") if self.path else None
+        self._events: list[tuple[float, str, float | None, dict[str, Any]]] = []
         self._sums: dict[str, list[float]] = {}  # kind -> [count, total ms, max ms]
         self._lock = threading.Lock()
         self._written = 0.0
@@ -49,18 +55,28 @@ class Profile:
         """One event on the timeline, at ``time.monotonic()`` now; ``start`` (the same clock) makes it a span."""
         if self._timeline is None or self._events_left <= 0:
             return
-        now = time.monotonic()
-        event = {"t": round(now, 6), "k": kind, **fields}
-        if start is not None:
-            event["ms"] = round((now - start) * 1e3, 3)
-        line = json.dumps(event)
+        self._events_left -= 1  # a race between threads here may lose a count, never an event
+        if self._events_left <= 0:
+            kind, start, fields = "timeline_full", None, {}
+        self._events.append((time.monotonic(), kind, start, fields))
+        if len(self._events) >= FLUSH_EVENTS:
+            self._write_timeline()
+
+    def _write_timeline(self) -> None:
+        if self._timeline is None:
+            return
         with self._lock:
-            if self._events_left <= 0:
-                return
-            self._events_left -= 1
-            if not self._events_left:
-                line = json.dumps({"t": event["t"], "k": "timeline_full"})
-            self._timeline.write(line + "\n")
+            n = len(self._events)
+            events = self._events[:n]
+            del self._events[:n]  # what other threads append meanwhile stays for the next write
+            lines = []
+            for now, kind, start, fields in events:
+                event = {"t": round(now, 6), "k": kind, **fields}
+                if start is not None:
+                    event["ms"] = round((now - start) * 1e3, 3)
+                lines.append(json.dumps(event))
+            with self._timeline.open("a") as f:
+                f.write("".join(line + "\n" for line in lines))
 
     def gpu(self, kind: str, start: Any, end: Any) -> None:
         """Times two CUDA events apart once the GPU passed them (never waits for them)."""
@@ -78,11 +94,11 @@ class Profile:
             else:
                 left.append((kind, start, end))
         self.pending = left
+        if force:
+            self._write_timeline()
         with self._lock:
             data = {k: {"n": int(n), "total_ms": round(t, 3), "max_ms": round(m, 3)} for k, (n, t, m) in
                     self._sums.items()}  # fmt: skip
-            if self._timeline is not None:
-                self._timeline.flush()
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(data))
         tmp.replace(self.path)
