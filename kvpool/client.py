@@ -56,6 +56,7 @@ from kvpool.protocol import (
 from kvpool.session import Session
 from kvpool.slab import SlabConfig
 from kvpool.slabs import Slabs
+from kvpool.tokens import pack_tokens
 from kvpool.transport import Transport, http_client, reply_spin
 
 __all__ = ["Claim", "DeviceSession", "PoolClient", "http_client", "raise_for"]
@@ -68,6 +69,13 @@ def _as_list(ids: Sequence[int] | Any) -> list[int]:
     if type(ids) is list:
         return ids
     return ids.tolist() if hasattr(ids, "tolist") else list(ids)
+
+
+def _tokens(token_ids: Sequence[int] | Any) -> dict[str, Any]:
+    """A prompt's tokens as a request carries them: packed (see :mod:`kvpool.tokens`), or as a list where one is no
+    uint32, for the pool to say which."""
+    packed = pack_tokens(token_ids if type(token_ids) is list else _as_list(token_ids))
+    return {"tokens": packed} if packed is not None else {"token_ids": _as_list(token_ids)}
 
 
 def _req(model: type[R], **fields: Any) -> R:
@@ -226,8 +234,7 @@ class PoolClient:
         with a ``salt`` (a tenant, a LoRA adapter), only by lookups with the same salt. ``start``: the pool holds the
         first blocks already (you looked them up) and ``block_ids`` hold block ``start`` on; ``release``: drop your
         refs on ``block_ids`` too (commit and free in one call)."""
-        tokens = _as_list(token_ids)
-        fields = {"session_id": self.session_id, "token_ids": tokens, "salt": salt, "start": start, "release": release}
+        fields = {"session_id": self.session_id, **_tokens(token_ids), "salt": salt, "start": start, "release": release}
         req, ids = self._with_ids(CommitRequest, block_ids, **fields)
         call = self._call
         return self.slabs.through_pool(block_ids, lambda: call(b"commit", "/commit", req, CommitResponse, ids=ids)[0])
@@ -240,14 +247,14 @@ class PoolClient:
         pool refused, whose blocks stay yours; an error about the session itself raises."""
         if self.slabs.slab is not None:  # a slab's blocks leave it commit by commit
             return self.direct.one_by_one(commits, lambda c: self.commit(c[0], c[1], start=c[2], release=release))
-        reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), token_ids=_as_list(tokens),
+        reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), **_tokens(tokens),
                      start=start, release=release) for ids, tokens, start in commits]  # fmt: skip
         return self._many(b"commit", "/commit", reqs, CommitResponse)
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
         until you free it."""
-        fields = {"token_ids": _as_list(token_ids), "device": device, "salt": salt}
+        fields = {**_tokens(token_ids), "device": device, "salt": salt}
         req = _req(LookupRequest, session_id=self.session_id, **fields)
         return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
 
@@ -255,7 +262,7 @@ class PoolClient:
         self, prompts: Sequence[Sequence[int]], device: int | None = None, salt: str | None = None
     ) -> list[LookupResponse]:
         """``lookup`` of each prompt, in one round trip (a scheduler step's arrivals)."""
-        items = [{"token_ids": _as_list(t), "salt": salt} for t in prompts]
+        items = [{**_tokens(t), "salt": salt} for t in prompts]
         req = _req(LookupManyRequest, session_id=self.session_id, lookups=items, device=device)
         return self._call(b"lookups", "/lookups", req, LookupManyResponse)[0].hits
 

@@ -7,12 +7,15 @@ Requests are strict (a string is not a number, unknown fields are refused), so t
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from kvpool.errors import InvalidRequest
 from kvpool.ids import BLOCK_MASK
 from kvpool.layout import KVLayout
+from kvpool.tokens import packed_count, packed_length, unpack_tokens
 
 MAX_IDS = 1 << 20
 MAX_TOKENS = 1 << 22
@@ -117,12 +120,48 @@ SALT_HELP = (
     "mixed into the first block's hash (a tenant, a LoRA adapter): chains of different salts, or none, never share "
     "blocks; a lookup finds what was committed with the same salt"
 )
+TOKENS_HELP = (
+    "the token ids packed instead of token_ids: little-endian uint32, base64 (standard alphabet, padded); what "
+    "kvpool.client sends, and cheaper to write and to read than a JSON integer per token"
+)
 
 
-class CommitRequest(_Request):
+class _WithTokens(_Request):
+    """A request about a prompt's tokens, given as ``token_ids`` or packed as ``tokens`` (one of the two). Packed
+    tokens are unpacked where they are used (:meth:`token_seq`), once: the client that packs them never pays it."""
+
+    token_ids: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
+    tokens: str | None = Field(None, max_length=packed_length(MAX_TOKENS), description=TOKENS_HELP)
+    _unpacked: Sequence[int] | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_form(self) -> _WithTokens:
+        if self.tokens is None:
+            if "token_ids" not in self.model_fields_set:
+                raise ValueError("token_ids is missing: give token_ids, or tokens (packed)")
+        elif self.token_ids:
+            raise ValueError("give token_ids or tokens, not both")
+        return self
+
+    def token_seq(self) -> Sequence[int]:
+        """The prompt's token ids, whichever way they came; InvalidRequest if ``tokens`` packs none."""
+        if self.tokens is None:
+            return self.token_ids
+        if self._unpacked is None:
+            try:
+                self._unpacked = unpack_tokens(self.tokens)  # at most MAX_TOKENS: the string's length bounds them
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+        return self._unpacked
+
+    def token_count(self) -> int:
+        """How many token ids the request names, without unpacking them."""
+        return len(self.token_ids) if self.tokens is None else packed_count(self.tokens)
+
+
+class CommitRequest(_WithTokens):
     session_id: SessionId = Field(max_length=64)
     block_ids: list[int] = Field(max_length=MAX_IDS)
-    token_ids: list[int] = Field(max_length=MAX_TOKENS)
     salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
     start: int = Field(
         0, ge=0, le=MAX_TOKENS,
@@ -139,9 +178,8 @@ class CommitResponse(BaseModel):
     missing: int = Field(0, description="blocks of the first start that the pool no longer held (then none committed)")
 
 
-class LookupRequest(_Request):
+class LookupRequest(_WithTokens):
     session_id: SessionId = Field(max_length=64)
-    token_ids: list[int] = Field(max_length=MAX_TOKENS)
     device: int | None = Field(None, ge=0, le=1 << 16, description=DEVICE_HELP)
     salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
@@ -154,8 +192,7 @@ class LookupResponse(BaseModel):
 MAX_LOOKUPS = 1024
 
 
-class LookupItem(_Request):
-    token_ids: list[int] = Field(max_length=MAX_TOKENS)
+class LookupItem(_WithTokens):
     salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
@@ -168,7 +205,7 @@ class LookupManyRequest(_Request):
 
     @model_validator(mode="after")
     def _bounded(self) -> LookupManyRequest:
-        total = sum(len(x.token_ids) for x in self.lookups)
+        total = sum(x.token_count() for x in self.lookups)
         if total > MAX_TOKENS:
             raise ValueError(f"the lookups hold {total} tokens in all; at most {MAX_TOKENS} go in one call")
         return self

@@ -238,12 +238,12 @@ class ControlPlane:
         return FreeResponse(freed=self.pool.free(req.session_id, req.block_ids))
 
     def commit(self, req: CommitRequest) -> CommitResponse:
-        r = self.pool.commit(req.session_id, req.block_ids, req.token_ids, req.salt, req.start, req.release)
+        r = self.pool.commit(req.session_id, req.block_ids, req.token_seq(), req.salt, req.start, req.release)
         return CommitResponse(committed=r.committed, duplicates=r.duplicates, num_blocks=r.num_blocks,
                               missing=r.missing)  # fmt: skip
 
     def lookup(self, req: LookupRequest) -> LookupResponse:
-        r = self.pool.lookup(req.session_id, req.token_ids, self.arena_index(req.device), req.salt)
+        r = self.pool.lookup(req.session_id, req.token_seq(), self.arena_index(req.device), req.salt)
         return LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens)
 
     def lookup_many(self, req: LookupManyRequest) -> LookupManyResponse:
@@ -252,8 +252,8 @@ class ControlPlane:
         arena = self.arena_index(req.device)
         self.pool.session(req.session_id)
         for x in req.lookups:
-            token_bytes(x.token_ids)
-        hits = [self.pool.lookup(req.session_id, x.token_ids, arena, x.salt) for x in req.lookups]
+            token_bytes(x.token_seq())
+        hits = [self.pool.lookup(req.session_id, x.token_seq(), arena, x.salt) for x in req.lookups]
         return LookupManyResponse.model_construct(
             hits=[LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens) for r in hits]
         )

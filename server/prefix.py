@@ -27,6 +27,7 @@ from typing import Protocol
 import xxhash
 
 from kvpool.errors import InvalidRequest
+from kvpool.tokens import U32
 
 Digest = Callable[[bytes], bytes]
 
@@ -51,8 +52,10 @@ def salt_tag(salt: str | None) -> bytes:
 
 def token_bytes(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian uint32 bytes (the hashed and stored form)."""
+    if type(token_ids) is array and token_ids.typecode == U32 and sys.byteorder == "little":
+        return token_ids.tobytes()  # packed on the wire (``tokens``): already that form
     try:
-        arr = array("I", token_ids)
+        arr = array(U32, token_ids)
     except (OverflowError, TypeError) as exc:
         raise InvalidRequest(f"token ids must be integers in [0, 2**32): {exc}") from None
     if sys.byteorder != "little":

@@ -65,3 +65,53 @@ def test_every_model_has_its_validator_built_at_import():
     ]
     assert protocol.ArenaFdResponse in models
     assert [m.__name__ for m in models if not m.__pydantic_complete__] == []
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=300))
+def test_packed_tokens_are_the_token_ids_they_pack(token_ids):
+    from kvpool.protocol import CommitRequest, LookupItem, LookupRequest
+    from kvpool.tokens import pack_tokens
+
+    packed = pack_tokens(token_ids)
+    assert packed is not None
+    for model, extra in ((LookupRequest, {"session_id": "s"}), (LookupItem, {}),
+                         (CommitRequest, {"session_id": "s", "block_ids": []})):  # fmt: skip
+        req = model.model_validate_json(json.dumps({"tokens": packed, **extra}))
+        assert list(req.token_seq()) == token_ids
+        assert list(model(token_ids=token_ids, **extra).token_seq()) == token_ids
+
+
+def test_a_token_that_is_no_uint32_is_not_packed():
+    from kvpool.tokens import pack_tokens
+
+    assert pack_tokens([1, -1]) is None
+    assert pack_tokens([2**32]) is None
+    assert pack_tokens([]) == ""
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [({}, ["token_ids is missing"]), ({"tokens": "AQAAAA==", "token_ids": [1]}, ["not both"])],
+)
+def test_a_request_gives_its_tokens_one_way(body, words):
+    from pydantic import ValidationError
+
+    from kvpool.protocol import LookupRequest
+
+    with pytest.raises(ValidationError) as err:
+        LookupRequest.model_validate_json(json.dumps({"session_id": "s", **body}))
+    for word in words:
+        assert word in str(err.value)
+
+
+@pytest.mark.parametrize(("tokens", "words"), [("AQID", ["3 bytes"]), ("@@@@", ["base64"]), ("AQ", ["base64"])])
+def test_tokens_that_pack_no_token_ids_are_refused_where_they_are_read(tokens, words):
+    """Unpacked where the pool uses them, once (the client that packed them never pays for it)."""
+    from kvpool.errors import InvalidRequest
+    from kvpool.protocol import LookupRequest
+
+    req = LookupRequest.model_validate_json(json.dumps({"session_id": "s", "tokens": tokens}))
+    with pytest.raises(InvalidRequest) as err:
+        req.token_seq()
+    for word in words:
+        assert word in str(err.value)

@@ -64,6 +64,24 @@ def test_alloc_commit_free_lookup_on_the_books(plane: ControlPlane) -> None:
     assert plane.stats()["cached"] == 2 and balanced(plane)
 
 
+def test_packed_tokens_and_token_ids_name_the_same_chain(plane: ControlPlane) -> None:
+    """What one client committed as a JSON list another finds with its tokens packed, and the other way round."""
+    from kvpool.protocol import LookupItem, LookupManyRequest
+    from kvpool.tokens import pack_tokens
+
+    a, b = session(plane, "a"), session(plane, "b")
+    listed, packed = list(range(2 * BLOCK)), list(range(100, 100 + 2 * BLOCK))
+    ids = plane.alloc(AllocRequest(session_id=a, num_blocks=4)).block_ids
+    plane.commit(CommitRequest(session_id=a, block_ids=ids[:2], token_ids=listed))
+    plane.commit(CommitRequest(session_id=a, block_ids=ids[2:], tokens=pack_tokens(packed)))
+    hit = plane.lookup(LookupRequest(session_id=b, tokens=pack_tokens([*listed, 7])))
+    assert (hit.block_ids, hit.num_tokens) == (ids[:2], 2 * BLOCK)
+    hits = plane.lookup_many(LookupManyRequest(session_id=b, lookups=[
+        LookupItem(token_ids=packed), LookupItem(tokens=pack_tokens(listed[:BLOCK]))]))  # fmt: skip
+    assert [(h.block_ids, h.num_tokens) for h in hits.hits] == [(ids[2:], 2 * BLOCK), (ids[:1], BLOCK)]
+    assert balanced(plane)
+
+
 def test_refusals_change_nothing(plane: ControlPlane) -> None:
     a, b = session(plane, "a"), session(plane, "b")
     ids = plane.alloc(AllocRequest(session_id=a, num_blocks=3)).block_ids
