@@ -88,6 +88,14 @@ def started(make: Any) -> tuple[Any, float]:
     return llm, round(time.perf_counter() - t, 1)
 
 
+def keep_timelines(profiles: Path, out: Path) -> None:
+    """The connector's timelines of a phase's engines into ``out/timelines`` (``vllm_timeline`` reads them there)."""
+    keep = out / "timelines"
+    keep.mkdir(exist_ok=True)
+    for f in profiles.glob("*/timeline-*.jsonl"):
+        shutil.copy(f, keep / f"{f.parent.name}-{f.name}")
+
+
 def pool_phase(
     model: Path, url: str, args: argparse.Namespace, extra: dict[str, Any], stamps: bool = True
 ) -> dict[str, Any]:
@@ -149,10 +157,7 @@ def pool_phase(
         res["pool_stats"] = probe.stats()
         close(e1)
         close(e2)
-    keep = args.out / "timelines"
-    keep.mkdir(exist_ok=True)
-    for f in pdir.glob("*/timeline-*.jsonl"):
-        shutil.copy(f, keep / f"{f.parent.name}-{f.name}")
+    keep_timelines(pdir, args.out)
     return res
 
 
@@ -229,10 +234,7 @@ def plain_phase(
         res["single"]["P"].append(own["tokens"][0])
         res["single"]["P_ttft_ms"] += own["ttft_ms"]
     close(llm)
-    keep = args.out / "timelines"
-    keep.mkdir(exist_ok=True)
-    for f in pdir.glob("*/timeline-*.jsonl"):
-        shutil.copy(f, keep / f"{f.parent.name}-{f.name}")
+    keep_timelines(pdir, args.out)
     return res
 
 

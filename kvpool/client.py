@@ -74,8 +74,9 @@ def _as_list(ids: Sequence[int] | Any) -> list[int]:
 def _tokens(token_ids: Sequence[int] | Any) -> dict[str, Any]:
     """A prompt's tokens as a request carries them: packed (see :mod:`kvpool.tokens`), or as a list where one is no
     uint32, for the pool to say which."""
-    packed = pack_tokens(token_ids if type(token_ids) is list else _as_list(token_ids))
-    return {"tokens": packed} if packed is not None else {"token_ids": _as_list(token_ids)}
+    tokens = _as_list(token_ids)
+    packed = pack_tokens(tokens)
+    return {"tokens": packed} if packed is not None else {"token_ids": tokens}
 
 
 def _req(model: type[R], **fields: Any) -> R:

@@ -50,7 +50,8 @@ def unpack_tokens(text: str) -> array:
 
 def packed_count(text: str) -> int:
     """How many token ids a well-formed ``tokens`` string holds, read off its length."""
-    return (len(text) * 3 // 4 - len(text[-2:]) + len(text[-2:].rstrip("="))) // 4
+    padding = text[-2:].count("=")  # the tail only: a prompt's string is long
+    return (len(text) * 3 // 4 - padding) // 4
 
 
 def packed_length(count: int) -> int:
