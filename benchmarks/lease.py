@@ -14,6 +14,8 @@ round, interleaved:
   handoff-chunks  the same number of blocks from 4 allocs in a row (as a chunked prefill allocates them): still one
                run of slots
   handoff-scattered  the ids of one alloc in reverse order, which go slot by slot (as ids freed and taken again may)
+  handoff-datagram  ``handoff`` from a producer whose slab sends every handoff as a sealed datagram to the consumer's
+               box (``SlabConfig(ring=False)``), where the others write it into their ring, which the consumer reads
   pair         ``alloc(1)`` + ``free`` from the producer's slab, in one process
   pool-pair    the same pair through the pool's fast channel (a client without a slab): what slabs replace
   batch        ``alloc(N)`` + ``free`` of N blocks from the producer's slab, whose slots the handoffs have
@@ -44,7 +46,7 @@ TARGET_FLOOR_RATIO = 3.0
 TARGET_BLOCKS_PER_S = 10e6
 CONSUMER = "bench-lease-consumer"
 FLOORS = ("floor", "floor-connected")
-HANDOFFS = ("handoff", "handoff-chunks", "handoff-scattered")
+HANDOFFS = ("handoff", "handoff-chunks", "handoff-scattered", "handoff-datagram")
 CHUNKS = 4
 VARIANTS = (*FLOORS, *HANDOFFS, "pair", "pool-pair")
 BATCHES = ("batch", "batch-run")
@@ -58,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=1024, help="blocks per batched alloc [1024]")
 
 
-def _slab(batch: int) -> Any:
+def _slab(batch: int, ring: bool = True) -> Any:
     from kvpool.slab import SlabConfig
 
-    return SlabConfig(blocks=batch + 512, low=batch + 64, high=4 * batch + 1024)
+    return SlabConfig(blocks=batch + 512, low=batch + 64, high=4 * batch + 1024, ring=ring)
 
 
 def _spin_recv(sock: socket.socket, buf: bytearray) -> int:
@@ -113,6 +115,7 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
     pool = PoolClient(url, name="bench-lease-producer", slab=_slab(batch), heartbeat=False)
     plain = PoolClient(url, name="bench-lease-plain", slab=False, heartbeat=False)
     batcher = PoolClient(url, name="bench-lease-batcher", slab=_slab(batch), heartbeat=False)
+    sealed = PoolClient(url, name="bench-lease-datagrams", slab=_slab(batch, ring=False), heartbeat=False)
     ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ready.bind(ready_path)
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -126,8 +129,9 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
             kind, count, n = msg
             lat = array("q")
             if kind in (*FLOORS, *HANDOFFS):
+                producer = sealed if kind == "handoff-datagram" else pool
                 for i in range(count):
-                    ids = pool.alloc(blocks) if kind in ("handoff", "handoff-scattered") else None
+                    ids = producer.alloc(blocks) if kind in HANDOFFS and kind != "handoff-chunks" else None
                     if kind == "handoff-chunks":
                         ids = [i for _ in range(CHUNKS) for i in pool.alloc(blocks // CHUNKS)]
                     elif kind == "handoff-scattered":
@@ -139,7 +143,7 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
                     elif kind == "floor-connected":
                         connected.send(t0.to_bytes(8, "little") + pad)
                     else:
-                        pool.handoff(f"r{i}-{t0}", ids, blocks * POOL_LAYOUT.block_size, to=CONSUMER)
+                        producer.handoff(f"r{i}-{t0}", ids, blocks * POOL_LAYOUT.block_size, to=CONSUMER)
             else:
                 client = {"pool-pair": plain, "batch-run": batcher}.get(kind, pool)
                 alloc, free = client.alloc, client.free
@@ -150,9 +154,8 @@ def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int,
                     lat.append(clock() - t0)
             conn.send(lat.tobytes())
     finally:
-        pool.close()
-        plain.close()
-        batcher.close()
+        for client in (pool, plain, batcher, sealed):
+            client.close()
         ready.close()
         connected.close()
 

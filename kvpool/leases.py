@@ -9,7 +9,12 @@ compare-and-swap:
   needs idle slab blocks back) and, per slot, ``settled`` (the handoff sequence whose ownership it has moved);
 * the session writes ``done`` (the ``want`` it has answered), ``hseq`` (its last handoff's sequence) and its
   slots: the block a slot holds and its ``state``, and for a handed block to whom (region and nonce) and under
-  which sequence.
+  which sequence;
+* for handoffs between slabs with no system call on the way (:mod:`kvpool.slabsend`, :mod:`kvpool.slabbox`), the
+  session also writes, as a producer, its ``ring`` of recent handoffs and one ``bell`` per consumer region (the
+  sequence of its latest handoff in the ring to that region), and as a consumer, per producer region, ``watch``
+  (the producer's nonce, once it reads that producer's ring) and ``took`` (the last sequence it took from it),
+  plus ``waiting`` while it sleeps on its lease box (a producer then sends it a wake-up).
 
 The pool trusts none of what a session writes about blocks: it acts on a slot only for a block its own books say
 that session holds in its slab. A writer publishes a slot's other fields before its ``state``, and readers read
@@ -22,6 +27,7 @@ import contextlib
 import mmap
 import os
 import struct
+import threading
 from array import array
 from pathlib import Path
 
@@ -29,7 +35,7 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest
 
-MAGIC = b"KVLT0001"
+MAGIC = b"KVLT0002"
 #: magic, regions, slots per region, region bytes, epoch (16 bytes, ascii)
 FILE_HEAD = struct.Struct("<8sIIQ16s")
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -38,8 +44,29 @@ EMPTY, IDLE, ALLOCATED, HANDED = 0, 1, 2, 3
 
 SLOT = np.dtype([("block", "<i8"), ("state", "<u4"), ("to_region", "<u4"), ("seq", "<u8"), ("to_nonce", "<u8")])
 HEAD_BYTES = 64
-NONCE, WANT, DONE, HSEQ = 0, 1, 2, 3  # the header's words; then each slot is 4: block, state | to_region << 32,
-# seq, to_nonce
+NONCE, WANT, DONE, HSEQ, WAITING = 0, 1, 2, 3, 4  # the header's words; then each slot is 4: block,
+# state | to_region << 32, seq, to_nonce
+#: handoffs a producer's ring holds; one whose consumer has not taken it is not overwritten
+RING = 32
+ENTRY = 1024
+#: an entry of the ring: sequence, the previous entry's to the same consumer (0: none), the last handoff to it that
+#: went as a datagram instead, the consumer's nonce, num_tokens, its region, number of ids, first slot of a run
+#: (-1: slots listed), request id bytes, meta bytes; then the ids (i64: the consumer asks the pool about these if
+#: the slots were settled and reused meanwhile), the slots (i32, unless a run), request id, meta JSON
+ENTRY_HEAD = struct.Struct("<QQQQQIIiHH")
+ENTRY_ROOM = ENTRY - ENTRY_HEAD.size
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """Orders this thread's earlier stores before its later loads as other processes see them: a lock's atomic
+    instruction is a full barrier on x86-64, where a plain store may otherwise still sit in the core's buffer when a
+    later load reads. A producer rings a bell and then reads whether its consumer sleeps; the consumer says it
+    sleeps and then reads the bells: with a fence on both sides, one of them sees the other."""
+    with _FENCE:
+        pass
 
 
 def column(typecode: str, value: int, n: int) -> memoryview:
@@ -47,16 +74,35 @@ def column(typecode: str, value: int, n: int) -> memoryview:
     return memoryview(array(typecode, (value,)) * n)
 
 
-def region_dtype(slots: int) -> np.dtype:
-    """One region: its header (pool: nonce, want; session: done, hseq), the session's slots, the pool's settled."""
+def region_dtype(slots: int, regions: int) -> np.dtype:
+    """One region: its header (pool: nonce, want; session: done, hseq, waiting), the session's slots, the pool's
+    settled, then the session's bells (one per region), took and watch (one per region) and ring."""
     settled_at = HEAD_BYTES + SLOT.itemsize * slots
-    size = settled_at + 8 * slots
+    bells_at = settled_at + 8 * slots
+    took_at = bells_at + 8 * regions
+    watch_at = took_at + 8 * regions
+    ring_at = watch_at + 8 * regions
+    size = ring_at + RING * ENTRY
     size = (size + PAGE - 1) // PAGE * PAGE
+    per_region = ("<u8", (regions,))
+    fields = {
+        "nonce": ("<u8", 0),
+        "want": ("<u8", 8),
+        "done": ("<u8", 16),
+        "hseq": ("<u8", 24),
+        "waiting": ("<u8", 32),
+        "slots": ((SLOT, (slots,)), HEAD_BYTES),
+        "settled": (("<u8", (slots,)), settled_at),
+        "bells": (per_region, bells_at),
+        "took": (per_region, took_at),
+        "watch": (per_region, watch_at),
+        "ring": (("u1", (RING * ENTRY,)), ring_at),
+    }
     return np.dtype(
         {
-            "names": ["nonce", "want", "done", "hseq", "slots", "settled"],
-            "formats": ["<u8", "<u8", "<u8", "<u8", (SLOT, (slots,)), ("<u8", (slots,))],
-            "offsets": [0, 8, 16, 24, HEAD_BYTES, settled_at],
+            "names": list(fields),
+            "formats": [f for f, _ in fields.values()],
+            "offsets": [o for _, o in fields.values()],
             "itemsize": size,
         }
     )
@@ -68,7 +114,7 @@ def table_name(epoch: str) -> str:
 
 def create_table(directory: Path, epoch: str, regions: int, slots: int) -> tuple[Path, mmap.mmap, np.ndarray]:
     """The pool's side: a new table, mode 0600, zeroed (sparse until written), and its regions as an array."""
-    dtype = region_dtype(slots)
+    dtype = region_dtype(slots, regions)
     path = Path(directory) / table_name(epoch)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -97,7 +143,7 @@ class TableView:
             magic, regions, slots, region_bytes, ep = FILE_HEAD.unpack(head)
             if magic != MAGIC or ep.rstrip(b"\0") != epoch[:16].encode() or not 0 <= region < regions:
                 raise InvalidRequest(f"{path} is not the lease table of pool epoch {epoch}")
-            self.dtype = region_dtype(slots)
+            self.dtype = region_dtype(slots, regions)
             assert self.dtype.itemsize == region_bytes
             self._ro = mmap.mmap(fd, PAGE + regions * region_bytes, prot=mmap.PROT_READ)
             self._rw = mmap.mmap(fd, region_bytes, offset=PAGE + region * region_bytes)
@@ -107,6 +153,7 @@ class TableView:
         self.slots = slots
         self.region = region
         self.region_words = region_bytes // 8
+        self.region_bytes = region_bytes
         self.table = np.frombuffer(self._ro, dtype=self.dtype, count=regions, offset=PAGE)
         self.mine = np.frombuffer(self._rw, dtype=self.dtype, count=1)[0]
         # the same memory as 8-byte words, for the hot path (a memoryview item costs tens of nanoseconds, a numpy
@@ -114,6 +161,17 @@ class TableView:
         self.words = memoryview(self._rw).cast("Q")
         self.all_words = memoryview(self._ro).cast("Q")  # region r starts at PAGE / 8 + r * region_words
         self.halves = memoryview(self._rw).cast("I")  # slot s's state (the low half of its word 1) at 18 + 8 s
+        fields = self.dtype.fields
+        assert fields is not None
+        #: where a region's bells, took and watch start (in words) and its ring (in bytes), from the region's start
+        self.bells, self.took, self.watch = (fields[name][1] // 8 for name in ("bells", "took", "watch"))
+        self.ring = fields["ring"][1]
+        self.rw = self._rw
+        self.ro = self._ro
+
+    def base(self, region: int) -> int:
+        """Where ``region`` starts in :attr:`all_words`."""
+        return PAGE // 8 + region * self.region_words
 
     def close(self) -> None:
         # numpy views keep the maps' buffers exported: drop them first, and leave the maps to the collector if a

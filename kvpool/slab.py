@@ -36,11 +36,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class SlabConfig:
-    """How many idle blocks a slab keeps: refilled to ``blocks`` below ``low``, drained to it above ``high``."""
+    """How many idle blocks a slab keeps: refilled to ``blocks`` below ``low``, drained to it above ``high``; and
+    whether handoffs to consumers that read this slab's ring go through it (``ring``) or as datagrams."""
 
     blocks: int = 256
     low: int = 32
     high: int = 1024
+    ring: bool = True
 
     def __post_init__(self) -> None:
         if not 0 <= self.low <= self.blocks <= self.high or self.blocks < 1:
@@ -58,16 +60,18 @@ class SlabConfig:
 
     @classmethod
     def from_env(cls) -> SlabConfig | None:
-        """``KVPOOL_SLAB_BLOCKS`` (unset or 0: no slab), ``KVPOOL_SLAB_LOW`` and ``KVPOOL_SLAB_HIGH``."""
+        """``KVPOOL_SLAB_BLOCKS`` (unset or 0: no slab), ``KVPOOL_SLAB_LOW``, ``KVPOOL_SLAB_HIGH`` and
+        ``KVPOOL_SLAB_RING`` (0: handoffs go as datagrams)."""
         try:
             blocks = int(os.environ.get("KVPOOL_SLAB_BLOCKS") or 0)
             if blocks <= 0:
                 return None
             low = int(os.environ.get("KVPOOL_SLAB_LOW") or max(1, blocks // 8))
             high = int(os.environ.get("KVPOOL_SLAB_HIGH") or 4 * blocks)
+            ring = int(os.environ.get("KVPOOL_SLAB_RING") or 1) != 0
         except ValueError as exc:
-            raise InvalidRequest(f"KVPOOL_SLAB_BLOCKS, _LOW and _HIGH must be integers: {exc}") from None
-        return cls(blocks, low, high)
+            raise InvalidRequest(f"KVPOOL_SLAB_BLOCKS, _LOW, _HIGH and _RING must be integers: {exc}") from None
+        return cls(blocks, low, high, ring)
 
 
 def as_ids(ids: Sequence[int] | Any) -> np.ndarray:
@@ -277,14 +281,18 @@ class Slab:
         with self.lock:
             self._answer_want()
 
-    def _answer_want(self) -> None:
-        """Also the check that the slab is still this session's: the pool zeroes the region of a session whose lease
-        ran out, and a client paused past its lease must not go on handing out blocks the pool took back."""
-        words = self.view.words
-        if words[NONCE] != self.info.nonce:
+    def ensure_mine(self) -> None:
+        """Raise if the pool took this session's region back (its lease ran out): then it may be another's now."""
+        if self.view.words[NONCE] != self.info.nonce:
             raise UnknownSession(
                 "this session's lease ran out and its slab went back to the pool: its ids are stale; reconnect()"
             )
+
+    def _answer_want(self) -> None:
+        """Also the check that the slab is still this session's: the pool zeroes the region of a session whose lease
+        ran out, and a client paused past its lease must not go on handing out blocks the pool took back."""
+        self.ensure_mine()
+        words = self.view.words
         want = words[WANT]
         if want != words[DONE]:
             self._drain(0)

@@ -1,24 +1,33 @@
-"""Handoffs from another live session's slab to this one's, the consumer's side: its lease box.
+"""Handoffs from another live session's slab to this one's, the consumer's side: its lease box and its producers'
+rings.
 
-A producer marks the blocks it hands in its region of the lease table and sends this session's box one datagram
-sealed with their pair's key (:mod:`kvpool.slabsend`, :mod:`kvpool.slabwire`). This side takes the ids only if the
-seal holds, the sequence is newer than any it took from that producer (a replay is dropped), and the producer's
-region, mapped read-only, says the same: those blocks, handed to this session under this sequence (a run of
-consecutive slots is compared a column at a time). If the region says otherwise because the pool already moved
-the refs (the producer ended, or reused settled slots), it asks the pool whether it holds them now, and takes
-them only if so. The refs move in the pool's books afterwards (the pool settles them: docs/operations.md,
-"Slabs"); this client has them settled before it names those blocks in any call.
+A producer marks the blocks it hands in its region of the lease table and tells this session (:mod:`kvpool.slabsend`).
+Its first handoff here comes as one datagram to this session's box, sealed with their pair's key
+(:mod:`kvpool.slabwire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from
+that producer (a replay is dropped), and the producer's region, mapped read-only, says the same: those blocks,
+handed to this session under this sequence (a run of consecutive slots is compared a column at a time). From then
+on this session *watches* that producer (its ``watch`` word names the producer's nonce): the producer writes its
+next handoffs here into its ring and rings this session's bell in its region, and a claim reads the bell and the
+entry straight from the table, with no system call, then checks the slots the same way. The region is the
+producer's own to write (the pool vouches which session occupies it), so the seal adds nothing there; a replay
+cannot happen, since the entry is read where it lies, above the last sequence taken. If the region says otherwise
+because the pool already moved the refs (the producer ended, or reused settled slots), it asks the pool whether it
+holds them now, and takes them only if so. The refs move in the pool's books afterwards (the pool settles them:
+docs/operations.md, "Slabs"); this client has them settled before it names those blocks in any call.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import select
 import socket
 import time
+from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,13 +36,27 @@ from kvpool import slabwire
 from kvpool.errors import InvalidRequest, KvpoolError, UnknownSession
 from kvpool.handoffs import Claim
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import HANDED, NONCE, PAGE, column
+from kvpool.leases import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, PAGE, RING, WAITING, column, fence
 from kvpool.slab import Slab
 
 log = logging.getLogger(__name__)
 
 #: up to this many ids the producer's slots are checked one at a time (numpy's per-call cost is a microsecond)
 FEW = 128
+#: while it watches rings, a spinning claim looks at its box once in this many turns
+LOOKS = 4
+
+
+@dataclass(slots=True)
+class Watched:
+    """A producer whose ring this session reads."""
+
+    region: int
+    nonce: int
+    base: int  # where its region starts in the table's words
+    bell: int  # the table's word of its bell for this session
+    ring: int  # where its ring starts in the table, in bytes
+    last: int  # the last sequence taken from it
 
 
 class SlabBox:
@@ -43,8 +66,11 @@ class SlabBox:
         self.keys: dict[tuple[int, int], Any] = {}  # the pairs' sealers, by (producer region, nonce)
         self.last_seq: dict[tuple[int, int], int] = {}
         self.delivered: OrderedDict[str, Claim] = OrderedDict()
+        self.watching: list[Watched] = []  # the producers whose rings a claim reads, and the same by pair
+        self.watched: dict[tuple[int, int], Watched] = {}
         self.to_settle: set[int] = set()
         self.sock: socket.socket | None = None
+        self._poll = select.poll()
         if slab.info.box is not None:
             box = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             try:
@@ -56,6 +82,7 @@ class SlabBox:
                 log.warning("no lease box at %s (%s): handoffs to this session go through the pool", slab.info.box, exc)
             else:
                 self.sock = box
+                self._poll.register(box, select.POLLIN)
         self._buf = bytearray(slabwire.MAX_DATAGRAM)
         capacity = slab.capacity
         self._tags = column("Q", HANDED | slab.info.region << 32, capacity)  # a slot handed to this session
@@ -68,25 +95,165 @@ class SlabBox:
             return None
         start = time.perf_counter()
         spin_until, until = start + min(spin_s, wait_s), start + wait_s
+        everyone, watching, delivered, poll = self.slab.view.all_words, self.watching, self.delivered, self._poll.poll
+        spins = 0
         while True:
-            got = self.delivered.pop(request_id, None) if request_id is not None else None
-            if got is None and request_id is None and self.delivered:
-                got = self.delivered.popitem(last=False)[1]
+            got = None
+            if delivered:
+                got = delivered.pop(request_id, None) if request_id is not None else delivered.popitem(last=False)[1]
+                if got is not None:
+                    return got
+            for watched in watching:
+                seq = everyone[watched.bell]
+                if seq > watched.last:
+                    got = self._next(watched, seq)
+                    if got is None:
+                        got = self._rung(watched, request_id)
+                    elif request_id is not None and got.request_id != request_id:
+                        delivered[got.request_id], got = got, None
+                    break
             if got is not None:
                 return got
-            try:
-                n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
-            except BlockingIOError:
+            spins += 1
+            # a ring costs a read, the box a system call: look at the box once in LOOKS turns
+            if watching and spins % LOOKS and time.perf_counter() < spin_until:
+                continue
+            if not poll(0):  # no exception to raise and catch, as an empty receive would (a microsecond)
                 now = time.perf_counter()
                 if now >= until:
                     return None
                 if now >= spin_until:
-                    select.select([self.sock], [], [], until - now)
+                    self._sleep(until - now)
+                continue
+            try:
+                n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
                 continue
             claim = self._take(memoryview(self._buf)[:n])
             if claim is not None:
                 if request_id is None or claim.request_id == request_id:
                     return claim
+                delivered[claim.request_id] = claim
+
+    def _sleep(self, wait_s: float) -> None:
+        """Block on the box, saying so first: a producer that rings a bell meanwhile sends a wake-up."""
+        words, everyone = self.slab.view.words, self.slab.view.all_words
+        words[WAITING] = 1
+        fence()
+        try:
+            if not any(everyone[w.bell] > w.last for w in self.watching):
+                select.select([self.sock], [], [], wait_s)
+        finally:
+            words[WAITING] = 0
+
+    def _next(self, watched: Watched, seq: int) -> Claim | None:
+        """The common case in one frame: the bell names the one entry not taken yet, after no datagram, a run of
+        slots its producer's region vouches for. None for anything else (nothing taken): :meth:`_rung` then."""
+        ro, at = self.slab.view.ro, watched.ring + seq % RING * ENTRY
+        got, prev, datagram, nonce, num_tokens, region, n, run, rid_len, meta_len = ENTRY_HEAD.unpack_from(ro, at)
+        last, info = watched.last, self.slab.info
+        if got != seq or prev > last or datagram > last or region != info.region or nonce != info.nonce:
+            return None
+        if not 0 <= run <= self.slab.capacity - n or not n or 8 * n + rid_len + meta_len > ENTRY_ROOM:
+            return None
+        at += ENTRY_HEAD.size
+        packed = array("q")
+        packed.frombytes(ro[at : at + 8 * n])
+        everyone, base = self.slab.view.all_words, watched.base
+        first = base + 8 + 4 * run
+        end = first + 4 * n
+        if everyone[first:end:4] != memoryview(packed).cast("B").cast("Q"):
+            return None
+        if everyone[first + 1 : end : 4] != self._tags[:n] or everyone[first + 2 : end : 4] != column("Q", seq, n):
+            return None
+        if everyone[first + 3 : end : 4] != self._nonces[:n]:
+            return None
+        at += 8 * n
+        try:
+            request_id = str(ro[at : at + rid_len], "utf-8")
+            meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
+        except ValueError:
+            return None
+        if everyone[base + NONCE] != watched.nonce or type(meta) is not dict:
+            return None
+        self._took(watched, (watched.region, watched.nonce), seq)
+        self.to_settle.add(watched.region)
+        return Claim(request_id, num_tokens, meta, packed, None, True)
+
+    def _rung(self, watched: Watched, request_id: str | None) -> Claim | None:
+        """Take the handoffs in ``watched``'s ring: the one for ``request_id`` (or the oldest) back, any other into
+        ``delivered``."""
+        got = None
+        for claim in self._from_ring(watched):
+            if got is None and (request_id is None or claim.request_id == request_id):
+                got = claim
+            else:
+                self.delivered[claim.request_id] = claim
+        return got
+
+    def _from_ring(self, watched: Watched, below: int = 0) -> list[Claim]:
+        """The handoffs in a watched producer's ring not taken yet (those below sequence ``below`` only, if given),
+        oldest first. A datagram the producer sent before them is taken first (it is in the box already)."""
+        view, info = self.slab.view, self.slab.info
+        everyone, ro = view.all_words, view.ro
+        if everyone[watched.base + NONCE] != watched.nonce:  # the producer's session ended
+            self._unwatch(watched)
+            return []
+        entries = []
+        seq = everyone[watched.bell]
+        while seq > watched.last:
+            at = watched.ring + seq % RING * ENTRY
+            fields = ENTRY_HEAD.unpack_from(ro, at)
+            if fields[0] != seq or fields[5] != info.region or fields[3] != info.nonce:
+                log.warning("dropped slab handoffs from region %d: its ring does not hold sequence %d for this "
+                            "session", watched.region, seq)  # fmt: skip
+                break
+            if not below or seq < below:
+                entries.append((fields, at))
+            seq = fields[1]
+        if entries and not below and entries[0][0][2] > watched.last:
+            self._drain()
+        claims = []
+        for fields, at in reversed(entries):
+            if fields[0] > watched.last:
+                claim = self._entry(watched, fields, at)
+                if claim is not None:
+                    claims.append(claim)
+        return claims
+
+    def _entry(self, watched: Watched, fields: tuple[int, ...], at: int) -> Claim | None:
+        """The handoff of one ring entry, if the producer's slots vouch for it (or the pool holds its blocks)."""
+        seq, _, _, _, num_tokens, _, n, run, rid_len, meta_len = fields
+        self._took(watched, (watched.region, watched.nonce), seq)
+        ro = self.slab.view.ro
+        listed = 4 * n if run < 0 else 0
+        if not n or 8 * n + listed + rid_len + meta_len > ENTRY_ROOM or run > self.slab.capacity - n:
+            return None
+        at += ENTRY_HEAD.size
+        packed, slots = array("q"), array("i")
+        packed.frombytes(ro[at : at + 8 * n])
+        at += 8 * n
+        slots.frombytes(ro[at : at + listed])
+        at += listed
+        try:
+            request_id = str(ro[at : at + rid_len], "utf-8")
+            meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
+        except ValueError:
+            return None
+        h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens,
+                                 meta if type(meta) is dict else {}, slots, packed, run)  # fmt: skip
+        return self._accept(h)
+
+    def _drain(self) -> None:
+        """Take every datagram waiting in the box, into ``delivered``."""
+        assert self.sock is not None
+        while True:
+            try:
+                n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            claim = self._take(memoryview(self._buf)[:n])
+            if claim is not None:
                 self.delivered[claim.request_id] = claim
 
     def _take(self, data: memoryview) -> Claim | None:
@@ -107,16 +274,57 @@ class SlabBox:
         if h is None:
             log.warning("dropped a slab handoff whose seal is not its pair's")
             return None
+        watched = self.watched.get(pair)
+        if watched is not None and self.slab.view.all_words[watched.bell] > watched.last:
+            for claim in self._from_ring(watched, below=h.seq):  # its ring's handoffs older than this one first
+                self.delivered[claim.request_id] = claim
         if h.seq <= self.last_seq.get(pair, 0):
             log.warning("dropped a replayed slab handoff (%r, sequence %d)", h.request_id, h.seq)
             return None
+        claim = self._accept(h)
+        if claim is not None:  # one it drops does not take the sequence from the true one still on its way
+            if watched is None:
+                self._watch(*pair, h.seq)
+            self._took(watched, pair, h.seq)
+        return claim
+
+    def _accept(self, h: slabwire.SlabHandoff) -> Claim | None:
         if self._vouched(h):
             self.to_settle.add(h.from_region)
         elif not self._held(h):
             log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
             return None
-        self.last_seq[pair] = h.seq
         return Claim(h.request_id, h.num_tokens, h.meta, h.packed, None, True)
+
+    def _took(self, watched: Watched | None, pair: tuple[int, int], seq: int) -> None:
+        """Nothing from this producer at or below ``seq`` is taken again; the producer may reuse its ring entries."""
+        self.last_seq[pair] = seq
+        if watched is not None:
+            self.slab.ensure_mine()  # a region the pool took back may be another session's by now
+            watched.last = seq
+            self.slab.view.words[self.slab.view.took + watched.region] = seq
+
+    def _watch(self, region: int, nonce: int, seq: int) -> None:
+        """Read this producer's ring from now on, and say so in this session's region (took first, then watch: a
+        producer that sees the watch sees the took with it)."""
+        view = self.slab.view
+        self.slab.ensure_mine()
+        for old in [w for w in self.watching if w.region == region]:
+            self._unwatch(old)
+        view.words[view.took + region] = seq
+        view.words[view.watch + region] = nonce
+        base = view.base(region)
+        ring = PAGE + region * view.region_bytes + view.ring
+        watched = Watched(region, nonce, base, base + view.bells + self.slab.info.region, ring, seq)
+        self.watching.append(watched)
+        self.watched[region, nonce] = watched
+
+    def _unwatch(self, watched: Watched) -> None:
+        view = self.slab.view
+        self.watching.remove(watched)
+        del self.watched[watched.region, watched.nonce]
+        if view.words[NONCE] == self.slab.info.nonce:  # still this session's region
+            view.words[view.watch + watched.region] = 0
 
     def _vouched(self, h: slabwire.SlabHandoff) -> bool:
         """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
@@ -170,6 +378,8 @@ class SlabBox:
             self.to_settle.difference_update(regions)
 
     def close(self) -> None:
+        for watched in list(self.watching):  # producers send datagrams again, which a closed box refuses
+            self._unwatch(watched)
         if self.sock is not None:
             self.sock.close()
             with contextlib.suppress(OSError):

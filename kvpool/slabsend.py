@@ -2,15 +2,19 @@
 
 The producer checks that the ids name blocks its slab holds allocated at their generations, marks them handed in
 its region of the lease table (to the consumer's region and nonce, under its next sequence: each slot's other
-words first, its state last), and sends the consumer's lease box one datagram sealed with their pair's key
-(:mod:`kvpool.slabwire`, the consumer's side in :mod:`kvpool.slabbox`). The blocks of one alloc sit in consecutive
-slots, so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run,
-where other ids take one per slot. If the datagram cannot leave, the slots are taken
-back before the pool settles them, and the refusal says which ids are still the caller's.
+words first, its state last), and tells the consumer. The first time, and whenever the consumer does not read its
+ring, that is one datagram to the consumer's lease box sealed with their pair's key (:mod:`kvpool.slabwire`). Once
+the consumer has taken a handoff from it, the consumer watches this producer's region: the producer then writes the
+handoff into its ring and rings the consumer's bell there, with no system call (a wake-up datagram only if the
+consumer sleeps); the consumer's side is :mod:`kvpool.slabbox`. The blocks of one alloc sit in consecutive slots,
+so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run, where
+other ids take one per slot. If a datagram cannot leave, the slots are taken back before the pool settles them,
+and the refusal says which ids are still the caller's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -27,7 +31,21 @@ from kvpool import slabwire
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ALLOCATED, EMPTY, HANDED, HSEQ, NONCE, PAGE, column
+from kvpool.leases import (
+    ALLOCATED,
+    EMPTY,
+    ENTRY,
+    ENTRY_HEAD,
+    ENTRY_ROOM,
+    HANDED,
+    HSEQ,
+    NONCE,
+    PAGE,
+    RING,
+    WAITING,
+    column,
+    fence,
+)
 from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
@@ -52,6 +70,12 @@ class Peer:
     tag: int  # a handed slot's state word: HANDED | region << 32
     tags: memoryview  # the tag and the nonce over a whole slab's slots, to mark a run of them in one write each
     nonces: memoryview
+    watch: int  # in the table's words: the consumer's watch and took of this producer, its waiting word
+    took: int
+    waiting: int
+    bell: int  # in this region's words: the bell this producer rings for the consumer
+    last_ring: int = 0  # the sequence of the last handoff to it through the ring, and through a datagram
+    last_datagram: int = 0
 
 
 class SlabSender:
@@ -63,6 +87,8 @@ class SlabSender:
         self.queued: deque[tuple[bytes, Peer]] = deque()
         self.closed = False
         self._allocated_row = column("I", ALLOCATED, slab.capacity)
+        self.use_ring = slab.config.ring  # False: every handoff goes as a datagram
+        self._free = 0  # a sequence whose entry's place in the ring is known to be free
 
     def _peer(self, to: str) -> Peer | None:
         peer = self.peers.get(to)
@@ -88,9 +114,12 @@ class SlabSender:
             log.debug("no lease box to send to at %s (%s): handoffs to %s go through the pool", got.box, exc, to)
             self.no_box[to] = time.monotonic() + NO_BOX_S
             return None
-        tag, capacity = HANDED | got.region << 32, self.slab.capacity
+        tag, capacity, me = HANDED | got.region << 32, self.slab.capacity, self.slab.info.region
+        base = view.base(got.region)
         peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, slabwire.sealer(bytes.fromhex(got.key)),
-                                     tag, column("Q", tag, capacity), column("Q", got.nonce, capacity))  # fmt: skip
+                                     tag, column("Q", tag, capacity), column("Q", got.nonce, capacity),
+                                     base + view.watch + me, base + view.took + me, base + WAITING,
+                                     view.bells + got.region)  # fmt: skip
         return peer
 
     def _drop(self, to: str) -> None:
@@ -129,9 +158,12 @@ class SlabSender:
                 self._mark(slots, seq, peer)
             info = slab.info
             listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
-            datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
-                                       listed_slots, packed.tobytes(), run)  # fmt: skip
-            failed = self._send(datagram, peer)
+            failed = None
+            if not self._ring(peer, seq, request_id, num_tokens, meta, packed.tobytes() + listed_slots, run, n):
+                datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
+                                           listed_slots, packed.tobytes(), run)  # fmt: skip
+                failed = self._send(datagram, peer)
+                peer.last_datagram = seq
             slab.handed += n
             self._forget(listed)  # the slab's own map, after the datagram left: off the consumer's path
             if failed is not None:
@@ -161,6 +193,54 @@ class SlabSender:
         if slots is None or (n > 1 and len(set(slots)) != n):
             return None
         return slots
+
+    def _ring(
+        self, peer: Peer, seq: int, request_id: str, num_tokens: int, meta: bytes, ids: bytes, run: int, n: int
+    ) -> bool:
+        """Write the handoff (``ids``: the ids, then the slots unless a run) into this region's ring and ring the
+        consumer's bell, if the consumer watches this producer, the entry's place is free (its consumer took it, or
+        is gone) and it fits; False to send it as a datagram instead (then also while earlier datagrams wait to
+        leave, which must arrive first)."""
+        view, info = self.slab.view, self.slab.info
+        everyone = view.all_words
+        if everyone[peer.watch] != info.nonce or self.queued or not self.use_ring:
+            return False
+        rid = request_id.encode()
+        size = len(ids) + len(rid) + len(meta)
+        at = view.ring + seq % RING * ENTRY
+        if size > ENTRY_ROOM or (seq != self._free and not self._taken(at // 8, view.words[at // 8])):
+            return False
+        rw = view.rw
+        ENTRY_HEAD.pack_into(rw, at, seq, peer.last_ring, peer.last_datagram, peer.nonce, num_tokens, peer.region, n,
+                             run, len(rid), len(meta))  # fmt: skip
+        at += ENTRY_HEAD.size
+        rw[at : at + size] = ids + rid + meta
+        view.words[peer.bell] = seq
+        peer.last_ring = seq
+        fence()
+        if everyone[peer.waiting]:
+            with contextlib.suppress(OSError):  # a full box wakes it anyway; a closed one is a consumer that left
+                peer.sock.send(b"\0")  # it sleeps on its box: wake it (it reads the ring, not this)
+        at = view.ring + (seq + 1) % RING * ENTRY  # the next entry's place, looked at now, off the consumer's path
+        if self._taken(at // 8, view.words[at // 8]):
+            self._free = seq + 1  # once free, it stays so: only this session writes its ring
+        return True
+
+    def _taken(self, word: int, seq: int) -> bool:
+        """Whether the ring entry at ``word`` (of sequence ``seq``, 0: never written) is done with: its consumer
+        took it, or left."""
+        if not seq:
+            return True
+        view, info = self.slab.view, self.slab.info
+        words, everyone = view.words, view.all_words
+        region, nonce = words[word + 5] & STATE_MASK, words[word + 3]
+        if region >= view.regions:
+            return True
+        base = view.base(region)
+        if everyone[base + NONCE] != nonce:
+            return True
+        me = info.region
+        return everyone[base + view.watch + me] == info.nonce and everyone[base + view.took + me] >= seq
 
     def _send(self, datagram: bytes, peer: Peer) -> OSError | None:
         """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay."""

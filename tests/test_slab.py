@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import GEN_STEP, block_of, generation_of
-from kvpool.leases import DONE, WANT
+from kvpool.leases import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from kvpool.slab import SlabConfig
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
 
@@ -231,8 +232,7 @@ def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess
         p.handoff("req-warm", p.alloc(1), 1, to="slab-t")  # p knows the way to q's box now
         q.free(q.claim("req-warm", timeout_s=5).ids)
         assert q.slabs.box is not None and q.slabs.box.sock is not None and q.slabs.slab is not None
-        os.unlink(q.slabs.slab.info.box or "")
-        q.slabs.box.sock.close()  # as when its process died: p's socket, connected to it, is refused
+        q.slabs.box.close()  # it reads no ring, its box is gone: p's socket, connected to it, is refused
         ids = p.alloc(3)
         with pytest.raises(HandoffRefused, match="could not reach") as refused:
             p.handoff("req-lost", ids, 4, to="slab-t")
@@ -273,21 +273,112 @@ def recorded(producer: PoolClient, to: str) -> tuple[Recorder, str]:
     return recorder, peer.box
 
 
-def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: PoolProcess) -> None:
+@pytest.mark.parametrize("ring", [True, False], ids=["ring", "datagrams"])
+def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: PoolProcess, ring: bool) -> None:
     """Allocs one after another hand out consecutive slots, so a request's blocks from several allocs are checked
     and sent as one run; ids in another order are checked and sent one by one. The consumer takes both on its
-    producer's word (no round trip to the pool)."""
+    producer's word (no round trip to the pool), from the producer's ring once it watches it, else from datagrams."""
     with PoolClient(pool.url, name="slab-r", slab=SMALL) as p, PoolClient(pool.url, name="slab-u", slab=SMALL) as q:
-        assert p.slabs.slab is not None and q.slabs.box is not None
+        assert p.slabs.slab is not None and q.slabs.box is not None and p.slabs.sender is not None
+        p.slabs.sender.use_ring = ring
         recorder, _ = recorded(p, "slab-u")
+        first = p.alloc(1)
+        p.handoff("req-pairing", first, 1, to="slab-u")  # the first to a consumer goes as a datagram either way
+        assert q.claim("req-pairing", timeout_s=5).block_ids == first
         ids = p.alloc(2) + p.alloc(1) + p.alloc(1) + p.alloc(2)
+        view, runs = p.slabs.slab.view, []
         for request_id, handed in (("req-run", ids[:4]), ("req-listed", [ids[5], ids[4]])):
-            p.handoff(request_id, handed, 2, to="slab-u")
+            p.handoff(request_id, handed, 2, to="slab-u", meta={"n": len(handed)})
+            entry = ENTRY_HEAD.unpack_from(view.rw, view.ring + view.words[HSEQ] % RING * ENTRY)
+            if ring:
+                runs.append(entry[7])
+                assert entry[0] == view.words[HSEQ] and entry[5] == q.slabs.slab.info.region  # type: ignore[union-attr]
             got = q.claim(request_id, timeout_s=5)
-            assert got.block_ids == handed and p.slabs.slab.info.region in q.slabs.box.to_settle
-        runs = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
+            assert got.block_ids == handed and got.meta == {"n": len(handed)}
+            assert p.slabs.slab.info.region in q.slabs.box.to_settle
+        sent = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
+        assert len(sent) == (1 if ring else 3)
+        runs = runs if ring else sent[1:]
         assert runs[0] >= 0 and runs[1] == -1
-        assert q.free(ids[:4] + ids[4:][::-1]) == 6
+        assert q.free(first + ids[:4] + ids[4:][::-1]) == 7
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(pool: PoolProcess) -> None:
+    """A consumer that takes nothing for a while: the producer's ring fills (its entries are not overwritten before
+    they are taken), the rest go as datagrams, and a claim takes them all, the ring's older ones before the
+    datagrams that followed them (or the sequences would make the older ones look like replays)."""
+    with PoolClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-j", slab=SMALL) as q:
+        recorder, _ = recorded(p, "slab-j")
+        first = p.alloc(1)
+        p.handoff("req-0", first, 1, to="slab-j")
+        handed = {"req-0": first}
+        assert q.claim("req-0", timeout_s=5).block_ids == first
+        for i in range(1, RING + 5):
+            handed[f"req-{i}"] = p.alloc(1)
+            p.handoff(f"req-{i}", handed[f"req-{i}"], 1, to="slab-j")
+        assert len(recorder.sent) == 1 + 4  # the pairing, then what the full ring could not hold
+        got = {c.request_id: c.block_ids for c in (q.claim(None, timeout_s=5) for _ in range(RING + 4))}
+        assert got == {r: ids for r, ids in handed.items() if r != "req-0"}
+        with pytest.raises(HandoffNotFound):
+            q.claim(None, timeout_s=0.1)
+        assert q.free([i for ids in handed.values() for i in ids]) == RING + 5
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
+    """The ring lies in the producer's region, which only it writes: an entry naming slots that its region does not
+    show handed to this consumer under the entry's sequence (allocated still, or past the slab) is dropped."""
+    with PoolClient(pool.url, name="slab-o", slab=SMALL) as p, PoolClient(pool.url, name="slab-n", slab=SMALL) as q:
+        first = p.alloc(1)
+        p.handoff("req-pairing", first, 1, to="slab-n")
+        assert q.claim("req-pairing", timeout_s=5).block_ids == first
+        assert p.slabs.slab is not None and q.slabs.slab is not None and p.slabs.sender is not None
+        view, kept = p.slabs.slab.view, p.alloc(2)
+        run = int(p.slabs.slab.slot_of[block_of(kept[0])])
+        peer, capacity = p.slabs.sender.peers["slab-n"], p.slabs.slab.capacity
+        for request_id, slot in (("req-not-handed", run), ("req-past", capacity - 1)):
+            seq = view.words[HSEQ] = view.words[HSEQ] + 1
+            payload = array("q", kept).tobytes() + request_id.encode()
+            at = view.ring + seq % RING * ENTRY
+            ENTRY_HEAD.pack_into(view.rw, at, seq, peer.last_ring, 0, peer.nonce, 2, peer.region, 2, slot,
+                                 len(request_id), 0)  # fmt: skip
+            view.rw[at + ENTRY_HEAD.size : at + ENTRY_HEAD.size + len(payload)] = payload
+            view.words[peer.bell] = peer.last_ring = seq
+            with pytest.raises(HandoffNotFound):
+                q.claim(request_id, timeout_s=0.2)
+        ids = p.alloc(1)
+        p.handoff("req-true", ids, 1, to="slab-n")  # and the next true one still arrives
+        assert q.claim("req-true", timeout_s=5).block_ids == ids
+        assert q.free(first + ids) == 2 and p.free(kept) == 2
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: PoolProcess) -> None:
+    """A consumer past its spin sleeps on its box and says so in its region: a producer that rings its bell then
+    sends it a wake-up datagram (which carries nothing: the claim reads the ring)."""
+    with (
+        PoolClient(pool.url, name="slab-a", slab=SMALL) as p,
+        PoolClient(pool.url, name="slab-b", slab=SMALL, spin_s=0.0) as q,
+    ):
+        recorder, _ = recorded(p, "slab-b")
+        first = p.alloc(1)
+        p.handoff("req-pairing", first, 1, to="slab-b")
+        assert q.claim("req-pairing", timeout_s=5).block_ids == first
+        assert q.slabs.slab is not None
+        words = q.slabs.slab.view.words
+        ids = p.alloc(2)
+        words[WAITING] = 1  # as a claim does before it blocks
+        p.handoff("req-awake", ids, 1, to="slab-b")
+        words[WAITING] = 0
+        assert recorder.sent[-1] == b"\0"
+        assert q.claim("req-awake", timeout_s=5).block_ids == ids
+        later = p.alloc(1)
+        timer = threading.Timer(0.3, lambda: p.handoff("req-later", later, 1, to="slab-b"))
+        timer.start()
+        assert q.claim("req-later", timeout_s=10).block_ids == later  # asleep most of the time it waits
+        timer.join()
+        assert q.free(first + ids + later) == 4
     assert wait_idle(pool)["in_use"] == 0
 
 
@@ -338,7 +429,8 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
     sequence of a handoff whose own datagram has not arrived yet. The ids' column differs, so it is dropped, and
     the real one is taken after it."""
     with PoolClient(pool.url, name="slab-l", slab=SMALL) as p, PoolClient(pool.url, name="slab-m", slab=SMALL) as q:
-        assert q.slabs.box is not None
+        assert q.slabs.box is not None and p.slabs.sender is not None
+        p.slabs.sender.use_ring = False  # the datagrams' case: a ring is read where it lies, no copy can be held back
         recorder, path = recorded(p, "slab-m")
         p.handoff("req-pairing", p.alloc(1), 1, to="slab-m")
         q.free(q.claim("req-pairing", timeout_s=5).ids)
@@ -426,7 +518,7 @@ def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -
 DOOMED = """
 import sys, time
 from kvpool.client import PoolClient
-from kvpool.leases import DONE, WANT
+from kvpool.leases import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from kvpool.slab import SlabConfig
 c = PoolClient(sys.argv[1], name="slab-doomed", slab=SlabConfig(8, 2, 16), heartbeat=False)
 ids = c.alloc(5)
