@@ -226,7 +226,11 @@ def _map(descriptor: ArenaDescriptor, device: int | None, fd_source: FdSource | 
                 "this pool's arena is a VMM allocation, handed as a file descriptor over its Unix socket to a live "
                 "session: map it with PoolClient.arena()"
             )
-        return _map_vmm(descriptor, cuda.ordinal_of(descriptor.device.uuid), device, fd_source)
+        from kvpool import vmm
+
+        index = vmm.ordinal_of(descriptor.device.uuid)
+        return _map_vmm(descriptor, cuda.ordinal_of(descriptor.device.uuid) if index is None else index, device,
+                        fd_source)  # fmt: skip
     index = cuda.ordinal_of(descriptor.device.uuid)
     if descriptor.owner_pid == os.getpid():
         raise InvalidRequest(

@@ -86,6 +86,16 @@ def test_the_pool_side_releases_what_it_created_and_the_fd_maps_the_same_memory(
     assert torch.cuda.mem_get_info(0)[0] >= before - 64 * (1 << 20)
 
 
+def test_the_driver_names_each_gpu_by_torchs_uuid_and_ordinal():
+    """The VMM attach asks the driver which GPU holds the arena; it must agree with torch on every visible GPU, or
+    the attach would fall back to torch's slower answer (or, worse, map another GPU)."""
+    from kvpool import cuda, vmm
+
+    for index in range(torch.cuda.device_count()):
+        assert vmm.ordinal_of(cuda.device_uuid(index)) == index
+    assert vmm.ordinal_of("00000000-0000-0000-0000-000000000000") is None
+
+
 def test_a_64_gib_vmm_arena_is_mapped_by_fresh_processes_one_writing_what_the_other_reads():
     free, _ = torch.cuda.mem_get_info(0)
     if free < 66 * GIB:
