@@ -176,7 +176,11 @@ class SlabBox:
             return None
         if everyone[base + NONCE] != watched.nonce or type(meta) is not dict:
             return None
-        self._took(watched, (watched.region, watched.nonce), seq)
+        view = self.slab.view
+        if view.words[NONCE] != info.nonce:
+            self.slab.ensure_mine()
+        watched.last = self.last_seq[watched.region, watched.nonce] = seq  # _took, inline
+        view.words[view.took + watched.region] = seq
         self.to_settle.add(watched.region)
         return Claim(request_id, num_tokens, meta, packed, None, True)
 

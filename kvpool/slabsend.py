@@ -40,7 +40,6 @@ from kvpool.leases import (
     HANDED,
     HSEQ,
     NONCE,
-    PAGE,
     RING,
     WAITING,
     column,
@@ -74,6 +73,7 @@ class Peer:
     took: int
     waiting: int
     bell: int  # in this region's words: the bell this producer rings for the consumer
+    at_nonce: int  # in the table's words: the consumer region's nonce
     last_ring: int = 0  # the sequence of the last handoff to it through the ring, and through a datagram
     last_datagram: int = 0
 
@@ -93,7 +93,7 @@ class SlabSender:
     def _peer(self, to: str) -> Peer | None:
         peer = self.peers.get(to)
         view = self.slab.view
-        if peer is not None and view.all_words[PAGE // 8 + peer.region * view.region_words + NONCE] == peer.nonce:
+        if peer is not None and view.all_words[peer.at_nonce] == peer.nonce:
             return peer
         if self.no_box.get(to, 0.0) > time.monotonic():
             return None
@@ -119,7 +119,7 @@ class SlabSender:
         peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, slabwire.sealer(bytes.fromhex(got.key)),
                                      tag, column("Q", tag, capacity), column("Q", got.nonce, capacity),
                                      base + view.watch + me, base + view.took + me, base + WAITING,
-                                     view.bells + got.region)  # fmt: skip
+                                     view.bells + got.region, base + NONCE)  # fmt: skip
         return peer
 
     def _drop(self, to: str) -> None:

@@ -60,6 +60,18 @@ def wait_idle(pool: PoolProcess, within_s: float = 10.0) -> dict[str, Any]:
     return s
 
 
+def test_a_slab_config_comes_from_the_environment_and_bad_values_say_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_SLAB_BLOCKS", "64")
+    assert SlabConfig.from_env() == SlabConfig(64, 8, 256, ring=True)
+    monkeypatch.setenv("KVPOOL_SLAB_RING", "0")
+    assert SlabConfig.from_env() == SlabConfig(64, 8, 256, ring=False)
+    monkeypatch.setenv("KVPOOL_SLAB_RING", "no")
+    with pytest.raises(InvalidRequest, match="_RING must be integers"):
+        SlabConfig.from_env()
+    monkeypatch.setenv("KVPOOL_SLAB_BLOCKS", "0")
+    assert SlabConfig.from_env() is None
+
+
 def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-a", slab=SMALL) as a:
         first = a.alloc(1)
