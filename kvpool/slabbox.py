@@ -204,7 +204,7 @@ class SlabBox:
             self._unwatch(watched)
             return []
         entries = []
-        seq = everyone[watched.bell]
+        seq = top = everyone[watched.bell]
         while seq > watched.last:
             at = watched.ring + seq % RING * ENTRY
             fields = ENTRY_HEAD.unpack_from(ro, at)
@@ -223,6 +223,8 @@ class SlabBox:
                 claim = self._entry(watched, fields, at)
                 if claim is not None:
                     claims.append(claim)
+        if not below and watched.last < top:  # past what could not be read, or the bell would ring for it forever
+            self._took(watched, (watched.region, watched.nonce), top)
         return claims
 
     def _entry(self, watched: Watched, fields: tuple[int, ...], at: int) -> Claim | None:

@@ -359,11 +359,21 @@ def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: Pool
             view.words[peer.bell] = peer.last_ring = seq
             with pytest.raises(HandoffNotFound):
                 q.claim(request_id, timeout_s=0.2)
+        seq = view.words[HSEQ] = view.words[HSEQ] + 1
+        view.words[peer.bell] = seq  # a bell with no entry behind it: dropped once, not read again and again
+        with pytest.raises(HandoffNotFound):
+            q.claim(None, timeout_s=0.2)
+        assert q.slabs.box is not None and q.slabs.box.watched[p.slabs.slab.info.region, info_nonce(p)].last == seq
         ids = p.alloc(1)
         p.handoff("req-true", ids, 1, to="slab-n")  # and the next true one still arrives
         assert q.claim("req-true", timeout_s=5).block_ids == ids
         assert q.free(first + ids) == 2 and p.free(kept) == 2
     assert wait_idle(pool)["in_use"] == 0
+
+
+def info_nonce(client: PoolClient) -> int:
+    assert client.slabs.slab is not None
+    return client.slabs.slab.info.nonce
 
 
 def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: PoolProcess) -> None:
