@@ -35,6 +35,7 @@ import argparse
 import contextlib
 import ipaddress
 import json
+import logging
 import os
 import random
 import signal
@@ -52,6 +53,7 @@ import httpx
 from kvpool.benchmarks import harness, machine
 from kvpool.benchmarks.soak_client import (
     Client,
+    DroppedHandoffs,
     Shared,
     Tally,
     family_tokens,
@@ -243,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
             slab_to = [f"soak-{i}" for i in shared.addressable] if args.slabs else None
             kill_args = (url, shared.block_size, args.handoff_ttl_s, args.crash_every, tally, side_stop, slab_to)
             side.append(threading.Thread(target=kill_workers, args=kill_args))
+        dropped = DroppedHandoffs(tally)
+        logging.getLogger("kvpool.slabbox").addHandler(dropped)
         t0 = tally.t0 = time.monotonic()
         for t in threads + side:
             t.start()
@@ -256,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
         for t in threads:
             t.join(timeout=60)
         elapsed = time.monotonic() - t0
+        logging.getLogger("kvpool.slabbox").removeHandler(dropped)
         side_stop.set()
         for t in side:
             t.join(timeout=60)

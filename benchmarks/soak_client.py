@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import logging
 import random
 import threading
 import time
@@ -61,6 +62,20 @@ class Tally:
             self.violation_count += 1
             if len(self.violations) < 50:
                 self.violations.append(message)
+
+
+class DroppedHandoffs(logging.Handler):
+    """A slab handoff its consumer dropped (neither the producer's region nor the pool vouched, a sequence taken
+    already, a ring it could not read) is a handoff lost: the producer was told it went. Each is a violation."""
+
+    def __init__(self, tally: Tally) -> None:
+        super().__init__(logging.WARNING)
+        self.tally = tally
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("dropped"):
+            self.tally.violation(f"a consumer {message}")
 
 
 # -- the bytes: stamps that prove who wrote a block ---------------------------------------------------------

@@ -7,6 +7,7 @@ The full 60 s run is ``python -m kvpool.benchmarks.soak`` (or ``kvpool bench soa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -93,6 +94,21 @@ def test_balance_check_flags_books_that_do_not_add_up() -> None:
     soak.check_balance({"free": 17, "in_use": -1, "cached": 0, "num_blocks": 16}, tally, "sample")
     assert tally.violation_count == 2
     assert "do not balance" in tally.violations[0]
+
+
+def test_a_slab_handoff_its_consumer_dropped_is_a_violation() -> None:
+    """The producer was told the handoff went: a consumer that drops it (as one did when it read a ring's ids from
+    slots the producer had reused) loses it, whatever the books say."""
+    tally = soak_client.Tally()
+    log = logging.getLogger("kvpool.slabbox")
+    handler = soak_client.DroppedHandoffs(tally)
+    log.addHandler(handler)
+    try:
+        log.debug("dropped a slab handoff from region 3: no such session")  # the producer is gone: not a loss
+        log.warning("dropped slab handoff 'r1': neither its producer's region nor the pool vouch")
+    finally:
+        log.removeHandler(handler)
+    assert tally.violation_count == 1 and "r1" in tally.violations[0]
 
 
 def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
