@@ -126,10 +126,9 @@ class SlabBox:
                     self._sleep(until - now)
                 continue
             try:
-                n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+                claim = self._receive_one()
             except BlockingIOError:
                 continue
-            claim = self._take(memoryview(self._buf)[:n])
             if claim is not None:
                 if request_id is None or claim.request_id == request_id:
                     return claim
@@ -250,15 +249,19 @@ class SlabBox:
                                  meta if type(meta) is dict else {}, slots, packed, run)  # fmt: skip
         return self._accept(h)
 
+    def _receive_one(self) -> Claim | None:
+        """The handoff in the box's next datagram (None if it held none); BlockingIOError if the box is empty."""
+        assert self.sock is not None
+        n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+        return self._take(memoryview(self._buf)[:n])
+
     def _drain(self) -> None:
         """Take every datagram waiting in the box, into ``delivered``."""
-        assert self.sock is not None
         while True:
             try:
-                n = self.sock.recv_into(self._buf, 0, socket.MSG_DONTWAIT)
+                claim = self._receive_one()
             except BlockingIOError:
                 return
-            claim = self._take(memoryview(self._buf)[:n])
             if claim is not None:
                 self.delivered[claim.request_id] = claim
 
