@@ -8,13 +8,15 @@ then allocates and frees them locally, recording each slot's state in its region
 raises the region's ``want`` and the session gives back its idle blocks at its next call.
 
 A handoff between two slabs moves no ref at the moment it happens: the producer marks the slots handed and sends
-the ids to the consumer (:mod:`kvpool.slabwire`). The pool moves the refs afterwards (:meth:`LeaseBooks.settle`):
-at its sweep, when the consumer asks (before it names those blocks in a call), and when the producer's session
-ends. It acts on a handed slot only for a block its own books say the producer holds in its slab, uncommitted,
-with the generation the slot names; it gives the block to the consumer the slot names if that session still
-occupies its region, else frees it; and it records the sequence as settled in the slot (a field only it writes),
-after which the producer may reuse the slot. So a dead producer's handed blocks reach their consumer, a dead
-consumer's handed blocks come back, and whatever a session writes into its region can move only its own blocks.
+the ids to the consumer (a datagram, :mod:`kvpool.slabwire`, or an entry of its ring in the table that the
+consumer reads, :mod:`kvpool.slabsend`; the pool reads neither). The pool moves the refs afterwards
+(:meth:`LeaseBooks.settle`): at its sweep, when the consumer asks (before it names those blocks in a call), and
+when the producer's session ends. It acts on a handed slot only for a block its own books say the producer holds
+in its slab, uncommitted, with the generation the slot names; it gives the block to the consumer the slot names if
+that session still occupies its region, else frees it; and it records the sequence as settled in the slot (a field
+only it writes), after which the producer may reuse the slot. So a dead producer's handed blocks reach their
+consumer, a dead consumer's handed blocks come back, and whatever a session writes into its region can move only its
+own blocks.
 """
 
 from __future__ import annotations
