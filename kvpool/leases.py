@@ -145,8 +145,8 @@ class TableView:
                 raise InvalidRequest(f"{path} is not the lease table of pool epoch {epoch}")
             self.dtype = region_dtype(slots, regions)
             assert self.dtype.itemsize == region_bytes
-            self._ro = mmap.mmap(fd, PAGE + regions * region_bytes, prot=mmap.PROT_READ)
-            self._rw = mmap.mmap(fd, region_bytes, offset=PAGE + region * region_bytes)
+            self.ro = mmap.mmap(fd, PAGE + regions * region_bytes, prot=mmap.PROT_READ)  # the whole table
+            self.rw = mmap.mmap(fd, region_bytes, offset=PAGE + region * region_bytes)  # this session's region
         finally:
             os.close(fd)
         self.regions = regions
@@ -154,20 +154,18 @@ class TableView:
         self.region = region
         self.region_words = region_bytes // 8
         self.region_bytes = region_bytes
-        self.table = np.frombuffer(self._ro, dtype=self.dtype, count=regions, offset=PAGE)
-        self.mine = np.frombuffer(self._rw, dtype=self.dtype, count=1)[0]
+        self.table = np.frombuffer(self.ro, dtype=self.dtype, count=regions, offset=PAGE)
+        self.mine = np.frombuffer(self.rw, dtype=self.dtype, count=1)[0]
         # the same memory as 8-byte words, for the hot path (a memoryview item costs tens of nanoseconds, a numpy
         # field of a record a microsecond): own header nonce, want, done, hseq at 0..3, slot s at 8 + 4 s
-        self.words = memoryview(self._rw).cast("Q")
-        self.all_words = memoryview(self._ro).cast("Q")  # region r starts at PAGE / 8 + r * region_words
-        self.halves = memoryview(self._rw).cast("I")  # slot s's state (the low half of its word 1) at 18 + 8 s
+        self.words = memoryview(self.rw).cast("Q")
+        self.all_words = memoryview(self.ro).cast("Q")  # region r starts at PAGE / 8 + r * region_words
+        self.halves = memoryview(self.rw).cast("I")  # slot s's state (the low half of its word 1) at 18 + 8 s
         fields = self.dtype.fields
         assert fields is not None
         #: where a region's bells, took and watch start (in words) and its ring (in bytes), from the region's start
         self.bells, self.took, self.watch = (fields[name][1] // 8 for name in ("bells", "took", "watch"))
         self.ring = fields["ring"][1]
-        self.rw = self._rw
-        self.ro = self._ro
 
     def base(self, region: int) -> int:
         """Where ``region`` starts in :attr:`all_words`."""
@@ -179,6 +177,6 @@ class TableView:
         del self.table, self.mine
         for view in (self.words, self.all_words, self.halves):
             view.release()
-        for mm in (self._ro, self._rw):
+        for mm in (self.ro, self.rw):
             with contextlib.suppress(BufferError):
                 mm.close()
