@@ -148,40 +148,42 @@ class SlabBox:
     def _next(self, watched: Watched, seq: int) -> Claim | None:
         """The common case in one frame: the bell names the one entry not taken yet, after no datagram, a run of
         slots its producer's region vouches for. None for anything else (nothing taken): :meth:`_rung` then."""
-        ro, at = self.slab.view.ro, watched.ring + seq % RING * ENTRY
-        got, prev, datagram, nonce, num_tokens, region, n, run, rid_len, meta_len = ENTRY_HEAD.unpack_from(ro, at)
+        at = watched.ring + seq % RING * ENTRY
+        got, prev, datagram, nonce, num_tokens, region, n, run, rid_len, meta_len = ENTRY_HEAD.unpack_from(
+            self.slab.view.ro, at
+        )
         last, info = watched.last, self.slab.info
-        if got != seq or prev > last or datagram > last or region != info.region or nonce != info.nonce:
+        if got != seq or prev > last or datagram > last or region != info.region or nonce != info.nonce or run < 0:
             return None
-        if not 0 <= run <= self.slab.capacity - n or not n or 8 * n + rid_len + meta_len > ENTRY_ROOM:
+        payload = self._payload(at, n, 0, rid_len, meta_len)
+        if payload is None or not self._run_vouched(watched.base, run, seq, payload[0]):
             return None
+        if self.slab.view.all_words[watched.base + NONCE] != watched.nonce:
+            return None
+        self._took(watched, (watched.region, watched.nonce), seq)
+        self.to_settle.add(watched.region)
+        return Claim(payload[2], num_tokens, payload[3], payload[0], None, True)
+
+    def _payload(
+        self, at: int, n: int, listed: int, rid_len: int, meta_len: int
+    ) -> tuple[array, array, str, dict[str, Any]] | None:
+        """The ids, slots (``listed`` bytes of them), request id and meta of the ring entry at ``at``; None if they do
+        not fit an entry or do not decode."""
+        if not n or 8 * n + listed + rid_len + meta_len > ENTRY_ROOM:
+            return None
+        ro = self.slab.view.ro
         at += ENTRY_HEAD.size
-        packed = array("q")
+        packed, slots = array("q"), array("i")
         packed.frombytes(ro[at : at + 8 * n])
-        everyone, base = self.slab.view.all_words, watched.base
-        first = base + 8 + 4 * run
-        end = first + 4 * n
-        if everyone[first:end:4] != memoryview(packed).cast("B").cast("Q"):
-            return None
-        if everyone[first + 1 : end : 4] != self._tags[:n] or everyone[first + 2 : end : 4] != column("Q", seq, n):
-            return None
-        if everyone[first + 3 : end : 4] != self._nonces[:n]:
-            return None
         at += 8 * n
+        slots.frombytes(ro[at : at + listed])
+        at += listed
         try:
             request_id = str(ro[at : at + rid_len], "utf-8")
             meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
         except ValueError:
             return None
-        if everyone[base + NONCE] != watched.nonce or type(meta) is not dict:
-            return None
-        view = self.slab.view
-        if view.words[NONCE] != info.nonce:
-            self.slab.ensure_mine()
-        watched.last = self.last_seq[watched.region, watched.nonce] = seq  # _took, inline
-        view.words[view.took + watched.region] = seq
-        self.to_settle.add(watched.region)
-        return Claim(request_id, num_tokens, meta, packed, None, True)
+        return packed, slots, request_id, meta if type(meta) is dict else {}
 
     def _rung(self, watched: Watched, request_id: str | None) -> Claim | None:
         """Take the handoffs in ``watched``'s ring: the one for ``request_id`` (or the oldest) back, any other into
@@ -230,24 +232,13 @@ class SlabBox:
         """The handoff of one ring entry, if the producer's slots vouch for it (or the pool holds its blocks)."""
         seq, _, _, _, num_tokens, _, n, run, rid_len, meta_len = fields
         self._took(watched, (watched.region, watched.nonce), seq)
-        ro = self.slab.view.ro
-        listed = 4 * n if run < 0 else 0
-        if not n or 8 * n + listed + rid_len + meta_len > ENTRY_ROOM or run > self.slab.capacity - n:
+        payload = None if run > self.slab.capacity - n else self._payload(at, n, 4 * n if run < 0 else 0, rid_len,
+                                                                          meta_len)  # fmt: skip
+        if payload is None:
             return None
-        at += ENTRY_HEAD.size
-        packed, slots = array("q"), array("i")
-        packed.frombytes(ro[at : at + 8 * n])
-        at += 8 * n
-        slots.frombytes(ro[at : at + listed])
-        at += listed
-        try:
-            request_id = str(ro[at : at + rid_len], "utf-8")
-            meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
-        except ValueError:
-            return None
-        h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens,
-                                 meta if type(meta) is dict else {}, slots, packed, run)  # fmt: skip
-        return self._accept(h)
+        packed, slots, request_id, meta = payload
+        return self._accept(slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens, meta,
+                                                 slots, packed, run))  # fmt: skip
 
     def _receive_one(self) -> Claim | None:
         """The handoff in the box's next datagram (None if it held none); BlockingIOError if the box is empty."""
@@ -341,18 +332,12 @@ class SlabBox:
         view, info, n = self.slab.view, self.slab.info, len(h.packed)
         if not n or not 0 <= h.from_region < view.regions:
             return False
-        words, base = view.all_words, PAGE // 8 + h.from_region * view.region_words
+        words, base = view.all_words, view.base(h.from_region)
         if words[base + NONCE] != h.from_nonce:
             return False
         tag, seq, nonce, capacity = HANDED | info.region << 32, h.seq, info.nonce, self.slab.capacity
-        if h.run >= 0:  # a column at a time
-            if not 0 <= h.run <= capacity - n:
-                return False
-            at = base + 8 + 4 * h.run
-            end = at + 4 * n
-            if words[at + 1 : end : 4] != self._tags[:n] or words[at:end:4] != memoryview(h.packed).cast("B").cast("Q"):
-                return False
-            if words[at + 2 : end : 4] != column("Q", seq, n) or words[at + 3 : end : 4] != self._nonces[:n]:
+        if h.run >= 0:
+            if not self._run_vouched(base, h.run, seq, h.packed):
                 return False
         elif n <= FEW:
             for slot, fid in zip(h.slots, h.packed, strict=True):
@@ -372,6 +357,18 @@ class SlabBox:
             if got.tobytes() != want.tobytes():
                 return False
         return words[base + NONCE] == h.from_nonce
+
+    def _run_vouched(self, base: int, run: int, seq: int, packed: array) -> bool:
+        """Whether the region at ``base`` holds ``packed`` in the slots from ``run`` on, each handed to this session
+        under ``seq``: a column at a time."""
+        n, words = len(packed), self.slab.view.all_words
+        if not 0 <= run <= self.slab.capacity - n:
+            return False
+        at = base + 8 + 4 * run
+        end = at + 4 * n
+        if words[at + 1 : end : 4] != self._tags[:n] or words[at:end:4] != memoryview(packed).cast("B").cast("Q"):
+            return False
+        return words[at + 2 : end : 4] == column("Q", seq, n) and words[at + 3 : end : 4] == self._nonces[:n]
 
     def _held(self, h: slabwire.SlabHandoff) -> bool:
         try:

@@ -158,14 +158,14 @@ class SlabSender:
                 self._mark(slots, seq, peer)
             info = slab.info
             listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
-            failed = None
-            if not self._ring(peer, seq, request_id, num_tokens, meta, packed.tobytes() + listed_slots, run, n):
+            id_bytes, failed = packed.tobytes(), None
+            if not self._ring(peer, seq, request_id, num_tokens, meta, id_bytes + listed_slots, run, n):
                 datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
-                                           listed_slots, packed.tobytes(), run)  # fmt: skip
+                                           listed_slots, id_bytes, run)  # fmt: skip
                 failed = self._send(datagram, peer)
                 peer.last_datagram = seq
             slab.handed += n
-            self._forget(listed)  # the slab's own map, after the datagram left: off the consumer's path
+            self._forget(listed)  # the slab's own map, after the bell or the datagram: off the consumer's path
             if failed is not None:
                 self._drop(to)
                 raise self._unsent(request_id, to, failed, slots, seq, peer.tag) from None
