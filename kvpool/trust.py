@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import stat
-from pathlib import Path
 
 from kvpool.errors import UntrustedSocket
 
@@ -43,20 +42,21 @@ def directory_problem(directory: str | os.PathLike[str], uids: set[int]) -> str 
     given = os.path.abspath(directory)
     if stat.S_ISLNK(os.lstat(given).st_mode):
         return f"{given} is a symbolic link"
-    part = Path("/")
-    for name in Path(given).parts[1:]:  # a link on the way may be re-pointed by its owner at any time
-        part = part / name
+    part = ""
+    for name in given.split("/")[1:]:  # a link on the way may be re-pointed by its owner at any time
+        part = f"{part}/{name}"
         link = os.lstat(part)
         if stat.S_ISLNK(link.st_mode) and link.st_uid not in uids:
             return f"{part} is a symbolic link of uid {link.st_uid}"
-    real = Path(os.path.realpath(given))
-    for d in (real, *real.parents):
+    d, up = os.path.realpath(given), None
+    while d != up:  # the directory and each one above it, up to /
         st = os.stat(d)
         if st.st_uid not in uids:
             return f"{d} belongs to uid {st.st_uid}, not to a trusted user (uids {sorted(uids)})"
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
             who = "world-writable" if st.st_mode & stat.S_IWOTH else "group-writable"
             return f"{d} is {who} without the sticky bit: others could replace the socket"
+        d, up = os.path.dirname(d), d
     return None
 
 
