@@ -59,7 +59,7 @@ def _steps(url: str, index: int) -> dict[str, int]:
     step("cudaSetDevice", lambda: cuda.set_device(index))
     lib = step("libcuda load + cuInit", vmm.driver)
     step("primary context made current by the driver (now)", lambda: vmm.use_device(index))
-    access = step("peers", lambda: vmm.peers(index, torch.cuda.device_count()))
+    access = step("peers", lambda: vmm.peers(index))
     step("fast channel connect + hello", client.transport.connection)
     fd = step("arena_fd exchange (fd received)", lambda: client.mapper.arena_fd(descriptor, None))
     spare = os.dup(fd)

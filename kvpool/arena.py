@@ -13,7 +13,9 @@ The pool never maps the arena itself: it only hands out block ids. Workers get p
 
 from __future__ import annotations
 
+import _thread
 import base64
+import contextlib
 import logging
 import os
 import threading
@@ -244,18 +246,96 @@ def _map(descriptor: ArenaDescriptor, device: int | None, fd_source: FdSource | 
     return Arena(descriptor, raw)
 
 
+def prepare_vmm() -> None:
+    """What mapping a VMM arena needs before its fd is here: the thread that will cut the views, kvpool's driver
+    modules, libcuda and ``cuInit``. Run while the pool answers for the fd, it is off the attach's path. Best
+    effort: an error shows again, in full, when the mapping runs into it."""
+    global _spare
+    with _spare_lock:
+        if _spare is None:
+            _spare = Beside()
+    from kvpool import cuda, vmm
+
+    with contextlib.suppress(cuda.CudaError):
+        vmm.driver()
+
+
 def _map_vmm(descriptor: ArenaDescriptor, index: int, device: int | None, fd_source: FdSource) -> Arena:
     import torch
 
     from kvpool import cuda, vmm
 
+    global _spare
+
+    def wrap(ptr: int) -> Arena:
+        with torch.cuda.device(index):
+            return Arena(descriptor, torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}"))
+
+    with _spare_lock:
+        views, _spare = _spare or Beside(), None
     with torch.cuda.device(index):
         vmm.use_device(index)
-        access = vmm.peers(index, torch.cuda.device_count())
-        ptr = vmm.import_map(fd_source(device), descriptor.nbytes, index, access)
-        raw = torch.as_tensor(cuda.DeviceBuffer(ptr, descriptor.nbytes), device=f"cuda:{index}")
+        access = vmm.peers(index)
+        try:  # the views are cut while the driver grants access (milliseconds at 64 GiB)
+            ptr = vmm.import_map(fd_source(device), descriptor.nbytes, index, access, lambda p: views.start(wrap, p))
+        except BaseException:
+            views.cancel()
+            raise
+        try:
+            arena = views.result()
+        except BaseException:
+            vmm.unmap(ptr, descriptor.nbytes)
+            raise
     log.debug("mapped VMM arena of %d bytes on cuda:%d at %#x", descriptor.nbytes, index, ptr)
-    return Arena(descriptor, raw)
+    return arena
+
+
+class Beside:
+    """One piece of work for a thread of its own, given by :meth:`start` right before a long driver call that lets
+    the GIL go: the work runs in that wait instead of after it.
+
+    The thread starts at once and waits, through ``_thread``: ``threading.Thread.start`` would block until the new
+    thread runs, a third of a millisecond on a serving host, where this start overlaps what its caller does next.
+    """
+
+    def __init__(self) -> None:
+        self._go = threading.Event()
+        self._done = threading.Event()
+        self._work: Callable[[int], Arena] | None = None
+        self._arg = 0
+        self._out: Arena | BaseException | None = None
+        _thread.start_new_thread(self._run, ())
+
+    def _run(self) -> None:
+        self._go.wait()
+        try:
+            if self._work is not None:
+                self._out = self._work(self._arg)
+        except BaseException as exc:  # handed to result(), on the caller's thread
+            self._out = exc
+        finally:
+            self._done.set()
+
+    def start(self, work: Callable[[int], Arena], arg: int) -> None:
+        self._work, self._arg = work, arg
+        self._go.set()
+
+    def cancel(self) -> None:
+        """Let the thread end without work (the mapping failed before the grant), or wait for work already given."""
+        self._go.set()
+        self._done.wait()
+
+    def result(self) -> Arena:
+        self._done.wait()
+        out = self._out
+        if isinstance(out, BaseException):
+            raise out
+        assert out is not None, "no work was given"
+        return out
+
+
+_spare: Beside | None = None
+_spare_lock = threading.Lock()
 
 
 def forget_mappings(epoch: str | None = None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from kvpool.arena import Arena, FetchedFd, open_arena
+from kvpool.arena import Arena, FetchedFd, open_arena, prepare_vmm
 from kvpool.errors import InvalidRequest, PoolRestarted
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, ArenaFdRequest, ArenaFdResponse
@@ -52,7 +52,7 @@ class ArenaMapper:
         if path is not None:
             req = ArenaFdRequest(session_id=self.session.session_id, device=device)
             try:  # a restarted pool refuses the session: guard() raises PoolRestarted then, as GET /arena would
-                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path))
+                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path, prepare_vmm))
             except InvalidRequest:  # that device's arena goes by handle
                 return self.descriptor(), None
             try:

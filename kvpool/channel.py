@@ -15,6 +15,7 @@ import struct
 import time
 from array import array
 from collections import deque
+from collections.abc import Callable
 from typing import TypeVar
 
 from pydantic import BaseModel
@@ -104,12 +105,14 @@ class FastConnection:
             self.close()
             raise
 
-    def call_fd(self, op: bytes, body: bytes, hello: bytes | None = None) -> tuple[int, bytes, int | None]:
+    def call_fd(
+        self, op: bytes, body: bytes, hello: bytes | None = None, meanwhile: Callable[[], object] | None = None
+    ) -> tuple[int, bytes, int | None]:
         """Send a request whose answer may carry a file descriptor; returns it too (the caller closes it).
 
         ``hello``: on a new connection, the hello's body, sent in the same write as the request (the pool answers
         frames in order, and the request only once the hello was accepted); a refused hello is returned as the
-        answer, and closes the connection.
+        answer, and closes the connection. ``meanwhile`` runs once the request is sent, while the pool answers.
         """
         from kvpool.fdpass import recv_frame_with_fd
 
@@ -117,10 +120,10 @@ class FastConnection:
         if self.closed:
             raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
         try:
-            if hello is None:
-                self.sock.sendall(frame(op, body))
-            else:
-                self.sock.sendall(frame(b"hello", hello) + frame(op, body))
+            self.sock.sendall(frame(op, body) if hello is None else frame(b"hello", hello) + frame(op, body))
+            if meanwhile is not None:
+                meanwhile()
+            if hello is not None:
                 status, reply = self.receive(exact=True)
                 if status != 200:
                     self.close()

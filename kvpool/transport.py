@@ -190,16 +190,19 @@ class Transport:
         does not use the fast channel for its other calls."""
         return self.fetch_fd(op, req, path)[1]
 
-    def fetch_fd(self, op: bytes, req: BaseModel, path: str) -> tuple[bytes, int]:
+    def fetch_fd(
+        self, op: bytes, req: BaseModel, path: str, meanwhile: Callable[[], object] | None = None
+    ) -> tuple[bytes, int]:
         """:meth:`call_fd`, with the answer's JSON body too. A new connection's hello goes in the same write as
-        the request: one round trip where a worker's first arena took two."""
+        the request: one round trip where a worker's first arena took two. ``meanwhile`` runs while the pool
+        answers."""
         body = req.model_dump_json().encode()
         if self.fast_path is not None and self._held() is not None:
-            status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body))
+            status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body, meanwhile=meanwhile))
         else:
             conn = self._connect(self.fast_path or path)
             try:
-                status, reply, fd = conn.call_fd(op, body, hello=self._hello())
+                status, reply, fd = conn.call_fd(op, body, hello=self._hello(), meanwhile=meanwhile)
             except (ConnectionError, OSError) as exc:
                 conn.close()
                 raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc

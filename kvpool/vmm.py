@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 
 from kvpool.cuda import CudaError
 
@@ -186,21 +187,28 @@ def ordinal_of(uuid: str) -> int | None:
     return None
 
 
-def peers(device: int, count: int) -> list[int]:
-    """``device`` and every device that can reach it as a peer: all may then read and write the mapping."""
-    lib, out = driver(), [device]
-    for other in range(count):
+def peers(device: int) -> list[int]:
+    """``device`` and every visible device that can reach it as a peer: all may then read and write the mapping.
+    The driver counts them (as torch does, under ``CUDA_VISIBLE_DEVICES``) in microseconds, where
+    ``torch.cuda.device_count()`` took a tenth of a millisecond of an attach."""
+    lib, out, count = driver(), [device], ctypes.c_int()
+    _check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    for other in range(count.value):
         ok = ctypes.c_int()
         if other != device and lib.cuDeviceCanAccessPeer(ctypes.byref(ok), other, device) == 0 and ok.value:
             out.append(other)
     return out
 
 
-def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = None) -> int:
+def import_map(
+    fd: int, nbytes: int, device: int, access: list[int] | None = None, granting: Callable[[int], object] | None = None
+) -> int:
     """Import the allocation behind ``fd`` and map all ``nbytes`` of it; returns the device pointer.
 
     ``fd`` is consumed (closed). The imported handle is released once mapped: the mapping holds the memory, and
-    :func:`unmap` (or the process's exit) lets it go.
+    :func:`unmap` (or the process's exit) lets it go. ``granting`` is called with the pointer right before the
+    driver grants access, which takes milliseconds for a large arena with the GIL let go: work on another thread
+    can use them, as long as it does not touch the memory.
     """
     handle = _u64()
     try:
@@ -223,6 +231,8 @@ def import_map(fd: int, nbytes: int, device: int, access: list[int] | None = Non
                 *(AccessDesc(MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, d), CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
                   for d in devices)
             )  # fmt: skip
+            if granting is not None:
+                granting(ptr.value)
             code = lib.cuMemSetAccess(ptr.value, nbytes, descs, len(devices))
             if code != 0:
                 lib.cuMemUnmap(ptr.value, nbytes)

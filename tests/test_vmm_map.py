@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from kvpool import vmm
+from kvpool.arena import Beside
 from kvpool.cuda import CudaError
 
 PTR = 0x7F00_0000_0000
@@ -70,6 +71,14 @@ class FakeDriver:
         self.contexts[threading.get_ident()] = ctx.value
         return self._log(f"current {ctx.value:#x}")
 
+    def cuDeviceGetCount(self, count) -> int:
+        count._obj.value = 3
+        return 0
+
+    def cuDeviceCanAccessPeer(self, ok, other, device) -> int:
+        ok._obj.value = int((other, device) == (0, 1))
+        return 0
+
     def cuGetErrorString(self, code, text) -> int:
         text._obj.value = b"not permitted"
         return 0
@@ -109,6 +118,53 @@ def test_a_refused_access_undoes_the_mapping_and_says_which_call(monkeypatch, fd
     assert closed(fd)
 
 
+def test_work_given_the_pointer_starts_right_before_the_grant(monkeypatch, fd):
+    """What runs beside the grant (the arena's views) gets the address once it is mapped, and only then."""
+    fake = FakeDriver()
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    vmm.import_map(fd, NBYTES, 0, granting=lambda ptr: fake.calls.append(f"granting {ptr:#x}"))
+    assert fake.calls == ["import", "reserve", "map", f"granting {PTR:#x}", "set access", "release handle"]
+
+
+def test_work_beside_runs_on_its_own_thread_while_the_caller_waits_and_hands_back_its_result_or_error():
+    """The caller gives the work and then blocks (in the driver's grant, here on an event the work sets): the work
+    must run during that wait, not after it."""
+    done = threading.Event()
+    ran: dict[str, int] = {}
+
+    def work(ptr: int) -> str:
+        ran["thread"], ran["ptr"] = threading.get_ident(), ptr
+        done.set()
+        return "arena"
+
+    beside = Beside()
+    beside.start(work, PTR)  # type: ignore[arg-type]
+    assert done.wait(5)
+    assert beside.result() == "arena"
+    assert ran == {"thread": ran["thread"], "ptr": PTR} and ran["thread"] != threading.get_ident()
+
+    def failing(ptr: int) -> str:
+        raise CudaError("no views")
+
+    beside = Beside()
+    beside.start(failing, PTR)  # type: ignore[arg-type]
+    with pytest.raises(CudaError, match="no views"):
+        beside.result()
+
+
+def test_work_beside_a_mapping_that_failed_first_never_runs():
+    beside = Beside()
+    beside.cancel()
+    assert beside._done.is_set() and beside._out is None
+
+
+def test_the_mapping_is_granted_to_its_device_and_to_every_device_the_driver_says_can_reach_it(monkeypatch):
+    fake = FakeDriver()
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    assert vmm.peers(1) == [1, 0]
+    assert vmm.peers(2) == [2]
+
+
 def test_the_device_s_primary_context_is_made_current_through_the_driver(monkeypatch):
     """What cudaSetDevice did before the mapping, without looking up libcudart for it."""
     fake = FakeDriver()
@@ -116,3 +172,16 @@ def test_the_device_s_primary_context_is_made_current_through_the_driver(monkeyp
     vmm.use_device(2)
     assert fake.calls == ["device 2", "retain primary of 2", "current 0xc2"]
     assert fake.contexts[threading.get_ident()] == 0xC2
+
+
+def test_getting_ready_for_a_vmm_arena_keeps_one_spare_thread_and_no_driver_is_no_error(monkeypatch):
+    """What runs while the pool answers for the fd: here without a GPU, where the mapping itself says why not."""
+    from kvpool import arena
+
+    monkeypatch.setattr(arena, "_spare", None)
+    monkeypatch.setattr(vmm, "driver", lambda: (_ for _ in ()).throw(CudaError("no libcuda")))
+    arena.prepare_vmm()
+    spare = arena._spare
+    arena.prepare_vmm()
+    assert isinstance(spare, Beside) and arena._spare is spare
+    spare.cancel()

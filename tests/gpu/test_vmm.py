@@ -86,13 +86,17 @@ def test_the_pool_side_releases_what_it_created_and_the_fd_maps_the_same_memory(
     assert torch.cuda.mem_get_info(0)[0] >= before - 64 * (1 << 20)
 
 
-def test_the_driver_names_each_gpu_by_torchs_uuid_and_ordinal():
-    """The VMM attach asks the driver which GPU holds the arena; it must agree with torch on every visible GPU, or
-    the attach would fall back to torch's slower answer (or, worse, map another GPU)."""
+def test_the_driver_names_and_counts_the_gpus_as_torch_does():
+    """The VMM attach asks the driver which GPU holds the arena, and which GPUs may reach it; it must agree with
+    torch on every visible GPU, or the attach would fall back to torch's slower answer (or, worse, map another GPU
+    or grant a GPU torch does not see)."""
     from kvpool import cuda, vmm
 
-    for index in range(torch.cuda.device_count()):
+    count = torch.cuda.device_count()
+    for index in range(count):
         assert vmm.ordinal_of(cuda.device_uuid(index)) == index
+        others = [o for o in range(count) if o != index and torch.cuda.can_device_access_peer(o, index)]
+        assert vmm.peers(index) == [index, *others]
     assert vmm.ordinal_of("00000000-0000-0000-0000-000000000000") is None
 
 

@@ -261,3 +261,44 @@ def test_a_request_refused_after_an_accepted_hello_keeps_the_connection(vmm_plan
 
     assert serve(vmm_plane, tmp_path, client) == (1, SECRET)
     assert [w.count(b"hello\n") for w in writes] == [1, 0]  # the second fetch went over the same connection
+
+
+def test_work_given_to_a_fetch_runs_once_its_request_is_written_and_a_failure_in_it_costs_only_the_connection(
+    vmm_plane, tmp_path
+):
+    """A worker loads the CUDA driver while the pool answers for the fd (``meanwhile``), on a new connection and on
+    a held one; work that raises closes the connection, whose answer is then not read, and the next fetch opens
+    another."""
+    sid = vmm_plane.open_session(SessionCreate(name="w", role="other")).session_id
+    req = ArenaFdRequest(session_id=sid)
+    writes: list[bytes] = []
+    seen: list[int] = []
+
+    def client(path: str) -> list[bytes]:
+        transport = recording_transport(path, writes)
+        got = []
+
+        def meanwhile() -> None:
+            seen.append(len(writes))
+
+        def failing() -> None:
+            raise RuntimeError("no driver")
+
+        try:
+            for work in (meanwhile, meanwhile, failing, meanwhile):
+                try:
+                    _, fd = transport.fetch_fd(b"arena_fd", req, path, work)
+                except RuntimeError:
+                    got.append(b"raised")
+                    continue
+                try:
+                    got.append(os.pread(fd, len(SECRET), 0))
+                finally:
+                    os.close(fd)
+            return got
+        finally:
+            transport.close()
+
+    assert serve(vmm_plane, tmp_path, client) == [SECRET, SECRET, b"raised", SECRET]
+    assert seen == [1, 2, 4]  # each after its own request's write
+    assert [w.count(b"hello\n") for w in writes] == [1, 0, 0, 1]  # the failure's connection was not kept
