@@ -338,6 +338,14 @@ _spare: Beside | None = None
 _spare_lock = threading.Lock()
 
 
+def _drop_spare() -> None:
+    global _spare
+    _spare = None  # its thread stayed in the parent: a fork's mapping waiting on it would wait forever
+
+
+os.register_at_fork(after_in_child=_drop_spare)
+
+
 def forget_mappings(epoch: str | None = None) -> None:
     """Invalidate the mapped arenas of pool epoch ``epoch`` (used when that pool restarted), or all of them.
 

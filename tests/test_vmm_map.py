@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 
 import pytest
 
@@ -184,4 +185,24 @@ def test_getting_ready_for_a_vmm_arena_keeps_one_spare_thread_and_no_driver_is_n
     spare = arena._spare
     arena.prepare_vmm()
     assert isinstance(spare, Beside) and arena._spare is spare
+    spare.cancel()
+
+
+def test_a_forked_child_does_not_inherit_the_spare_thread(monkeypatch):
+    """The thread stays in the parent; a child that took the spare would wait on it forever when it maps."""
+    from kvpool import arena
+
+    spare = Beside()
+    monkeypatch.setattr(arena, "_spare", spare)
+    read, write = os.pipe()
+    with warnings.catch_warnings():  # 3.12 warns of forking a process with threads: this test's point
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's clean-up
+        os.write(write, b"none" if arena._spare is None else b"kept")
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 8) == b"none" and arena._spare is spare
+    os.close(read)
     spare.cancel()
