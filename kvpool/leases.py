@@ -153,7 +153,6 @@ class TableView:
         self.slots = slots
         self.region = region
         self.region_words = region_bytes // 8
-        self.region_bytes = region_bytes
         self.table = np.frombuffer(self.ro, dtype=self.dtype, count=regions, offset=PAGE)
         self.mine = np.frombuffer(self.rw, dtype=self.dtype, count=1)[0]
         # the same memory as 8-byte words, for the hot path (a memoryview item costs tens of nanoseconds, a numpy

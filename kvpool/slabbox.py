@@ -36,7 +36,7 @@ from kvpool import slabwire
 from kvpool.errors import InvalidRequest, KvpoolError, UnknownSession
 from kvpool.handoffs import Claim
 from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, PAGE, RING, WAITING, column, fence
+from kvpool.leases import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
 from kvpool.slab import Slab
 
 log = logging.getLogger(__name__)
@@ -314,8 +314,7 @@ class SlabBox:
         view.words[view.took + region] = seq
         view.words[view.watch + region] = nonce
         base = view.base(region)
-        ring = PAGE + region * view.region_bytes + view.ring
-        watched = Watched(region, nonce, base, base + view.bells + self.slab.info.region, ring, seq)
+        watched = Watched(region, nonce, base, base + view.bells + self.slab.info.region, 8 * base + view.ring, seq)
         self.watching.append(watched)
         self.watched[region, nonce] = watched
 
