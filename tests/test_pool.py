@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import (
     HandoffExists,
@@ -12,6 +14,7 @@ from kvpool.errors import (
     LayoutMismatch,
     NameTaken,
     NotOwner,
+    PoolExhausted,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
@@ -291,6 +294,79 @@ def test_the_pool_forgets_the_oldest_keyed_names_nobody_holds_past_its_bound():
     with pytest.raises(NameTaken):
         pool.open_session("w1", "other")
     assert pool.named("live") is live
+
+
+NAMES = ("decode-0", "decode-1")
+KEYS = (None, "the first worker's key", "the second worker's key")
+consumer_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "close", "lapse", "handoff", "claim", "claim_any", "sweep"]),
+        st.integers(0, 7),
+        st.integers(0, 7),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(consumer_ops)
+def test_a_handoff_reaches_only_the_session_its_name_resolved_to_when_parked(steps):
+    """Consumers open (with a key or not), close, lapse and restart under two names while a producer addresses
+    handoffs to the names and consumers claim: every claim returns a handoff to the session its name resolved to
+    when it was parked, a keyed name opens only with its key, the books balance, and nothing outlives the sessions."""
+    clock = Clock()
+    pool = Pool(16, KVLayout(block_size=4), lease_ttl_s=2.0, handoff_ttl_s=5.0, clock=clock)
+    producer = pool.open_session("p", "prefill").session_id
+    consumers: list[str] = []
+    bound: dict[str, str] = {}  # request id -> the session it was addressed to when it was parked
+    keyed: dict[str, str] = {}  # name -> the key it was first opened with
+    for n, (op, a, b) in enumerate(steps):
+        pool.heartbeat(producer)
+        name = NAMES[a % 2]
+        if op == "open":
+            key, opened = KEYS[b % 3], len(pool.sessions)
+            try:
+                consumers.append(pool.open_session(name, "decode", name_key=key).session_id)
+            except NameTaken:
+                assert name in keyed and key != keyed[name] and len(pool.sessions) == opened
+            else:
+                assert name not in keyed or key == keyed[name]
+                if key is not None:
+                    keyed.setdefault(name, key)
+        elif op == "close" and consumers and pool._live(consumers[a % len(consumers)]) is not None:
+            pool.close_session(consumers[a % len(consumers)])
+        elif op == "lapse":
+            clock.now += 1.5  # the consumers whose bit in b is set heartbeat meanwhile, the others may lapse
+            for i, sid in enumerate(consumers):
+                if (b >> (i % 3)) & 1 and pool._live(sid) is not None:
+                    pool.heartbeat(sid)
+        elif op == "handoff":
+            try:
+                ids = pool.alloc(producer, 1)
+            except PoolExhausted:
+                continue
+            try:
+                bound[f"r{n}"] = pool.handoff(producer, f"r{n}", ids, 1, to=name).to or ""
+            except InvalidRequest:
+                pool.free(producer, ids)
+        elif op in ("claim", "claim_any") and consumers:
+            sid = consumers[a % len(consumers)]
+            if pool._live(sid) is None:
+                continue
+            rid = sorted(bound)[b % len(bound)] if op == "claim" and bound else None
+            try:
+                got = pool.claim(sid, rid)
+            except (HandoffNotFound, HandoffRefused, NotOwner):
+                continue
+            assert bound[got.request_id] == sid
+            pool.free(sid, got.block_ids)
+        elif op == "sweep":
+            pool.expire()
+        assert balanced(pool)
+        assert all(h.to in pool.sessions for h in pool.handoffs.values())
+    clock.now += 3.0  # every lease runs out
+    pool.expire()
+    assert not pool.sessions and not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)
 
 
 def test_a_session_end_is_reported_with_its_inbox():
