@@ -60,7 +60,7 @@ from kvpool.benchmarks.soak_client import (
 )
 from kvpool.benchmarks.soak_report import plot, print_summary, summarize
 from kvpool.client import PoolClient, http_client
-from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.errors import HandoffNotFound, HandoffRefused, KvpoolError, PoolExhausted
 from kvpool.slab import SlabConfig
 
 SMALL_LAYOUT = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block-size", "4",
@@ -264,10 +264,11 @@ def run(args: argparse.Namespace) -> int:
         side_stop.set()
         for t in side:
             t.join(timeout=60)
-        # Claim what the clients left parked, then give the killed workers' leases and handoffs time to run out.
+        # Claim what the clients left parked, then give the killed workers' leases and handoffs time to run out. What
+        # was addressed to a client that has closed was refused and released with its session: no one can claim it.
         with PoolClient(url, name="soak-drain") as drain:
             for request_id in shared.drain():
-                with contextlib.suppress(HandoffNotFound):
+                with contextlib.suppress(HandoffNotFound, HandoffRefused):
                     drain.free(drain.claim(request_id, timeout_s=0).block_ids)
         with http_client(url, token, 10.0) as http:
             probe = http.post("/sessions", json={"name": "soak-probe"}).json()

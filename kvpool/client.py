@@ -92,7 +92,11 @@ class PoolClient:
     Args:
         url: ``unix:///path/kvpool.sock`` or ``http://127.0.0.1:8470``; default ``$KVPOOL_URL``, else the
             pool's default socket.
-        name, role: how the session shows up in the pool's stats and logs.
+        name, role: how the session shows up in the pool's stats and logs. The name is also what producers address
+            handoffs to (``handoff(..., to=name)``).
+        name_key: a secret (16 to 256 characters) that holds ``name`` for this worker: once a session opened the name
+            with a key, the pool opens it again only for the same key, also after that session ended, so a restarted
+            worker takes its name back and no other session can take it meanwhile (default ``$KVPOOL_NAME_KEY``).
         token: the pool's bearer token, if it has one (default ``$KVPOOL_TOKEN``).
         layout: your model's KV layout; the pool refuses a session whose layout differs from the arena's.
         fast: use the fast channel when the pool serves one and it is reachable from here.
@@ -123,6 +127,7 @@ class PoolClient:
         spin_s: float = 0.001,
         slab: SlabConfig | bool | None = None,
         reply_spin_s: float | None = None,
+        name_key: str | None = None,
     ) -> None:
         self.url = url or default_url()
         self.name = name
@@ -135,7 +140,8 @@ class PoolClient:
         self._arenas: dict[int | None, Arena] = {}
         self._closed = False
         self.transport = Transport(self.url, self.token, timeout_s, reply_spin(reply_spin_s))
-        self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear)
+        key = name_key if name_key is not None else os.environ.get("KVPOOL_NAME_KEY") or None
+        self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear, name_key=key)
         self.mapper = ArenaMapper(self.transport, self.session, self._arenas)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)
         self.slabs = Slabs(self.transport, SlabConfig.resolve(slab), spin_s)

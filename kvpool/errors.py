@@ -65,6 +65,13 @@ class HandoffRefused(KvpoolError):
     status = 409
 
 
+class NameTaken(KvpoolError):
+    """The session name is held under a name key that this session did not give: the pool keeps the name, and the
+    handoffs addressed to it, for the worker that has the key."""
+
+    status = 409
+
+
 class LayoutMismatch(KvpoolError):
     """A client's model layout differs from the arena's: its views would be silently wrong."""
 
@@ -120,6 +127,7 @@ ERRORS: dict[str, type[KvpoolError]] = {
         StaleBlock,
         HandoffExists,
         HandoffRefused,
+        NameTaken,
         LayoutMismatch,
         PayloadTooLarge,
         UntrustedSocket,

@@ -40,6 +40,14 @@ class SessionCreate(_Request):
         description="ask for an inbox: a Unix datagram socket path where producers deliver handoffs addressed to "
         "this session straight to it (only where the pool serves the fast channel)",
     )
+    name_key: str | None = Field(
+        None,
+        min_length=16,
+        max_length=256,
+        description="a secret that holds the name: once a session opened the name with a key, only a session that "
+        "gives the same key may open it again, also after the first one ended (a restarted worker takes its name "
+        "back, nobody else can); a name opened with another key, or none, is 409",
+    )
 
 
 class SessionRef(_Request):

@@ -17,7 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from kvpool.arena import forget_mappings
-from kvpool.errors import KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
+from kvpool.errors import InvalidRequest, KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
 from kvpool.layout import KVLayout
 from kvpool.protocol import Health, Role, SessionCreate, SessionInfo
 from kvpool.transport import Transport
@@ -37,9 +37,11 @@ class Session:
         role: Role,
         layout: KVLayout | None,
         on_restart: Callable[[], None],
+        name_key: str | None = None,
     ) -> None:
         self.transport = transport
         self.name = name
+        self.name_key = name_key
         self.role: Role = role
         self.layout = layout
         self.on_restart = on_restart
@@ -53,7 +55,10 @@ class Session:
         self.on_beat: Callable[[], None] | None = None  # after each heartbeat the pool answered
 
     def open(self, inbox: bool) -> SessionInfo:
-        req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=inbox)
+        try:
+            req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=inbox, name_key=self.name_key)
+        except ValidationError as exc:
+            raise InvalidRequest(f"cannot open a session: {exc}") from None
         info = self.transport.fetch("POST", "/sessions", req, SessionInfo)
         self.session_id = info.session_id
         self.epoch = info.epoch

@@ -116,7 +116,8 @@ def create_app(plane: ControlPlane) -> FastAPI:
     @api.post("/sessions")
     async def open_session(req: SessionCreate) -> SessionInfo:
         """Open a session: the owner of the blocks it allocates, kept alive by heartbeats; a layout that
-        differs from the arena's is refused (409)."""
+        differs from the arena's is refused (409), and so is a name held under another name key (or under one,
+        when none is given)."""
         return plane.open_session(req)
 
     @api.get("/sessions")

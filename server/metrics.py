@@ -29,6 +29,10 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "sessions_opened": ("kvpool_sessions_opened", "sessions opened"),
     "sessions_expired": ("kvpool_sessions_expired", "sessions whose lease ran out"),
     "handoffs_expired": ("kvpool_handoffs_expired", "handoffs released unclaimed"),
+    "handoffs_orphaned": (
+        "kvpool_handoffs_orphaned",
+        "addressed handoffs refused and released because their addressee ended before it claimed them",
+    ),
     "blocks_reclaimed": ("kvpool_blocks_reclaimed", "blocks released from expired sessions and handoffs"),
     "stale_refused": ("kvpool_stale_refused", "calls refused (409) for naming stale block ids"),
     "stale_ids": ("kvpool_stale_ids", "stale block ids named in refused calls"),

@@ -56,11 +56,12 @@ class Parking:
     ) -> Handoff:
         """Park the blocks under ``request_id``, moving the session's refs to the handoff.
 
-        ``to`` names the one session that may claim it. The pool may deliver it the ids at once (to its inbox), and
-        it may read them before its claim reaches the pool, so an addressed handoff is held for its addressee for
-        as long as that session lives: it does not expire, and no other session may claim it. When the addressee
-        ends, the handoff is anyone's and its time-to-live starts. If such a handoff is refused, the refusal is kept
-        a while: the addressee's claim of it fails at once with the reason.
+        ``to`` names the one session that may claim it: the one live session of that name now. The pool may deliver
+        it the ids at once (to its inbox), and it may read them before its claim reaches the pool, so an addressed
+        handoff is held for its addressee for as long as that session lives: it does not expire, and no other
+        session may claim it. When the addressee ends first, the handoff is refused and its blocks released
+        (:meth:`Pool._ended`), never given to another session. If such a handoff is refused, the refusal is kept a
+        while: a claim of it fails at once with the reason.
         """
         session: Session | None = None
         limits = self.limits
@@ -161,35 +162,49 @@ class Parking:
         """
         if request_id in self.handoffs or self._live(by) is None:
             return  # one of that id is parked, and it stands; or the caller is no session of this pool
-        self.refused[request_id] = Refusal(why)
+        self.remember_refusal(request_id, why)
+
+    def remember_refusal(self, request_id: str, why: str, when: str | None = None) -> None:
+        """Keep the last ``REFUSALS_KEPT`` refusals, for the claims of their requests (which wake now) to tell."""
+        self.refused[request_id] = Refusal(why) if when is None else Refusal(why, when)
+        self.refused.move_to_end(request_id)
         while len(self.refused) > REFUSALS_KEPT:
             self.refused.popitem(last=False)
         if self.on_handoff is not None:
             self.on_handoff(request_id)
 
     def claim(self, session_id: str, request_id: str | None = None) -> Handoff:
-        """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session."""
+        """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session.
+
+        A handoff addressed to another session is not this one's to take: while that session lives, the claim is
+        refused (NotOwner, which tells a producer that asks that its consumer has not claimed it yet); once it has
+        ended, the handoff was refused with it, and so is the claim (HandoffRefused, with why).
+        """
         session = self.session(session_id)
         if request_id is None:
             request_id = self._oldest_for(session_id)
             if request_id is None:
                 raise HandoffNotFound("no handoff is parked for this session")
         handoff = self.handoffs.get(request_id)
+        if handoff is not None and not handoff.claimable_by(session_id):
+            addressee = self.sessions.get(handoff.to or "")
+            if addressee is None or addressee.expires_at >= self.clock():
+                raise NotOwner(
+                    f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
+                    "only it may claim it"
+                )
+            self._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
+            handoff = None  # refused with its addressee
         if handoff is None:
             refusal = self.refused.get(request_id)
             if refusal is not None:
                 refusal.seen = True
                 raise HandoffRefused(
-                    f"the handoff of request {request_id!r} was refused when its producer made it ({refusal.why}): "
-                    "any ids you were sent for it are not yours; drop the request"
+                    f"the handoff of request {request_id!r} was refused {refusal.when} ({refusal.why}): any ids you "
+                    "were sent for it are not yours; drop the request (its producer may hand it off again under a "
+                    "new request id)"
                 )
             raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
-        if not self._claimable(handoff, session_id):
-            addressee = self.sessions.get(handoff.to or "")
-            raise NotOwner(
-                f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
-                "only it may claim it"
-            )
         self.allocator.transfer(handoff.holder, session.holder, handoff.blocks)
         self._unpark(handoff)
         self.counters.claims += 1
@@ -207,9 +222,7 @@ class Parking:
             self.allocator.transfer(session.holder, handoff.holder, handoff.blocks)
         except KvpoolError:
             return False
-        if handoff.to is not None and handoff.to not in self.sessions:
-            handoff.to = None
-        self._park(handoff)
+        self._park(handoff)  # addressed, it was to this session, which lives
         mine = self._parked_by.get(handoff.from_session)
         if mine is not None:
             mine.add(handoff.request_id)
@@ -225,12 +238,3 @@ class Parking:
         if mine is None or anyones is None:
             return mine or anyones
         return mine if self.handoffs[mine].seq < self.handoffs[anyones].seq else anyones
-
-    def _claimable(self, handoff: Handoff, session_id: str) -> bool:
-        """Whether the session may claim it: addressed to it or to no one, or its addressee's lease ran out."""
-        if handoff.claimable_by(session_id):
-            return True
-        addressee = self.sessions.get(handoff.to or "")
-        if addressee is not None and addressee.expires_at < self.clock():
-            self._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
-        return handoff.claimable_by(session_id)

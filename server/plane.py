@@ -181,7 +181,7 @@ class ControlPlane:
         fast = self.descriptor.fast_socket
         # The pool names the inbox (in its own socket directory), so that it may delete it when the session ends.
         inbox = str(Path(fast).with_name(f"inbox-{secrets.token_hex(8)}.sock")) if req.inbox and fast else None
-        session = self.pool.open_session(req.name, req.role, req.layout, inbox)
+        session = self.pool.open_session(req.name, req.role, req.layout, inbox, req.name_key)
         log.debug("session %s opened by %s (%s)", session.session_id, req.name, req.role)
         return SessionInfo(
             session_id=session.session_id,

@@ -8,7 +8,9 @@ block is never unowned and a crashed worker's refs are found and released when i
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+import hmac
 import itertools
 import secrets
 import time
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from kvpool.errors import (
     InvalidRequest,
     LimitExceeded,
+    NameTaken,
     StaleBlock,
     UnknownSession,
 )
@@ -29,6 +32,7 @@ from kvpool.server.parking import Parking
 from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
+    NAMES_KEPT,
     SESSION_ID,
     Clock,
     CommitResult,
@@ -90,6 +94,7 @@ class Pool(Parking, PoolStats):
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
         # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
         self._by_name: dict[str, dict[str, None]] = {}
+        self._name_keys: OrderedDict[str, bytes] = OrderedDict()  # name -> its key's digest, least recent first
         self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
         self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
         self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
@@ -99,10 +104,26 @@ class Pool(Parking, PoolStats):
 
     # -- sessions ---------------------------------------------------------------------------------------
 
-    def open_session(self, name: str, role: str, layout: KVLayout | None = None, inbox: str | None = None) -> Session:
+    def open_session(
+        self,
+        name: str,
+        role: str,
+        layout: KVLayout | None = None,
+        inbox: str | None = None,
+        name_key: str | None = None,
+    ) -> Session:
+        """A new session called ``name``; with ``name_key``, the name is held under that key from then on.
+
+        A name is how producers address handoffs, and any token holder may open a session under any name: a
+        stranger (or a second deployment, a worker started twice) could take a consumer's name while it restarts
+        and receive what is addressed to it. A name opened with a key can only be opened again with the same key,
+        also after every session of it ended (the pool remembers the last ``NAMES_KEPT`` such names), so a
+        restarted worker takes its name back and nobody else can.
+        """
         self.layout.require(layout)
         if len(self.sessions) >= self.limits.max_sessions:
             raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
+        digest = self._name_digest(name, name_key)
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
@@ -110,8 +131,34 @@ class Pool(Parking, PoolStats):
         self.sessions[sid] = session
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
+        if digest is not None:
+            self._keep_name(name, digest)
         self.counters.sessions_opened += 1
         return session
+
+    def _name_digest(self, name: str, name_key: str | None) -> bytes | None:
+        """The digest of ``name_key``, after checking that it may open ``name`` (NameTaken if not)."""
+        digest = None if name_key is None else hashlib.blake2b(name_key.encode(), digest_size=32).digest()
+        held = self._name_keys.get(name)
+        if held is not None and (digest is None or not hmac.compare_digest(held, digest)):
+            raise NameTaken(
+                f"the name {name!r} is held under a name key, and this session gave "
+                f"{'another' if digest is not None else 'none'}: open it with the key of the worker it belongs to "
+                "(PoolClient name_key=, KVPOOL_NAME_KEY), or under another name"
+            )
+        return digest
+
+    def _keep_name(self, name: str, digest: bytes) -> None:
+        """Remember ``name``'s key; past ``NAMES_KEPT``, forget the least recently opened name that no session holds."""
+        names = self._name_keys
+        names[name] = digest
+        names.move_to_end(name)
+        if len(names) <= NAMES_KEPT:
+            return
+        for old in names:
+            if old not in self._by_name:
+                del names[old]
+                return
 
     def session(self, session_id: str) -> Session:
         """The live session, its lease extended by any call it makes."""
@@ -344,23 +391,26 @@ class Pool(Parking, PoolStats):
         self._ended(session)
 
     def _ended(self, session: Session) -> None:
-        """Handoffs addressed to a session that ended become anyone's, with their time-to-live started anew."""
-        sid, now = session.session_id, self.clock()
+        """Handoffs addressed to a session that ended are refused, and their blocks released.
+
+        They were addressed to that session, not to its name: giving them to whoever holds the name next (the worker
+        restarted, or anyone else) or to anyone at all would hand a request to a session its producer never chose.
+        The refusal is kept, so a claim of one (by a restarted consumer, or its producer asking) says why.
+        """
+        sid = session.session_id
         named = self._by_name.get(session.name)
         if named is not None:
             named.pop(sid, None)
             if not named:
                 del self._by_name[session.name]
         self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
-        freed = list(self._addressed.pop(sid, ()))
-        for request_id in freed:
+        orphaned = list(self._addressed.pop(sid, ()))
+        why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
+        for request_id in orphaned:
             handoff = self.handoffs[request_id]
-            handoff.to = None
-            handoff.expires_at = now + handoff.ttl_s
-            self._open[request_id] = None
-            self._push_deadline(handoff)
+            self._unpark(handoff)
+            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
+            self.counters.handoffs_orphaned += 1
+            self.remember_refusal(request_id, why, "after it was parked")
         if self.on_session_end is not None:
             self.on_session_end(session)
-        if freed and self.on_handoff is not None:
-            for request_id in freed:
-                self.on_handoff(request_id)

@@ -11,6 +11,9 @@ from kvpool.errors import LimitExceeded
 
 Clock = Callable[[], float]
 REFUSALS_KEPT = 4096
+#: names held under a name key that the pool remembers; past it, the least recently opened of those that no
+#: session holds now is forgotten first
+NAMES_KEPT = 4096
 #: the shape of every session id a pool makes: its epoch's first 8 hex digits, a dash, a random part
 SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9A-Za-z_-]+")
 
@@ -62,7 +65,9 @@ class Handoff:
     from_session: str
     expires_at: float
     ttl_s: float
-    to: str | None = None  # the one session that may claim it; None: any. Addressed, it does not expire.
+    #: the one session that may claim it; None: any. Addressed, it does not expire: it is refused when that session
+    #: ends, and its blocks released
+    to: str | None = None
     seq: int = 0
     meta_json: bytes = b""  # meta as compact JSON (empty for {}): what its size limit and a delivery's seal cover
     blocks: list[int] = field(default_factory=list)  # the blocks block_ids (fenced) name, as the allocator knows them
@@ -78,6 +83,7 @@ class Handoff:
 @dataclass(slots=True)
 class Refusal:
     why: str
+    when: str = "when its producer made it"  # or after it was parked: its addressee ended first
     seen: bool = False  # a claim of the request was told: its addressee dropped it
 
 
@@ -99,6 +105,7 @@ class Counters:
     sessions_opened: int = 0
     sessions_expired: int = 0
     handoffs_expired: int = 0
+    handoffs_orphaned: int = 0  # addressed handoffs refused because their addressee ended before it claimed them
     blocks_reclaimed: int = 0
     stale_refused: int = 0  # calls refused for naming a stale (fenced) block id
     stale_ids: int = 0

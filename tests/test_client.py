@@ -14,7 +14,15 @@ import pytest
 import torch
 
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, HandoffRefused, LayoutMismatch, NotOwner, UnknownSession
+from kvpool.errors import (
+    HandoffNotFound,
+    HandoffRefused,
+    InvalidRequest,
+    LayoutMismatch,
+    NameTaken,
+    NotOwner,
+    UnknownSession,
+)
 from kvpool.layout import KVLayout
 from tests.conftest import SMALL_POOL, child_env, start_pool
 
@@ -321,6 +329,68 @@ def test_a_refused_direct_handoff_is_never_delivered_and_its_claim_fails_at_once
             d.claim("bogus", timeout_s=5)  # no seal, so nothing was sent: the pool says why at once
         assert pool_server.stats()["in_use"] == before["in_use"]
         assert d.free(theirs) == 1  # its own block, untouched by the refused claim
+    assert pool_server.stats()["in_use"] == 0
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "http"])
+def test_a_handoff_to_a_consumer_that_ended_reaches_no_stranger(pool_server, fast):
+    """Delivered to decode-0's inbox, which ends before it claims: no other session gets it, not one that opens
+    under the same name next (a restarted worker, or a stranger), not a claim of the oldest. A claim of it says
+    why, its producer learns it the same way, its blocks are back, and what comes after reaches the new holder."""
+    with PoolClient(pool_server.url, name="prefill", fast=fast) as p:
+        d = PoolClient(pool_server.url, name="decode-0", inbox=True)
+        ids = p.alloc(2)
+        assert p.handoff("for-d", ids, 5, to="decode-0").inbox == d.direct.inbox.path
+        d.close()
+        with (
+            PoolClient(pool_server.url, name="decode-0", inbox=fast, fast=fast) as again,
+            PoolClient(pool_server.url, name="other", fast=fast) as other,
+        ):
+            with pytest.raises(HandoffNotFound):
+                again.claim(timeout_s=0.2)
+            with pytest.raises(HandoffRefused, match="addressee, session 'decode-0', ended before it claimed it"):
+                other.claim("for-d", timeout_s=5)
+            with pytest.raises(HandoffRefused, match="ended before it claimed it"):
+                p.claim("for-d", timeout_s=0)  # the producer asks: refused, and why
+            s = pool_server.stats()
+            assert (s["in_use"], s["handoffs"], s["counters"]["handoffs_orphaned"]) == (0, 0, 1)
+            ids = p.alloc(2)
+            p.handoff("for-d-again", ids, 5, to="decode-0")
+            got = again.claim(timeout_s=5)
+            assert (got.request_id, got.block_ids, got.direct) == ("for-d-again", ids, fast)
+            again.confirm()
+            again.free(got.ids)
+    assert pool_server.stats()["in_use"] == 0
+
+
+def test_a_consumer_s_name_key_keeps_its_name_through_a_restart(pool_server, monkeypatch):
+    """While decode-0 restarts, nobody without its key can open a session under its name (over HTTP or through the
+    client: 409, and nothing changes), so what its producer addresses meanwhile is refused to the producer, never
+    handed to a stranger; back with its key (here from KVPOOL_NAME_KEY), it gets its handoffs to its inbox."""
+    key = "decode-0's secret, from its environment"
+    with PoolClient(pool_server.url, name="prefill") as p, pool_server.http() as http:
+        PoolClient(pool_server.url, name="decode-0", inbox=True, name_key=key).close()
+        before = pool_server.stats()
+        with pytest.raises(NameTaken, match="'decode-0' is held under a name key"):
+            PoolClient(pool_server.url, name="decode-0", inbox=True)
+        answer = http.post("/sessions", json={"name": "decode-0", "role": "decode", "name_key": "x" * 16})
+        assert answer.status_code == 409 and answer.json()["error"] == "NameTaken"
+        short = http.post("/sessions", json={"name": "decode-0", "name_key": "short"})
+        assert short.status_code == 422 and "name_key" in short.text
+        after = pool_server.stats()
+        assert (after["sessions"], after["counters"]["sessions_opened"]) == (
+            before["sessions"], before["counters"]["sessions_opened"],
+        )  # fmt: skip
+        ids = p.alloc(2)
+        with pytest.raises(InvalidRequest, match="no live session is named 'decode-0'"):
+            p.handoff("while-down", ids, 5, to="decode-0")
+        monkeypatch.setenv("KVPOOL_NAME_KEY", key)
+        with PoolClient(pool_server.url, name="decode-0", inbox=True) as back:
+            p.handoff("after", ids, 5, to="decode-0")
+            got = back.claim("after", timeout_s=5)
+            assert (got.block_ids, got.direct) == (ids, True)
+            back.confirm()
+            back.free(got.ids)
     assert pool_server.stats()["in_use"] == 0
 
 

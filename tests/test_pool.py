@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import (
     HandoffExists,
@@ -10,11 +12,14 @@ from kvpool.errors import (
     HandoffRefused,
     InvalidRequest,
     LayoutMismatch,
+    NameTaken,
     NotOwner,
+    PoolExhausted,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
+from kvpool.server.records import NAMES_KEPT, Limits
 
 
 class Clock:
@@ -178,21 +183,190 @@ def test_a_refused_handoff_never_shadows_one_parked_under_its_id():
     assert "r" not in pool.refused and pool.claim(d, "r").request_id == "r"
 
 
-def test_a_handoff_whose_addressee_ended_is_claimable_by_anyone():
+def test_a_handoff_whose_addressee_ended_reaches_no_other_session():
+    """Addressed to the session that held the name when it was parked: once that session ends, nobody gets it, not
+    one that takes the name next (its worker restarted, or a stranger), not a claim of the oldest. It is refused,
+    its blocks come back at once, and a claim of it says why: so its producer can learn it too."""
     clock = Clock()
     pool = make_pool(clock)
     p = pool.open_session("p", "prefill").session_id
     gone = pool.open_session("decode-0", "decode").session_id
-    other = pool.open_session("decode-1", "decode").session_id
     ids = pool.alloc(p, 3)
     pool.handoff(p, "r", ids, 9, to="decode-0")
     pool.close_session(gone)
-    assert pool.handoffs["r"].to is None
-    assert pool.claim(other).block_ids == ids
-    pool.handoff(other, "r2", ids, 9, to="decode-1")
-    clock.now += 2.5  # decode-1's lease runs out: the handoff outlives it, now for anyone
-    rescuer = pool.open_session("decode-2", "decode").session_id
-    assert pool.claim(rescuer, "r2").block_ids == ids and balanced(pool)
+    again = pool.open_session("decode-0", "decode").session_id
+    other = pool.open_session("decode-1", "decode").session_id
+    with pytest.raises(HandoffNotFound):
+        pool.claim(again)
+    assert not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)
+    assert pool.counters.handoffs_orphaned == 1 and pool.counters.blocks_reclaimed == 3
+    # The producer asks (a claim of a request addressed to someone else takes nothing): refused, and why.
+    with pytest.raises(HandoffRefused, match=r"'r'.*addressee, session 'decode-0', ended before it claimed it"):
+        pool.claim(p, "r")
+    with pytest.raises(HandoffRefused, match="ended before it claimed it"):
+        pool.claim(other, "r")
+    # Its claimer was told, so the request id is spent; the blocks go to the new decode-0 under a new one.
+    ids = pool.alloc(p, 3)
+    with pytest.raises(HandoffRefused, match="hand it off under a new request id"):
+        pool.handoff(p, "r", ids, 9, to="decode-0")
+    pool.handoff(p, "r-again", ids, 9, to="decode-0")
+    assert pool.claim(again).block_ids == ids and balanced(pool)
+
+
+def test_a_handoff_is_bound_to_the_session_that_held_the_name_when_it_was_parked():
+    """A consumer whose lease ran out and a new session under its name, before any sweep: what was addressed to the
+    first is refused (the claim that finds its lease gone ends it), what comes after goes to the second."""
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    pool.open_session("decode-0", "decode")
+    old = pool.alloc(p, 2)
+    pool.handoff(p, "old", old, 5, to="decode-0")
+    clock.now += 1.5
+    pool.heartbeat(p)
+    clock.now += 1.0  # decode-0's lease ran out; no sweep has run
+    fresh = pool.open_session("decode-0", "decode").session_id
+    new = pool.alloc(p, 1)
+    pool.handoff(p, "new", new, 1, to="decode-0")
+    assert pool.handoffs["new"].to == fresh
+    with pytest.raises(HandoffRefused, match="ended before it claimed it"):
+        pool.claim(fresh, "old")
+    assert pool.claim(fresh).request_id == "new"
+    with pytest.raises(HandoffNotFound):
+        pool.claim(fresh)
+    assert pool.allocator.held(f"s:{fresh}") == dict.fromkeys(new, 1) and pool.stats()["in_use"] == 1
+    assert balanced(pool)
+
+
+KEY = "decode-0's secret key"
+
+
+def test_a_name_opened_with_a_key_opens_again_only_with_that_key():
+    """A restarted worker takes its name back with its key; while it is down nobody else can take the name, so
+    nobody else receives what its producers address to it. A refused open changes nothing."""
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    d = pool.open_session("decode-0", "decode", name_key=KEY).session_id
+    pool.close_session(d)
+    before = (dict(pool.sessions), pool.counters.sessions_opened)
+    with pytest.raises(NameTaken, match=r"'decode-0' is held under a name key, and this session gave none"):
+        pool.open_session("decode-0", "decode")
+    with pytest.raises(NameTaken, match="gave another"):
+        pool.open_session("decode-0", "decode", name_key="somebody else's key")
+    assert (dict(pool.sessions), pool.counters.sessions_opened) == before
+    with pytest.raises(InvalidRequest, match="no live session is named 'decode-0'"):
+        pool.handoff(p, "while-down", pool.alloc(p, 1), 1, to="decode-0")  # the producer learns it at once
+    back = pool.open_session("decode-0", "decode", name_key=KEY).session_id
+    ids = pool.alloc(p, 2)
+    pool.handoff(p, "r", ids, 5, to="decode-0")
+    assert pool.claim(back, "r").block_ids == ids
+
+
+def test_a_key_held_name_beside_a_session_without_it_addresses_nobody():
+    """A name some session holds without a key (a stranger who came first, or the worker before it had one): a
+    worker with a key still opens it, and the name then has two live sessions, so handoffs to it are refused (its
+    producer learns it) until the other one ends; from then on only the key opens it."""
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    first = pool.open_session("decode-0", "decode").session_id
+    keyed = pool.open_session("decode-0", "decode", name_key=KEY).session_id
+    ids = pool.alloc(p, 1)
+    with pytest.raises(InvalidRequest, match="2 live sessions are named 'decode-0'"):
+        pool.handoff(p, "r", ids, 1, to="decode-0")
+    pool.close_session(first)
+    with pytest.raises(NameTaken):
+        pool.open_session("decode-0", "decode")
+    pool.handoff(p, "r2", ids, 1, to="decode-0")
+    assert pool.claim(keyed).request_id == "r2"
+
+
+def test_the_pool_forgets_the_oldest_keyed_names_nobody_holds_past_its_bound():
+    pool = Pool(4, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), limits=Limits(max_sessions=NAMES_KEPT + 8))
+    live = pool.open_session("live", "decode", name_key=KEY)
+    for i in range(NAMES_KEPT - 1):
+        pool.close_session(pool.open_session(f"w{i}", "other", name_key=KEY).session_id)
+    assert len(pool._name_keys) == NAMES_KEPT
+    pool.open_session("one-more", "other", name_key=KEY)  # "live" is older, but held
+    assert len(pool._name_keys) == NAMES_KEPT and "w0" not in pool._name_keys and "live" in pool._name_keys
+    assert pool.open_session("w0", "other").name == "w0"  # forgotten: anyone may open it again
+    with pytest.raises(NameTaken):
+        pool.open_session("w1", "other")
+    assert pool.named("live") is live
+
+
+NAMES = ("decode-0", "decode-1")
+KEYS = (None, "the first worker's key", "the second worker's key")
+consumer_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["open", "close", "lapse", "handoff", "claim", "claim_any", "sweep"]),
+        st.integers(0, 7),
+        st.integers(0, 7),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(consumer_ops)
+def test_a_handoff_reaches_only_the_session_its_name_resolved_to_when_parked(steps):
+    """Consumers open (with a key or not), close, lapse and restart under two names while a producer addresses
+    handoffs to the names and consumers claim: every claim returns a handoff to the session its name resolved to
+    when it was parked, a keyed name opens only with its key, the books balance, and nothing outlives the sessions."""
+    clock = Clock()
+    pool = Pool(16, KVLayout(block_size=4), lease_ttl_s=2.0, handoff_ttl_s=5.0, clock=clock)
+    producer = pool.open_session("p", "prefill").session_id
+    consumers: list[str] = []
+    bound: dict[str, str] = {}  # request id -> the session it was addressed to when it was parked
+    keyed: dict[str, str] = {}  # name -> the key it was first opened with
+    for n, (op, a, b) in enumerate(steps):
+        pool.heartbeat(producer)
+        name = NAMES[a % 2]
+        if op == "open":
+            key, opened = KEYS[b % 3], len(pool.sessions)
+            try:
+                consumers.append(pool.open_session(name, "decode", name_key=key).session_id)
+            except NameTaken:
+                assert name in keyed and key != keyed[name] and len(pool.sessions) == opened
+            else:
+                assert name not in keyed or key == keyed[name]
+                if key is not None:
+                    keyed.setdefault(name, key)
+        elif op == "close" and consumers and pool._live(consumers[a % len(consumers)]) is not None:
+            pool.close_session(consumers[a % len(consumers)])
+        elif op == "lapse":
+            clock.now += 1.5  # the consumers whose bit in b is set heartbeat meanwhile, the others may lapse
+            for i, sid in enumerate(consumers):
+                if (b >> (i % 3)) & 1 and pool._live(sid) is not None:
+                    pool.heartbeat(sid)
+        elif op == "handoff":
+            try:
+                ids = pool.alloc(producer, 1)
+            except PoolExhausted:
+                continue
+            try:
+                bound[f"r{n}"] = pool.handoff(producer, f"r{n}", ids, 1, to=name).to or ""
+            except InvalidRequest:
+                pool.free(producer, ids)
+        elif op in ("claim", "claim_any") and consumers:
+            sid = consumers[a % len(consumers)]
+            if pool._live(sid) is None:
+                continue
+            rid = sorted(bound)[b % len(bound)] if op == "claim" and bound else None
+            try:
+                got = pool.claim(sid, rid)
+            except (HandoffNotFound, HandoffRefused, NotOwner):
+                continue
+            assert bound[got.request_id] == sid
+            pool.free(sid, got.block_ids)
+        elif op == "sweep":
+            pool.expire()
+        assert balanced(pool)
+        assert all(h.to in pool.sessions for h in pool.handoffs.values())
+    clock.now += 3.0  # every lease runs out
+    pool.expire()
+    assert not pool.sessions and not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)
 
 
 def test_a_session_end_is_reported_with_its_inbox():
@@ -206,7 +380,7 @@ def test_a_session_end_is_reported_with_its_inbox():
     assert [s.inbox for s in ended] == ["/tmp/inbox-a.sock", "/tmp/inbox-b.sock"]
 
 
-def test_an_addressed_handoff_is_held_while_its_addressee_lives_then_expires_as_any():
+def test_an_addressed_handoff_is_held_while_its_addressee_lives_then_released_with_it():
     """Its addressee may be reading ids its producer sent it: the blocks must not be freed under it."""
     clock = Clock()
     pool = make_pool(clock)  # handoffs live 5 s, leases 2 s
@@ -221,16 +395,11 @@ def test_an_addressed_handoff_is_held_while_its_addressee_lives_then_expires_as_
         pool.heartbeat(p)
         pool.expire()
     assert set(pool.handoffs) == {"held"}  # the unaddressed one expired; the addressed one waits for d
-    for _ in range(3):  # d stops heartbeating: its lease ends, the handoff is anyone's, with 5 s to live
+    for _ in range(3):  # d stops heartbeating: its lease ends, and the handoff is refused with it
         clock.now += 1.0
         pool.heartbeat(p)
         pool.expire()
-    assert pool.handoffs["held"].to is None and pool.handoffs["held"].expires_at == clock.now + 5.0
-    for _ in range(6):
-        clock.now += 1.0
-        pool.heartbeat(p)
-        pool.expire()
-    assert not pool.handoffs and pool.stats()["in_use"] == 0 and balanced(pool)
+    assert not pool.handoffs and "held" in pool.refused and pool.stats()["in_use"] == 0 and balanced(pool)
 
 
 def test_sessions_past_their_lease_are_not_live_even_before_the_sweep():

@@ -56,7 +56,12 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pool", default=None, help="pool URL: unix:///path/kvpool.sock or http://127.0.0.1:8470 [env KVPOOL_URL]"
     )
-    parser.add_argument("--name", default=None, help="session name shown in the pool's stats")
+    parser.add_argument(
+        "--name",
+        default=None,
+        help="session name shown in the pool's stats, and what a prefill's --handoff-to names; KVPOOL_NAME_KEY in "
+        "the environment holds it for this worker across restarts",
+    )
     parser.add_argument(
         "--device", type=int, default=None, help="the GPU whose arena to use, as the pool names it (default: its first)"
     )

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvpool.client import PoolClient
-from kvpool.errors import NotOwner
+from kvpool.errors import HandoffNotFound, HandoffRefused, NotOwner
 from tests.conftest import ROOT, PoolProcess, start_pool
 from tests.server.books import assert_balanced
 
@@ -192,8 +192,9 @@ time.sleep(3600)
 
 
 def test_a_killed_addressee_strands_nothing(crash_pool: PoolProcess) -> None:
-    """A handoff addressed to a decode worker that dies is claimable by any other once its lease is gone, and the
-    pool deletes the dead worker's inbox."""
+    """A handoff addressed to a decode worker that dies is refused once its lease is gone: its blocks come back,
+    the pool deletes the dead worker's inbox, and no other session gets it, the worker restarted under the same
+    name included; a claim of it says why."""
     pool = crash_pool
     proc = subprocess.Popen(
         [sys.executable, "-c", ADDRESSEE, pool.url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -212,11 +213,15 @@ def test_a_killed_addressee_strands_nothing(crash_pool: PoolProcess) -> None:
         while True:
             assert_balanced(pool.stats())
             try:
-                got = rescuer.claim("stranded?", timeout_s=0)
-                break
+                rescuer.claim("stranded?", timeout_s=0)
             except NotOwner:
                 assert time.monotonic() < deadline, "the dead addressee still holds the handoff"
                 time.sleep(0.05)
-        assert got.block_ids == ids and not os.path.exists(inbox)
-        rescuer.free(got.ids)
+            except HandoffRefused as exc:
+                assert "session 'decode-doomed', ended before it claimed it" in str(exc)
+                break
+        assert pool.stats()["in_use"] == 0 and not os.path.exists(inbox)
+        restarted = PoolClient(pool.url, name="decode-doomed", role="decode", inbox=True)
+        with restarted, pytest.raises(HandoffNotFound):
+            restarted.claim(timeout_s=0.1)
     assert pool.stats()["in_use"] == 0

@@ -28,7 +28,7 @@ import pytest
 from kvpool import cli
 from kvpool.channel import FastConnection, frame
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, LimitExceeded, UntrustedSocket
+from kvpool.errors import HandoffNotFound, HandoffRefused, LimitExceeded, NameTaken, NotOwner, UntrustedSocket
 from kvpool.inbox import encode_delivery
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
 from tests.server.books import assert_balanced
@@ -135,6 +135,34 @@ def test_a_forged_delivery_never_reaches_a_claim(group_pool: PoolProcess) -> Non
         assert consumer.free(got.ids) == 3
     s = pool.stats(TOKEN)
     assert (s["in_use"], s["handoffs"]) == (0, 0)
+    assert_balanced(s)
+
+
+def test_a_token_holder_gets_nothing_addressed_to_a_consumer_that_restarts(pool_server: PoolProcess) -> None:
+    """A request addressed to decode-0 (and delivered to its inbox) while decode-0 goes down before it claims: no
+    other session gets it, by its id or as the oldest, the one opened under decode-0's name next included. decode-0
+    held its name with a key, so while it is down nobody else can even open the name."""
+    key = "decode-0's name key, kept across its restarts"
+    with (
+        PoolClient(pool_server.url, name="prefill-0") as producer,
+        PoolClient(pool_server.url, name="stranger") as stranger,
+    ):
+        consumer = PoolClient(pool_server.url, name="decode-0", inbox=True, name_key=key)
+        producer.handoff("req-victim", producer.alloc(2), 8, to="decode-0")
+        with pytest.raises(NotOwner):
+            stranger.claim("req-victim", timeout_s=0)
+        consumer.close()  # its worker restarts
+        with pytest.raises(HandoffRefused, match="ended before it claimed it"):
+            stranger.claim("req-victim", timeout_s=0)
+        with pytest.raises(HandoffNotFound):
+            stranger.claim(timeout_s=0.1)
+        with pytest.raises(NameTaken):
+            PoolClient(pool_server.url, name="decode-0", inbox=True)
+        back = PoolClient(pool_server.url, name="decode-0", inbox=True, name_key=key)
+        with back, pytest.raises(HandoffNotFound):
+            back.claim(timeout_s=0.1)
+    s = pool_server.stats()
+    assert (s["in_use"], s["handoffs"], s["counters"]["handoffs_orphaned"]) == (0, 0, 1)
     assert_balanced(s)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvpool.channel import HEADER, decode, frame
 from kvpool.ids import unpack_ids
-from kvpool.protocol import AllocResponse, SessionCreate
+from kvpool.protocol import AllocRequest, AllocResponse, SessionCreate
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 
@@ -85,3 +85,32 @@ def test_a_frame_over_the_limit_closes_the_connection_with_413(plane: ControlPla
 def test_before_hello_only_a_small_frame_is_read(plane: ControlPlane, tmp_path: Path) -> None:
     ((status, body),) = run(plane, tmp_path, HEADER.pack(1 << 20) + b"x" * 16)
     assert status == 413 and "before hello" in json.loads(body)["detail"]
+
+
+def test_a_handoff_whose_addressee_ended_is_refused_to_anyone_over_the_channel(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    """Addressed to decode-0, which ends before it claims: a session opened under its name next takes nothing, by
+    ``claim`` of the oldest or by ``accept`` (the direct path's claim), and the producer's ``claim`` says why."""
+    p = plane.open_session(SessionCreate(name="prefill", role="prefill")).session_id
+    d = plane.open_session(SessionCreate(name="decode-0", role="decode")).session_id
+    ids = plane.alloc(AllocRequest(session_id=p, num_blocks=2)).block_ids
+    body = {"session_id": p, "request_id": "r", "block_ids": ids, "num_tokens": 5, "to": "decode-0"}
+    (_, (parked, _)) = run(plane, tmp_path, hello(), frame(b"handoff", json.dumps(body).encode()))
+    assert parked == 200 and plane.stats()["handoffs"] == 1
+    plane.close_session(d)
+    again = plane.open_session(SessionCreate(name="decode-0", role="decode")).session_id
+
+    def claim(op: bytes, sid: str, request_id: str | None) -> bytes:
+        return frame(op, json.dumps({"session_id": sid, "request_id": request_id, "timeout_s": 0}).encode())
+
+    replies = run(
+        plane, tmp_path, hello(), claim(b"claim", again, None), claim(b"accept", again, "r"), claim(b"claim", p, "r")
+    )
+    (_, (oldest, _), (accept, why), (asked, told)) = replies
+    assert oldest == 404
+    assert accept == 409 and json.loads(why)["error"] == "HandoffRefused"
+    assert "session 'decode-0', ended before it claimed it" in json.loads(why)["detail"]
+    assert asked == 409 and json.loads(told)["error"] == "HandoffRefused"
+    s = plane.stats()
+    assert (s["in_use"], s["handoffs"], s["counters"]["handoffs_orphaned"]) == (0, 0, 1)
