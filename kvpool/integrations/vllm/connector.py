@@ -8,6 +8,7 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+#: the connectors of this process (an engine core holds both sides of each of its engines)
+LIVE: weakref.WeakSet[KvpoolConnector] = weakref.WeakSet()
+
+
+def counters(*_: Any) -> dict[str, int]:
+    """What this process's connectors did, summed (``LLM.collective_rpc(counters)`` asks an engine's core): in
+    resident mode blocks installed from the pool and committed to it, and ``copied_blocks`` 0; in copy mode the
+    blocks copied between vLLM's cache and the arena."""
+    total: dict[str, int] = {}
+    for connector in list(LIVE):
+        for key, value in connector.counters().items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 @dataclass
@@ -75,6 +89,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
+        LIVE.add(self)
         if self.settings.switch_interval_ms is not None:
             sys.setswitchinterval(self.settings.switch_interval_ms / 1e3)
         self.layout = engine_layout(vllm_config)
