@@ -11,22 +11,22 @@ import torch
 
 pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="needs vLLM (pip install 'kvpool[vllm]')")
 
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request
 
-from kvpool.integrations.vllm import blockpool  # noqa: E402
-from kvpool.integrations.vllm.resident import ResidentScheduler  # noqa: E402
-from tests.conftest import PoolProcess, start_pool  # noqa: E402
-from tests.integrations.test_vllm_residency import BS, LAYOUT, N, RESIDENT_POOL, books, holds, stamp  # noqa: E402
+from kvpool.integrations.vllm import blockpool
+from kvpool.integrations.vllm.resident import ResidentScheduler
+from tests.conftest import PoolProcess, start_pool
+from tests.integrations.test_vllm_residency import BS, LAYOUT, RESIDENT_POOL, N, books, holds, stamp
 
 HASH = get_hash_fn_by_name("sha256")
 init_none_hash(HASH)
