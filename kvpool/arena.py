@@ -123,15 +123,17 @@ class Arena:
     def blocks_view(self) -> tuple[torch.Tensor, int]:
         """The whole arena as one 3-D tensor and the dim that indexes blocks, for copying blocks in bulk.
 
-        layer_major: ``[2 * num_layers, num_blocks, block elems]``, blocks on dim 1; block_major:
-        ``[num_blocks, 2 * num_layers, block elems]``, blocks on dim 0. Either way one gather moves every
-        layer's K and V of a set of blocks.
+        layer_major: ``[2 * num_layers, num_blocks, block elems]``, blocks on dim 1; kv_packed: ``[num_layers,
+        num_blocks, 2 * block elems]``, blocks on dim 1; block_major: ``[num_blocks, 2 * num_layers, block
+        elems]``, blocks on dim 0. Either way one gather moves every layer's K and V of a set of blocks.
         """
         self._check()
         lay, e = self.layout, self.layout.block_layer_elems
         typed = self.raw[: self.num_blocks * lay.block_nbytes].view(torch_dtype(lay.dtype))
         if lay.order == "layer_major":
             return typed.view(2 * lay.num_layers, self.num_blocks, e), 1
+        if lay.order == "kv_packed":
+            return typed.view(lay.num_layers, self.num_blocks, 2 * e), 1
         return typed.view(self.num_blocks, 2 * lay.num_layers, e), 0
 
     def block(self, block_id: int) -> list[torch.Tensor]:
@@ -147,14 +149,15 @@ class Arena:
 
 
 def _layer_views(typed: torch.Tensor, layout: KVLayout, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) views. Their offsets step evenly (K0, V0, K1, ...), so all of them are the slices of
-    one strided tensor: one call where a view per call took most of a millisecond at 32 layers."""
-    n = 2 * layout.num_layers
+    """Each layer's (K, V) views. Their offsets step evenly from layer to layer and from K to V, so all of them are
+    the slices of one strided tensor: one call where a view per call took most of a millisecond at 32 layers."""
+    n = layout.num_layers
     start, shape, strides = layout.view_geometry(num_blocks, 0, 0)
-    step = layout.view_geometry(num_blocks, 0, 1)[0] - start
-    assert layout.view_geometry(num_blocks, layout.num_layers - 1, 1) == (start + (n - 1) * step, shape, strides)
-    views = typed.as_strided((n, *shape), (step, *strides), start).unbind(0)
-    return list(zip(views[0::2], views[1::2], strict=True))
+    kv_step = layout.view_geometry(num_blocks, 0, 1)[0] - start
+    layer_step = layout.view_geometry(num_blocks, min(1, n - 1), 0)[0] - start
+    assert layout.view_geometry(num_blocks, n - 1, 1) == (start + (n - 1) * layer_step + kv_step, shape, strides)
+    views = typed.as_strided((n, 2, *shape), (layer_step, kv_step, *strides), start)
+    return [(k, v) for k, v in (layer.unbind(0) for layer in views.unbind(0))]
 
 
 _mapped: dict[tuple[str, str], Arena] = {}

@@ -75,6 +75,7 @@ def cudart() -> ctypes.CDLL:
             lib.cudaFree.argtypes = [ctypes.c_void_p]
             lib.cudaIpcCloseMemHandle.argtypes = [ctypes.c_void_p]
             lib.cudaMemGetInfo.argtypes = [ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+            lib.cudaMemset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
             _lib = lib
         return _lib
 
@@ -98,6 +99,13 @@ def malloc(nbytes: int) -> int:
 
 def free(ptr: int) -> None:
     _check(cudart().cudaFree(ctypes.c_void_p(ptr)), "cudaFree")
+
+
+def zero(ptr: int, nbytes: int) -> None:
+    """Fill device memory with zeros and wait for it (a new arena: vLLM's KV starts zeroed, and attention kernels
+    may read a block's unwritten slots, which must hold numbers, not NaN bit patterns)."""
+    _check(cudart().cudaMemset(ctypes.c_void_p(ptr), 0, nbytes), "cudaMemset")
+    _check(cudart().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
 
 def mem_get_info() -> tuple[int, int]:

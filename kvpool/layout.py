@@ -28,7 +28,7 @@ DTYPE_ALIASES: dict[str, str] = {
 DTYPE_SIZES: dict[str, int] = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 DType = Literal["float16", "bfloat16", "float32", "float8_e4m3fn"]
-Order = Literal["layer_major", "block_major"]
+Order = Literal["layer_major", "block_major", "kv_packed"]
 
 
 class KVLayout(BaseModel):
@@ -37,6 +37,9 @@ class KVLayout(BaseModel):
     ``layer_major`` stores, for each layer, all K blocks then all V blocks, so each per-layer view is
     contiguous (what paged-attention kernels like best). ``block_major`` stores each block's K and V for every
     layer contiguously, so one block is one contiguous byte range (what block copies and offloads like best).
+    ``kv_packed`` is vLLM's own (0.26 and later, FlashAttention, FlashInfer and Triton backends): for each layer
+    all its blocks, and in a block each token's heads with K then V side by side (``[block_size, heads, 2 *
+    head_dim]``), so that a vLLM engine's KV cache tensor of a layer *is* that layer's region of the arena.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -87,8 +90,28 @@ class KVLayout(BaseModel):
         if self.order == "layer_major":
             offset = (2 * layer + kv) * num_blocks * e
             return offset, shape, (e, *inner)
+        if self.order == "kv_packed":
+            offset = 2 * layer * num_blocks * e + kv * self.head_dim
+            return offset, shape, (2 * e, 2 * self.token_elems, 2 * self.head_dim, 1)
         offset = (2 * layer + kv) * e
         return offset, shape, (2 * self.num_layers * e, *inner)
+
+    def layer_region(self, num_blocks: int, layer: int) -> tuple[int, int]:
+        """(offset, size) in bytes of the span that holds layer ``layer``'s K and V of every block: what a vLLM
+        engine takes as that layer's whole KV cache tensor. Only ``kv_packed`` keeps a layer in one span that
+        holds nothing else."""
+        if self.order != "kv_packed":
+            raise LayoutMismatch(f"only a kv_packed arena holds each layer in a span of its own, not {self.order}")
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} out of range: the arena has {self.num_layers} layers")
+        size = num_blocks * 2 * self.block_layer_elems * self.itemsize
+        return layer * size, size
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Leading blocks of each arena the pool never hands out: a ``kv_packed`` arena keeps its block 0 as the
+        null block every vLLM engine writes padding into (vLLM's ``NULL_BLOCK_ID``)."""
+        return 1 if self.order == "kv_packed" else 0
 
     def diff(self, other: KVLayout) -> dict[str, tuple[object, object]]:
         """Fields where ``other`` differs from this layout, as {field: (ours, theirs)}."""

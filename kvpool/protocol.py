@@ -332,6 +332,9 @@ class ArenaDescriptor(BaseModel):
     first_block: int = 0
     arenas: list[ArenaPart] = Field(default_factory=list)
     host_tier: HostTierPart | None = Field(None, description="where evicted prefix blocks go, if the pool has one")
+    slab_slots: int = Field(
+        0, description="blocks one session's reservation slab can hold (--slab-max-blocks); 0: the pool serves no slabs"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -14,6 +14,7 @@ its free is stale in the slab too; the pool takes the slot's generation into its
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -275,6 +276,24 @@ class Slab:
             return done
 
     # -- refills and drains -----------------------------------------------------------------------------
+
+    def idle_count(self) -> int:
+        """Idle blocks, refilled first if they are below ``low`` (one round trip, once per ``blocks - low``
+        allocations): what an engine's scheduler may count on without asking the pool."""
+        with self.lock:
+            self._answer_want()
+            if self.top < self.config.low:
+                with contextlib.suppress(PoolExhausted):
+                    self._refill(self.config.blocks - self.top)
+            return self.top
+
+    def ensure_idle(self, n: int) -> int:
+        """Make ``n`` blocks idle now if the pool and the slab's room allow (one round trip); how many came."""
+        with self.lock:
+            before = self.top
+            if n > before:
+                self._refill(max(n, self.config.blocks) - before)
+            return self.top - before
 
     def answer_want(self) -> None:
         """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too)."""

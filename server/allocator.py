@@ -117,6 +117,17 @@ class BlockAllocator:
             held[block] = 1
         return ids
 
+    def reserve(self, holder: str, block: int) -> None:
+        """Take one free block, by number, with ref 1 for ``holder`` for good (a block no one may be given, such as
+        vLLM's null block): in use in the books, never on a free stack or the LRU."""
+        self._check_range([block])
+        free = self._free[self.arena_of[block]]
+        if self.ref_cnt[block] or block not in free:
+            raise InvalidRequest(f"block {block} is not free: only a free block can be reserved")
+        free.remove(block)
+        self.ref_cnt[block] = 1
+        self._holders.setdefault(holder, {})[block] = 1
+
     def acquire(self, holder: str, ids: Iterable[int]) -> None:
         """Take one more ref on blocks that are in use or cached (a prefix hit)."""
         ids = list(ids)

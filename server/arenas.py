@@ -134,6 +134,7 @@ class CudaHostArena(HostArena):
         cuda.set_device(device)
         self.nbytes = (nbytes + CUDA_ALIGN - 1) // CUDA_ALIGN * CUDA_ALIGN
         self.ptr = cuda.malloc(self.nbytes)
+        cuda.zero(self.ptr, self.nbytes)
         self.handle = base64.b64encode(cuda.ipc_get_handle(self.ptr)).decode()
         props = torch.cuda.get_device_properties(device)
         self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)

@@ -116,6 +116,8 @@ class ControlPlane:
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
         )
         self.leases = open_leases(s, self._pool)
+        if self.leases is not None:
+            self._descriptor = self._descriptor.model_copy(update={"slab_slots": self.leases.slots})
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",

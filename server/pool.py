@@ -33,6 +33,7 @@ from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
     NAMES_KEPT,
+    RESERVED,
     SESSION_ID,
     Clock,
     CommitResult,
@@ -78,6 +79,9 @@ class Pool(Parking, PoolStats):
         self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block)
         if tier is not None:
             tier.bind(self.index, self.allocator)
+        for start in self.allocator.starts:
+            for block in range(start, start + self.layout.reserved_blocks):
+                self.allocator.reserve(RESERVED, block)
         self.arena_sizes = self.allocator.sizes
         self.total_blocks = self.allocator.num_blocks
         hasher_args = {} if self.digest is None else {"digest": self.digest}

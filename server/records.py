@@ -33,6 +33,10 @@ class Limits:
         return LimitExceeded(f"{what}: the limit is {getattr(self, name)} ({flag}, {env}); wait, or raise it")
 
 
+#: the holder of blocks the pool never hands out (a kv_packed arena's null block): neither a session nor a handoff
+RESERVED = "r:reserved"
+
+
 def holder_of(session_id: str) -> str:
     """The name a session holds its refs under in the allocator's books."""
     return f"s:{session_id}"

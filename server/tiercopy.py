@@ -77,7 +77,9 @@ class TierCopier:
         view, dim = self.arenas[arena]
         staging = self._staging.get(arena)
         if staging is None:
-            staging = torch.empty((self.chunk, *self.host.shape[1:]), dtype=self.host.dtype, device=view.device)
+            # a block as the arena's view holds it (a kv_packed arena: [layers, 2 * block elems]), host blocks alike
+            block = view.shape[:dim] + view.shape[dim + 1 :]
+            staging = torch.empty((self.chunk, *block), dtype=self.host.dtype, device=view.device)
             self._staging[arena] = staging
             if view.is_cuda:
                 self._streams[arena] = torch.cuda.Stream(device=view.device)
@@ -122,8 +124,9 @@ class TierCopier:
                 if to_host:
                     gathered = view.index_select(dim, index)
                     stage.copy_(gathered if dim == 0 else gathered.transpose(0, 1))
+                host = self.host.view(self.host.shape[0], *stage.shape[1:])
                 for first, at, length in runs([h for h, _ in part]):
-                    host_part, stage_part = self.host[first : first + length], stage[at : at + length]
+                    host_part, stage_part = host[first : first + length], stage[at : at + length]
                     if to_host:
                         host_part.copy_(stage_part, non_blocking=True)
                     else:

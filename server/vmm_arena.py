@@ -62,6 +62,15 @@ class VmmHostArena(HostArena):
         os.set_inheritable(self.fd, False)
         self.handle = f"vmm:{device}"
         self.ptr = 0  # mapped in the pool only for its own copies (the host tier's), see :meth:`mapped`
+        try:
+            ptr = vmm.import_map(os.dup(self.fd), self.nbytes, device)
+            try:
+                cuda.zero(ptr, self.nbytes)
+            finally:
+                vmm.unmap(ptr, self.nbytes)
+        except BaseException:
+            self.close()
+            raise
         props = torch.cuda.get_device_properties(device)
         self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
 

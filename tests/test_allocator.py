@@ -23,6 +23,21 @@ def test_fresh_pool_hands_out_ids_in_order_and_reuses_freed_first():
     a.check()
 
 
+def test_a_reserved_block_is_in_use_for_good_and_never_handed_out():
+    a = BlockAllocator([3, 3])
+    a.reserve("r", 0)
+    a.reserve("r", 3)
+    assert books(a) == (4, 2, 0)
+    with pytest.raises(InvalidRequest, match="not free"):
+        a.reserve("r", 0)
+    assert a.allocate("s", 2, 0) == [1, 2] and a.allocate("s", 2, 1) == [4, 5]
+    with pytest.raises(PoolExhausted):
+        a.allocate("s", 1, 0)
+    a.free("s", [1, 2, 4, 5])
+    a.check()
+    assert a.held("r") == {0: 1, 3: 1}
+
+
 def test_committed_blocks_are_cached_at_ref_zero_and_evicted_lru_tail_first():
     a = BlockAllocator(4)
     evicted: list[int] = []

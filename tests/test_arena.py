@@ -28,7 +28,7 @@ def cpu_arena(tmp_path):
     return make
 
 
-@pytest.mark.parametrize("order", ["layer_major", "block_major"])
+@pytest.mark.parametrize("order", ["layer_major", "block_major", "kv_packed"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
 def test_views_tile_the_arena_exactly_once(cpu_arena, order, dtype):
     layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype=dtype, order=order)
@@ -50,6 +50,36 @@ def test_block_major_keeps_a_block_contiguous(cpu_arena):
     nz = arena.raw.view(torch.float32).nonzero().flatten()
     per_block = layout.block_nbytes // 4
     assert nz.min() >= 4 * per_block and nz.max() < 5 * per_block
+
+
+def test_kv_packed_is_vllm_s_layer_cache_and_its_block_copies_round_trip(cpu_arena):
+    """A kv_packed layer region, viewed as vLLM 0.26's TRITON_ATTN / FLASH_ATTN (NHD) cache of shape [blocks,
+    block_size, heads, 2 * head_dim], holds K at [..., :head_dim] and V at [..., head_dim:] of the same views that
+    k() and v() give; and the block view copies whole blocks."""
+    layout = KVLayout(num_layers=3, num_kv_heads=2, head_dim=4, block_size=2, dtype="float32", order="kv_packed")
+    _, arena = cpu_arena(layout)
+    for layer in range(3):
+        offset, size = layout.layer_region(6, layer)
+        vllm_cache = arena.raw[offset : offset + size].view(torch.float32).view(6, 2, 2, 8)
+        vllm_cache.copy_(torch.randn_like(vllm_cache))
+        assert torch.equal(arena.k(layer), vllm_cache[..., :4]) and torch.equal(arena.v(layer), vllm_cache[..., 4:])
+    blocks, dim = arena.blocks_view()
+    before = [t.clone() for t in arena.block(2)]
+    blocks.index_copy_(dim, torch.tensor([4]), blocks.index_select(dim, torch.tensor([2])))
+    assert all(torch.equal(a, b) for a, b in zip(arena.block(4), before, strict=True))
+
+
+def test_only_kv_packed_keeps_a_layer_in_a_span_of_its_own_and_block_0():
+    packed = KVLayout(order="kv_packed")
+    assert packed.reserved_blocks == 1 and packed.layer_region(10, 1) == (
+        10 * packed.block_nbytes // 4,
+        10 * packed.block_nbytes // 4,
+    )
+    for order in ("layer_major", "block_major"):
+        layout = KVLayout(order=order)
+        assert layout.reserved_blocks == 0
+        with pytest.raises(LayoutMismatch, match="kv_packed"):
+            layout.layer_region(10, 0)
 
 
 def test_cpu_arena_file_is_owner_only_and_removed_on_close(cpu_arena):

@@ -448,3 +448,16 @@ def test_sweeps_expire_by_deadline_and_renewed_leases_survive_them():
     assert pool.expire() == (0, 1)
     assert set(pool.handoffs) == {"for-live"}
     assert pool.claim(live).request_id == "for-live" and balanced(pool)
+
+
+def test_a_kv_packed_pool_keeps_each_arena_s_block_0_as_vllm_s_null_block():
+    """vLLM writes padding into block 0 of its KV cache; in a kv_packed arena (a resident engine's cache) that is
+    each arena's first block, which no session is ever given, however the pool is used or restarted."""
+    pool = Pool([4, 4], KVLayout(block_size=4, order="kv_packed"))
+    sid = pool.open_session("w", "other").session_id
+    got = pool.alloc(sid, 3, arena=0) + pool.alloc(sid, 3, arena=1)
+    assert sorted(got) == [1, 2, 3, 5, 6, 7]
+    s = pool.stats()
+    assert (s["free"], s["in_use"], s["cached"]) == (0, 8, 0) and balanced(pool)
+    pool.close_session(sid)
+    assert pool.stats()["in_use"] == 2 and balanced(pool)

@@ -19,6 +19,7 @@ BS = 4
 
 def make(order: str = "layer_major", gpu_blocks: int = 8, host_blocks: int = 16) -> tuple[Pool, Arena, HostTier]:
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype="float32", order=order)
+    gpu_blocks += layout.reserved_blocks  # a kv_packed arena's block 0 is no one's: room for as many others
     raw = torch.zeros(gpu_blocks * layout.block_nbytes, dtype=torch.uint8)
     desc = ArenaDescriptor(
         epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=gpu_blocks,
@@ -69,7 +70,7 @@ def balanced(pool: Pool, tier: HostTier) -> None:
         assert t["free"] + t["in_use"] + t["cached"] == t["num_blocks"], tiers
 
 
-@pytest.mark.parametrize("order", ["layer_major", "block_major"])
+@pytest.mark.parametrize("order", ["layer_major", "block_major", "kv_packed"])
 def test_an_evicted_prefix_moves_to_the_host_and_comes_back_with_its_kv(order: str) -> None:
     pool, arena, tier = make(order)
     sid = pool.open_session("w", "prefill").session_id

@@ -8,6 +8,7 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +20,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.model_executor.models.utils import extract_layer_index
 
-from kvpool.errors import LayoutMismatch
-from kvpool.integrations.vllm import arrivals
+from kvpool.errors import KvpoolError, LayoutMismatch, PoolUnavailable
+from kvpool.integrations.vllm import arrivals, resident
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.integrations.vllm.profile import Profile
+from kvpool.integrations.vllm.resident import ResidentScheduler, ResidentWorker
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
+from kvpool.protocol import ArenaDescriptor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -38,6 +41,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 CACHE_DTYPES = {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+#: the connectors of this process (an engine core holds both sides of each of its engines)
+LIVE: weakref.WeakSet[KvpoolConnector] = weakref.WeakSet()
+
+
+def counters(*_: Any) -> dict[str, int]:
+    """What this process's connectors did, summed (``LLM.collective_rpc(counters)`` asks an engine's core): in
+    resident mode blocks installed from the pool and committed to it, and ``copied_blocks`` 0; in copy mode the
+    blocks copied between vLLM's cache and the arena."""
+    total: dict[str, int] = {}
+    for connector in list(LIVE):
+        for key, value in connector.counters().items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 @dataclass
@@ -73,6 +89,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
+        LIVE.add(self)
         if self.settings.switch_interval_ms is not None:
             sys.setswitchinterval(self.settings.switch_interval_ms / 1e3)
         self.layout = engine_layout(vllm_config)
@@ -80,6 +97,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         profile = Profile(self.settings.profile_dir, side)
         link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
+        self._resident_sched: ResidentScheduler | None = None
+        self._resident_worker: ResidentWorker | None = None
+        if self.settings.mode == "resident" and self._resident(vllm_config, role, kv_cache_config, link.name):
+            return
         if tc.kv_load_failure_policy != "recompute":
             log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
                         "block that fails to load is computed again instead of failing its request")  # fmt: skip
@@ -94,6 +115,47 @@ class KvpoolConnector(KVConnectorBase_V1):
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
             self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise, profile)
+
+    def _resident(self, config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, name: str) -> bool:
+        """Start this side in resident mode; False, after one line saying why, where the engine cannot be
+        resident (copy mode then starts). A pool that is not there, or a setting that differs, refuses to start."""
+        from kvpool.client import PoolClient
+        from kvpool.slab import SlabConfig
+
+        scheduler = role == KVConnectorRole.SCHEDULER
+        s = self.settings
+        slab = SlabConfig(blocks=s.slab_blocks, low=max(1, s.slab_blocks // 4), high=1 << 20) if scheduler else False
+        try:
+            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0)
+        except KvpoolError as exc:
+            raise PoolUnavailable(
+                f"kvpool: resident mode keeps this engine's KV in the pool's arena, and the pool cannot be reached "
+                f'({exc}): start the pool first, or use "mode": "copy"'
+            ) from exc
+        try:
+            descriptor = client.descriptor()
+            self._check_pool_layout(descriptor, config)
+            uuid = resident.gpu_uuid()
+            why = resident.why_not(descriptor, uuid, len(kv_cache_config.kv_cache_groups))
+            if why is not None:
+                log.warning("kvpool: this engine cannot be resident (%s); it runs in copy mode", why)
+                client.close()
+                return False
+            part = resident.arena_on(descriptor, uuid)
+            assert part is not None
+            resident.check_geometry(part, self.layout, kv_cache_config.num_blocks)
+            if scheduler:
+                self._resident_sched = ResidentScheduler(client, part, self.layout.block_size, s.claim_timeout_s,
+                                                         load=s.load, save=s.save)  # fmt: skip
+                arrivals.install()
+            else:
+                self._resident_worker = ResidentWorker(client, part, self.layout)
+        except BaseException:
+            client.close()
+            raise
+        log.info("kvpool: %s side resident in the arena on %s (%d blocks)", "scheduler" if scheduler else "worker",
+                 part.device.name if part.device else "?", part.num_blocks)  # fmt: skip
+        return True
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -110,6 +172,9 @@ class KvpoolConnector(KVConnectorBase_V1):
                         type(exc).__name__, exc)  # fmt: skip
             link.close()
             return
+        self._check_pool_layout(descriptor, config)
+
+    def _check_pool_layout(self, descriptor: ArenaDescriptor, config: VllmConfig) -> None:
         model = config.model_config
         names = [model.model, *(model.served_model_name if isinstance(model.served_model_name, list)
                                 else [model.served_model_name or model.model])]  # fmt: skip
@@ -118,6 +183,8 @@ class KvpoolConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._resident_sched is not None:
+            return 0, False  # the pool's blocks are in vLLM's own prefix cache already: nothing external
         assert self._sched is not None
         prompt = _tokens(request.prompt_token_ids)
         if not prompt or request.mm_features or request.lora_request is not None or _salted(request):
@@ -128,10 +195,19 @@ class KvpoolConnector(KVConnectorBase_V1):
     def on_arrival(self, request: Request) -> None:
         """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
         for a pooling request: vLLM may refuse it before its scheduler sees it, and the lookup's refs would stay."""
-        if self._early and getattr(request, "pooling_params", None) is None:
+        if getattr(request, "pooling_params", None) is not None:
+            return
+        if self._resident_sched is not None:
+            if _cacheable(request):
+                self._resident_sched.arrive(request)
+        elif self._early:
             self._prefetch(request, arriving=True)
 
     def on_new_request(self, request: Request) -> None:
+        if self._resident_sched is not None:
+            if _cacheable(request):
+                self._resident_sched.arrive(request)  # a second call for one request starts nothing
+            return
         self._prefetch(request, arriving=False)
 
     def _prefetch(self, request: Request, arriving: bool) -> None:
@@ -141,10 +217,16 @@ class KvpoolConnector(KVConnectorBase_V1):
             self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params, arriving)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._resident_sched is not None:
+            self._resident_sched.after_alloc(request)
+            return
         assert self._sched is not None
         self._sched.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._resident_sched is not None:
+            self._resident_sched.step()
+            return KvpoolMetadata()
         assert self._sched is not None
         out = scheduler_output
         scheduled = [
@@ -166,12 +248,20 @@ class KvpoolConnector(KVConnectorBase_V1):
         return KvpoolMetadata(self._sched.build(scheduled))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._resident_sched is not None:
+            if not _cacheable(request):
+                self._resident_sched.finished_uncached(request)
+                return False, None
+            return False, self._resident_sched.finished(request, block_ids)
         assert self._sched is not None
         return False, self._sched.finished(request.request_id)
 
     # -- worker side ------------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._resident_worker is not None:
+            self._resident_worker.register(kv_caches)
+            return
         assert self._worker is not None
         if len(kv_caches) != self.layout.num_layers:
             raise LayoutMismatch(
@@ -186,18 +276,22 @@ class KvpoolConnector(KVConnectorBase_V1):
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._worker is None:
+            return  # resident: nothing to load, the KV is where vLLM reads it
         assert self._worker is not None
         self._worker.load(self._plan())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         self._worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves run in wait_for_save, one batched copy per layer for the step
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return  # resident: vLLM wrote its KV into the arena already
         self._worker.save(self._plan())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -207,9 +301,20 @@ class KvpoolConnector(KVConnectorBase_V1):
         """Wait until this engine's saves reached the pool (tests and benchmarks; serving never needs to)."""
         if self._worker is not None:
             self._worker.flush()
+        if self._resident_sched is not None:
+            self._resident_sched.residency.drain()
+
+    def counters(self) -> dict[str, int]:
+        """What this side did, for logs and benchmarks: in resident mode, blocks installed and committed, and
+        ``copied_blocks`` 0; in copy mode, the worker's copies."""
+        if self._resident_sched is not None:
+            return dict(vars(self._resident_sched.residency.counters))
+        if self._worker is not None:
+            return self._worker.counters()
+        return {}
 
     def shutdown(self) -> None:
-        for side in (self._sched, self._worker):
+        for side in (self._sched, self._worker, self._resident_sched, self._resident_worker):
             if side is not None:
                 side.close()
 
@@ -223,3 +328,10 @@ def _tokens(prompt: list[int] | None) -> list[int]:
 
 def _salted(request: Request) -> bool:
     return bool(getattr(request, "cache_salt", None))
+
+
+def _cacheable(request: Request) -> bool:
+    """Whether a request's KV is a function of its token ids alone (no LoRA, images or cache salt): only such KV is
+    shared through the pool."""
+    return bool(request.prompt_token_ids) and not (request.mm_features or request.lora_request is not None
+                                                     or _salted(request))  # fmt: skip

@@ -6,6 +6,8 @@ read silently wrong KV, so the connector refuses to start with one line naming t
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvpool.errors import InvalidRequest, LayoutMismatch
@@ -26,6 +28,20 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    mode: Literal["copy", "resident"] = Field(
+        "copy",
+        description="resident: the engine's KV cache is the pool's arena and blocks move by id, never copied (needs a "
+        "pool started with --order kv_packed --leases on this GPU, and vLLM with --num-gpu-blocks-override set to the "
+        "arena's blocks); copy: the engine keeps its own KV cache and hits and saves are copied (any pool, any GPU). "
+        "An engine that cannot be resident falls back to copy and says why",
+    )
+    slab_blocks: int = Field(
+        1024,
+        ge=16,
+        le=1 << 20,
+        description="resident mode: arena blocks the engine keeps idle in its slab, so that "
+        "allocating them never waits on the pool",
+    )
     url: str | None = Field(None, description="the pool (unix:///path or http://host:port); default $KVPOOL_URL")
     token: str | None = Field(None, description="the pool's bearer token; default $KVPOOL_TOKEN")
     load: bool = Field(True, description="load prompt prefixes that the pool holds")

@@ -43,7 +43,7 @@ class WorkerSide:
         self.failed: set[int] = set()
         self.saver: Saver | None = None
         self.reserve = reserve
-        self.stats = {"loaded_blocks": 0, "load_failures": 0}
+        self.stats = {"loaded_blocks": 0, "load_failures": 0, "saved_blocks": 0}
 
     def register(self, caches: dict[str, torch.Tensor], layer_of: Callable[[str], int]) -> None:
         """Take vLLM's per-layer caches (refused at start-up if the arena cannot hold them) and map the arena."""
@@ -187,6 +187,7 @@ class WorkerSide:
             log.warning("kvpool: saving %d blocks failed (%s)", len(dst), exc)
             self.link.call("free", lambda c: c.free(dst), 0)
             return
+        self.stats["saved_blocks"] += len(dst)
         done = None
         if self.copier.device.type == "cuda":
             done = torch.cuda.Event()
@@ -198,6 +199,11 @@ class WorkerSide:
     def flush(self) -> None:
         if self.saver is not None:
             self.saver.flush()
+
+    def counters(self) -> dict[str, int]:
+        """Blocks copied between vLLM's KV cache and the arena, both ways (what resident mode never does)."""
+        copied = self.stats["loaded_blocks"] + self.stats["saved_blocks"]
+        return {**self.stats, "copied_blocks": copied, "copied_bytes": copied * self.layout.block_nbytes}
 
     def close(self) -> None:
         if self.saver is not None:

@@ -1,0 +1,180 @@
+"""vLLM's block pool in resident mode: the engine's blocks come from the pool's arena and go back to it.
+
+The scheduler-side connector is built before vLLM's ``KVCacheManager``, so it can swap, for this process, the
+``BlockPool`` class that ``kv_cache_coordinator`` builds (vLLM 0.26: the one construction site) for a subclass
+that keeps its free blocks in the engine's slab (:class:`.residency.Residency`) instead of a private queue, and
+wraps two ``KVCacheManager`` methods: ``get_computed_blocks`` installs what the pool answered for a request (another
+engine's prefix, a claimed handoff) into vLLM's own prefix-cache map first, so that vLLM's own hit path takes those
+arena blocks as if this engine had computed them; ``allocate_slots`` refills the slab once before it says no.
+
+Everything else of vLLM's (hashing, its hit search, ref counts, caching of full blocks, the scheduler) runs
+unchanged. vLLM's map holds only blocks the engine holds a pool ref on, so a hit in it is never a recycled block.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from vllm.v1.core import kv_cache_coordinator
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, make_block_hash_with_group_id
+
+from kvpool.integrations.vllm.residency import Residency
+
+log = logging.getLogger("kvpool.vllm")
+
+_WRAPPED = "_kvpool_resident"
+
+
+class ResidentBlockPool(BlockPool):
+    """A ``BlockPool`` whose free blocks are the engine's slab in the pool's arena (block id == arena block)."""
+
+    residency: Residency
+    #: the pool's answer for a request (a hit and how many of its blocks to use), taken once
+    on_request: Callable[[Any], tuple[Any, int] | None]
+    #: told of the block pool once it is built (the connector's scheduler side frees through it)
+    on_built: Callable[[ResidentBlockPool], None]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # block 0 is the null block (popped by the base class); the rest are the pool's until it gives them
+        self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.on_built(self)
+
+    # -- allocation ---------------------------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.residency.free_count()
+
+    def get_usage(self) -> float:
+        """The share of the arena this engine holds."""
+        return len(self.residency.held) / max(1, self.num_gpu_blocks - 1)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks <= 0:
+            return []
+        ids = self.residency.take(num_blocks)
+        out = []
+        for block_id in ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt != 0 or block.block_hash is not None:
+                raise AssertionError(f"kvpool gave block {block_id}, which vLLM still uses (ref {block.ref_cnt})")
+            block.ref_cnt = 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_allocated(block)
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        for block in blocks:
+            block.ref_cnt += 1
+            if self.metrics_collector:
+                self.metrics_collector.on_block_accessed(block)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        gone = []
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                gone.append(block.block_id)
+        self.leave(gone)
+
+    def leave(self, block_ids: Sequence[int]) -> None:
+        """Blocks no request of this engine uses: out of vLLM's prefix-cache map (unless a waiting request pinned
+        them), and back to the slab or the pool."""
+        out = []
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_cnt != 0 or self.residency.pinned(block_id):
+                continue
+            if self.metrics_collector:
+                self.metrics_collector.on_block_evicted(block)
+            self._emit_block_removed_events(self._remove_cached_block_hashes(block))
+            out.append(block_id)
+        self.residency.leave(out)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget this engine's view of the prefix cache; the pool's index, shared with other engines, stays."""
+        for block in self.blocks:
+            if block.ref_cnt == 0 and not block.is_null and block.block_hash is not None:
+                self._remove_cached_block_hashes(block)
+        log.info("kvpool: resident mode keeps the node's prefix cache in the pool; this engine's view was reset")
+        return True
+
+    # -- hits from the pool ---------------------------------------------------------------------------------
+
+    def install(self, request: Any) -> None:
+        """Put what the pool answered for ``request`` into vLLM's map under the request's own block hashes (vLLM's
+        hash seed differs between engines; the pool's chains are over token ids), before vLLM searches it."""
+        answer = self.on_request(request)
+        if answer is None:
+            return
+        hit, usable_blocks = answer
+        blocks = self.residency.install(request.request_id, hit, usable_blocks)
+        hashes = request.block_hashes
+        size = self.hash_block_size
+        for i, block_id in enumerate(blocks):
+            key = make_block_hash_with_group_id(hashes[i], 0)
+            self._insert_block_hash(key, self.blocks[block_id], num_tokens=(i + 1) * size)
+
+
+def install(
+    residency: Residency,
+    on_request: Callable[[Any], tuple[Any, int] | None],
+    on_built: Callable[[ResidentBlockPool], None],
+) -> None:
+    """From now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is a resident one bound to
+    ``residency``; and ``KVCacheManager`` installs pool answers and refills the slab (once per process)."""
+
+    class Bound(ResidentBlockPool):
+        pass
+
+    Bound.residency = residency
+    Bound.on_request = staticmethod(on_request)  # type: ignore[assignment]
+    Bound.on_built = staticmethod(on_built)  # type: ignore[assignment]
+    kv_cache_coordinator.BlockPool = Bound  # type: ignore[misc]
+    if not getattr(KVCacheManager.get_computed_blocks, _WRAPPED, False):
+        KVCacheManager.get_computed_blocks = _installing(KVCacheManager.get_computed_blocks)  # type: ignore[method-assign]
+        KVCacheManager.allocate_slots = _refilling(KVCacheManager.allocate_slots)  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    """Build plain ``BlockPool`` objects again (the wrappers stay: they act only on a resident pool)."""
+    kv_cache_coordinator.BlockPool = BlockPool  # type: ignore[misc]
+
+
+def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def get_computed_blocks(manager: Any, request: Any) -> Any:
+        pool = manager.block_pool
+        if isinstance(pool, ResidentBlockPool) and manager.enable_caching:
+            pool.install(request)
+        return original(manager, request)
+
+    setattr(get_computed_blocks, _WRAPPED, True)
+    return get_computed_blocks
+
+
+def _refilling(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def allocate_slots(manager: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        blocks = original(manager, request, num_new_tokens, *args, **kwargs)
+        pool = manager.block_pool
+        if blocks is not None or not isinstance(pool, ResidentBlockPool):
+            return blocks
+        # the slab ran short: take what this request could need from the pool in one call, then try once more
+        size = pool.hash_block_size
+        tokens = num_new_tokens + kwargs.get("num_lookahead_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
+        need = -(-tokens // size) + 1
+        if kwargs.get("full_sequence_must_fit"):
+            need = max(need, -(-request.num_tokens // size))
+        if pool.residency.grow(need):
+            return original(manager, request, num_new_tokens, *args, **kwargs)
+        return None
+
+    setattr(allocate_slots, _WRAPPED, True)
+    return allocate_slots

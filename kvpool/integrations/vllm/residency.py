@@ -1,0 +1,398 @@
+"""An engine's arena blocks in resident mode: which the engine holds, why, and when they go back to the pool.
+
+In resident mode an engine's KV cache *is* the arena, and its block pool takes block ids from the pool instead of
+owning a private range. This module keeps the engine's side of those books, with no vLLM and no torch, so that it
+can be reasoned about and tested alone; :mod:`.blockpool` puts it under vLLM's own ``BlockPool``.
+
+The engine holds **exactly one pool ref on every block it has anything to do with**: a block one of its requests
+uses (vLLM's own ref count is above 0), or a block a prefix hit or a claim installed for a request that vLLM has not
+scheduled yet (*pinned*). Every other arena block is someone else's or the pool's: vLLM's prefix-cache map never
+names one, so a hit in this engine never reads a block the pool may have recycled. A block comes to the engine
+
+* from its slab (``take``): allocated, uncommitted, written only by this engine;
+* from the pool's prefix index or a parked handoff (``install``): committed, never written again.
+
+and leaves it (``leave``) once vLLM no longer uses it and no request waits on it: an uncommitted block back into the
+slab at once (only this engine reuses it, after the steps that wrote it); a committed one back to the pool, whose
+LRU then owns it (eviction is the pool's alone and never takes a block any engine holds). A request's full blocks
+are committed when it finishes, so its prompt's prefix becomes every engine's. Pool calls that answer something
+(lookups, claims) run on one thread, those that only tell the pool (commits, parks, releases) on another, so the
+scheduler's thread never waits on a round trip except to refill the slab when it runs dry.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable
+from kvpool.ids import BLOCK_MASK
+
+log = logging.getLogger("kvpool.vllm")
+
+
+class ResidentPool(Protocol):
+    """What residency needs of a pool session: :class:`kvpool.client.PoolClient` with a slab."""
+
+    def alloc(self, num_blocks: int) -> list[int]: ...
+
+    def free(self, block_ids: Sequence[int]) -> int: ...
+
+    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], start: int = 0) -> Any: ...
+
+    def lookup(self, token_ids: Sequence[int]) -> Any: ...
+
+    def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
+
+    def handoff(self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any]) -> Any: ...
+
+
+@dataclass
+class Hit:
+    """What the pool answered for one request: fenced ids this engine's session now holds a ref on, and the tokens
+    they hold (a lookup's prefix, or a claimed handoff's full blocks)."""
+
+    ids: list[int]
+    num_tokens: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+NO_HIT = Hit([], 0)
+
+
+class PoolGone(KvpoolError):
+    """The pool that owns this engine's KV memory stopped answering for it: the engine must not take new work."""
+
+
+@dataclass
+class ResidentCounters:
+    """What an engine's residency did, for its logs and the benchmark: nothing here counts a copy, since resident
+    mode makes none (``copied_blocks`` stays 0; the copy-mode connector counts its own)."""
+
+    installed_blocks: int = 0  # blocks a lookup or claim put into vLLM's prefix cache
+    installed_requests: int = 0
+    committed_blocks: int = 0  # blocks this engine computed and gave to the pool's prefix index
+    parked_requests: int = 0
+    left_to_pool: int = 0
+    left_to_slab: int = 0
+    refills: int = 0
+    copied_blocks: int = 0
+
+
+class Residency:
+    """The engine's held blocks, pins and pool calls. All methods but ``prefetch`` run on the scheduler's thread.
+
+    ``first_block`` is where the engine's arena starts in the pool's global numbering: a block's id in vLLM is its
+    index in that arena, so block 0 is the arena's first block, which the pool keeps as vLLM's null block.
+    """
+
+    def __init__(
+        self,
+        pool: ResidentPool,
+        block_size: int,
+        num_blocks: int,
+        *,
+        first_block: int = 0,
+        free_count: Callable[[], int],
+        grow: Callable[[int], int],
+        claim_timeout_s: float = 1.0,
+        answer_timeout_s: float = 30.0,
+        alive: Callable[[], Exception | None] = lambda: None,
+    ) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.first_block = first_block
+        self._free_count = free_count
+        self._grow = grow
+        self.claim_timeout_s = claim_timeout_s
+        self.answer_timeout_s = answer_timeout_s
+        self._alive = alive
+        self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
+        self.committed: set[int] = set()  # held blocks the pool's prefix index holds (so they go back to the pool)
+        self.pins: Counter[int] = Counter()  # held blocks waiting requests installed, by how many requests
+        self.req_pins: dict[str, list[int]] = {}
+        self.ahead: dict[str, Future[Hit]] = {}
+        self.counters = ResidentCounters()
+        self.gone: Exception | None = None
+        self._answers = ThreadPoolExecutor(1, thread_name_prefix="kvpool-answers")
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvpool-writes")
+        self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
+
+    # -- the pool's health --------------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise ``PoolGone`` once the pool stopped answering for this engine's session: from then on the blocks
+        it holds are no one's in the pool's books, and a new request could be given a block another engine uses."""
+        if self.gone is None:
+            lost = self._alive()
+            if lost is not None:
+                self._lose(lost)
+        if self.gone is not None:
+            raise PoolGone(
+                f"kvpool: the pool that owns this engine's KV memory is gone ({self.gone}); this engine takes no new "
+                "work. Restart the pool, then restart the engine (its KV cache lives in the old pool's arena)"
+            )
+
+    def _lose(self, why: Exception) -> None:
+        if self.gone is None:
+            self.gone = why
+            log.error("kvpool: lost the pool (%s: %s); the engine stops taking work", type(why).__name__, why)
+
+    # -- blocks for new tokens -----------------------------------------------------------------------------
+
+    def local(self, fenced: int) -> int:
+        return (fenced & BLOCK_MASK) - self.first_block
+
+    def free_count(self) -> int:
+        """Blocks the engine can take without a round trip (its slab's idle ones)."""
+        self.check()
+        try:
+            return self._free_count()
+        except PoolUnavailable as exc:
+            self._lose(exc)
+            self.check()
+            raise
+
+    def grow(self, n: int) -> bool:
+        """Ask the pool for ``n`` more idle blocks in the slab now (one round trip); whether it gave any."""
+        self.check()
+        try:
+            got = self._grow(n)
+        except PoolExhausted:
+            return False
+        except PoolUnavailable as exc:
+            self._lose(exc)
+            self.check()
+            raise
+        self.counters.refills += 1
+        return got > 0
+
+    def take(self, n: int) -> list[int]:
+        """``n`` blocks for new tokens, as the engine numbers them; the slab's first, the pool's if it is dry."""
+        self.check()
+        try:
+            ids = self.pool.alloc(n)
+        except PoolUnavailable as exc:
+            self._lose(exc)
+            self.check()
+            raise
+        out = []
+        for fenced in ids:
+            block = self.local(fenced)
+            if not 0 < block < self.num_blocks or block in self.held:
+                raise AssertionError(f"the pool gave block {block} (id {fenced}), which this engine cannot take")
+            self.held[block] = fenced
+            out.append(block)
+        return out
+
+    # -- hits -----------------------------------------------------------------------------------------------
+
+    def prefetch(self, req_id: str, tokens: list[int], claim: str | None = None) -> None:
+        """Start the pool's answer for a request as it arrives (any thread): the lookup of its prompt's loadable
+        prefix, or the claim of the handoff its prefill engine parked."""
+        loadable = (len(tokens) - 1) // self.block_size * self.block_size
+        if loadable <= 0 or self.gone is not None:
+            return
+        with self._lock:
+            if req_id in self.ahead:
+                return
+            if claim is not None:
+                future = self._answers.submit(self._claim, claim)
+            else:
+                future = self._answers.submit(self._lookup, tokens[:loadable])
+            self.ahead[req_id] = future
+
+    def _lookup(self, tokens: list[int]) -> Hit:
+        try:
+            hit = self.pool.lookup(tokens)
+        except KvpoolError as exc:
+            log.debug("kvpool: lookup failed: %s", exc)
+            return NO_HIT
+        return Hit(list(hit.block_ids), hit.num_tokens)
+
+    def _claim(self, key: str) -> Hit:
+        try:
+            (got,) = self.pool.claim_many([key], self.claim_timeout_s)
+        except KvpoolError as exc:
+            log.warning("kvpool: claim of handoff %s failed (%s); the engine computes the prompt", key, exc)
+            return NO_HIT
+        if got is None:
+            log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+            return NO_HIT
+        return Hit(list(got.block_ids), got.num_tokens, dict(got.meta))
+
+    def answer(self, req_id: str) -> Hit | None:
+        """The pool's answer for a request (waiting for it if it is on its way), taken: None if none was asked."""
+        with self._lock:
+            future = self.ahead.pop(req_id, None)
+        if future is None:
+            return None
+        try:
+            return future.result(self.answer_timeout_s)
+        except FutureTimeout:
+            log.warning("kvpool: no answer from the pool for %s in %.0f s; computing it", req_id, self.answer_timeout_s)
+            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+            return NO_HIT
+
+    def install(self, req_id: str, hit: Hit, usable: int) -> list[int]:
+        """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
+        ref: a ref the hit took on a block held already goes back) and pinned by the request until it is scheduled
+        or finished. Returns the engine's block for each of the prompt's first blocks, in order."""
+        extra = [fenced for fenced in hit.ids[usable:]]
+        blocks: list[int] = []
+        for fenced in hit.ids[:usable]:
+            block = self.local(fenced)
+            if not 0 < block < self.num_blocks:
+                raise AssertionError(f"the pool's hit names block {block} (id {fenced}) outside this engine's arena")
+            held = self.held.get(block)
+            if held is None:
+                self.held[block] = fenced
+            elif held != fenced:
+                raise AssertionError(f"block {block} is held as {held} but the pool answered {fenced}")
+            else:
+                extra.append(fenced)
+            self.committed.add(block)
+            self.pins[block] += 1
+            blocks.append(block)
+        self.req_pins.setdefault(req_id, []).extend(blocks)
+        self._release_ids(extra)
+        if blocks:
+            self.counters.installed_blocks += len(blocks)
+            self.counters.installed_requests += 1
+        return blocks
+
+    def unpin(self, req_id: str) -> list[int]:
+        """The request ran (its hits now count in vLLM's refs) or left: its pins go. Returns the blocks no request
+        pins any more, for the caller to ``leave`` where vLLM does not use them either."""
+        blocks = self.req_pins.pop(req_id, None)
+        if not blocks:
+            return []
+        out = []
+        for block in blocks:
+            self.pins[block] -= 1
+            if self.pins[block] <= 0:
+                del self.pins[block]
+                out.append(block)
+        return out
+
+    def pinned(self, block: int) -> bool:
+        return block in self.pins
+
+    # -- blocks that leave --------------------------------------------------------------------------------
+
+    def leave(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM no longer uses and no request pins: committed ones to the pool's LRU (on the writes thread),
+        the others back into the slab now."""
+        to_pool: list[int] = []
+        to_slab: list[int] = []
+        for block in blocks:
+            if block in self.pins:
+                continue
+            fenced = self.held.pop(block, None)
+            if fenced is None:
+                continue
+            if block in self.committed:
+                self.committed.discard(block)
+                to_pool.append(fenced)
+            else:
+                to_slab.append(fenced)
+        if to_slab:
+            self.counters.left_to_slab += len(to_slab)
+            try:
+                self.pool.free(to_slab)
+            except PoolUnavailable as exc:
+                self._lose(exc)
+            except KvpoolError as exc:
+                log.error("kvpool: freeing %d blocks into the slab failed: %s", len(to_slab), exc)
+        if to_pool:
+            self.counters.left_to_pool += len(to_pool)
+            self._release_ids(to_pool)
+
+    def _release_ids(self, ids: list[int]) -> None:
+        if ids and self.gone is None:
+            self._writes.submit(self._quietly, "release", self.pool.free, ids)
+
+    def _quietly(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except PoolUnavailable as exc:
+            self._lose(exc)
+        except KvpoolError as exc:
+            log.warning("kvpool: %s refused: %s", what, exc)
+        return None
+
+    # -- a request's end ------------------------------------------------------------------------------------
+
+    def finished(self, req_id: str) -> list[int]:
+        """The request left (finished, aborted): an answer still on its way goes back when it comes; returns the
+        blocks it pinned that nobody pins now (for ``leave`` where vLLM does not use them)."""
+        with self._lock:
+            future = self.ahead.pop(req_id, None)
+        if future is not None:
+            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+        return self.unpin(req_id)
+
+    def commit(self, blocks: Sequence[int], tokens: list[int]) -> int:
+        """Give the pool's prefix index the full blocks of ``tokens``, held in ``blocks`` (in order), that it does
+        not hold yet; call only once every step that wrote them has finished. Returns how many were sent."""
+        n = min(len(tokens) // self.block_size, len(blocks))
+        start = 0
+        while start < n and blocks[start] in self.committed:
+            start += 1
+        if start >= n:
+            return 0
+        try:
+            fenced = [self.held[b] for b in blocks[start:n]]
+        except KeyError as exc:
+            raise AssertionError(f"commit of block {exc} that this engine does not hold") from None
+        self.committed.update(blocks[start:n])
+        self.counters.committed_blocks += n - start
+        commit = functools.partial(self.pool.commit, start=start)
+        self._writes.submit(self._quietly, "commit", commit, fenced, tokens[: n * self.block_size])
+        return n - start
+
+    def park(self, key: str, blocks: Sequence[int], tokens: list[int], meta: dict[str, Any]) -> None:
+        """Hand a prefilled request's full blocks to its decode engine under ``key``, without copying them: commit
+        them, take refs of the handoff's own through a lookup (the engine keeps its refs while vLLM may still use
+        the blocks), and park those. Runs on the writes thread, after this request's commit."""
+        self.commit(blocks, tokens)
+        full = len(tokens) // self.block_size * self.block_size
+        if full == 0:
+            return
+        self.counters.parked_requests += 1
+        self._writes.submit(self._park, key, tokens[:full], meta)
+
+    def _park(self, key: str, tokens: list[int], meta: dict[str, Any]) -> None:
+        hit = self._quietly("lookup for a park", self.pool.lookup, tokens)
+        if hit is None:
+            return
+        ids = list(hit.block_ids)
+        if not ids:
+            log.warning("kvpool: nothing to park for %s: its blocks were not committed", key)
+            return
+        if self._quietly("park", self.pool.handoff, key, ids, hit.num_tokens, meta) is None:
+            self._quietly("release", self.pool.free, ids)
+
+    # -- shutting down --------------------------------------------------------------------------------------
+
+    def drain(self) -> None:
+        """Wait until every call sent so far reached the pool (tests, benchmarks, shutdown)."""
+        for lane in (self._answers, self._writes):
+            lane.submit(lambda: None).result()
+
+    def close(self) -> None:
+        with self._lock:
+            pending = list(self.ahead.values())
+            self.ahead.clear()
+        for future in pending:
+            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+        self._answers.shutdown(wait=True)
+        self._writes.shutdown(wait=True)

@@ -1,0 +1,232 @@
+"""The connector's resident mode: the engine's KV cache is the pool's arena, and blocks move by id, never by copy.
+
+Both sides check at start-up whether this engine can be resident against this pool (:func:`why_not`); where it
+cannot (a pool without a kv_packed arena on this engine's GPU or without slabs, a vLLM whose allocation points kvpool
+does not know, a model with more than one KV cache group), the connector falls back to copy mode and says why in
+one line. Where it can but a setting differs (block size, dtype, layers, heads, head dim, block count), it refuses
+to start and names the flag (:func:`check_geometry`).
+
+* The worker side maps the arena and makes vLLM's KV cache allocation return its layer regions
+  (:mod:`.kvmemory`), then checks what vLLM bound. It copies nothing, ever.
+* The scheduler side keeps the engine's blocks (:mod:`.residency`) under vLLM's own block pool (:mod:`.blockpool`):
+  new blocks from the engine's slab, prefix hits and claimed handoffs installed into vLLM's prefix cache as arena
+  blocks, a finished request's full blocks committed to the pool's index, and a prefill for another engine parked
+  there by id. A decode engine recomputes the prompt's last partial block (and vLLM its last token, as always).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvpool.errors import LayoutMismatch
+from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.residency import Hit, Residency
+from kvpool.layout import KVLayout
+from kvpool.protocol import ArenaDescriptor
+
+if TYPE_CHECKING:
+    from kvpool.client import PoolClient
+
+log = logging.getLogger("kvpool.vllm")
+
+#: kv_transfer_params keys, as copy mode names them: a prefill engine's answer carries the handoff to its decode
+HANDOFF_KEY = "kvpool_handoff"
+DIGEST_KEY = "kvpool_digest"
+
+
+def arena_on(descriptor: ArenaDescriptor, gpu_uuid: str | None) -> ArenaDescriptor | None:
+    """The pool's arena on the engine's GPU (by UUID), if it has one there."""
+    parts = descriptor.arenas or []
+    if not parts:
+        return descriptor if descriptor.device is not None and descriptor.device.uuid == gpu_uuid else None
+    for part in parts:
+        if part.device is not None and part.device.uuid == gpu_uuid:
+            return descriptor.part(part.index)
+    return None
+
+
+def why_not(descriptor: ArenaDescriptor, gpu_uuid: str | None, kv_groups: int) -> str | None:
+    """Why this engine cannot keep its KV in this pool's arena (None: it can)."""
+    if descriptor.backend != "cuda":
+        return "the pool's arena is in host memory (kvpool serve --backend cpu); resident mode needs it on the GPU"
+    if arena_on(descriptor, gpu_uuid) is None:
+        return "no arena of the pool is on this engine's GPU (kvpool serve --devices ... that includes it)"
+    if descriptor.layout.order != "kv_packed":
+        return f"the pool's arena is {descriptor.layout.order}: start it with --order kv_packed, vLLM's own layout"
+    if descriptor.slab_slots <= 0:
+        return "the pool serves no reservation slabs: start it with --leases"
+    if kv_groups != 1:
+        return f"this model has {kv_groups} KV cache groups (hybrid or sliding-window layers); resident mode holds one"
+    missing = missing_hooks()
+    if missing:
+        return f"this vLLM has no {missing} (resident mode knows vLLM 0.26's allocation points)"
+    return None
+
+
+def missing_hooks() -> str | None:
+    """The first allocation point resident mode patches that this vLLM lacks."""
+    try:
+        from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
+    except ImportError as exc:
+        return str(exc)
+    if not hasattr(kv_cache_coordinator, "BlockPool"):
+        return "kv_cache_coordinator.BlockPool"
+    for name in ("get_computed_blocks", "allocate_slots"):
+        if not hasattr(kv_cache_manager.KVCacheManager, name):
+            return f"KVCacheManager.{name}"
+    for name in ("_insert_block_hash", "_remove_cached_block_hashes", "_emit_block_removed_events"):
+        if not hasattr(block_pool.BlockPool, name):
+            return f"BlockPool.{name}"
+    return None
+
+
+def check_geometry(descriptor: ArenaDescriptor, engine: KVLayout, engine_blocks: int) -> None:
+    """Refuse, naming the flag, an engine whose KV would not be the arena exactly (block id == arena block)."""
+    if engine_blocks != descriptor.num_blocks:
+        raise LayoutMismatch(
+            f"this engine has {engine_blocks} KV blocks, the pool's arena {descriptor.num_blocks}: resident mode "
+            f"needs them equal, start vLLM with --num-gpu-blocks-override {descriptor.num_blocks}"
+        )
+    if engine.model_copy(update={"order": "kv_packed"}) != descriptor.layout:
+        raise LayoutMismatch(f"the engine's KV layout {engine} is not the pool's {descriptor.layout}")
+
+
+class ResidentScheduler:
+    """The scheduler side in resident mode: a :class:`Residency` under vLLM's block pool, fed at arrival."""
+
+    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
+                 load: bool = True, save: bool = True) -> None:  # fmt: skip
+        from kvpool.integrations.vllm import blockpool
+
+        slab = client.slabs.slab
+        if slab is None:
+            raise LayoutMismatch("the pool gave this engine no slab (all lease regions taken?): raise --lease-regions")
+        self.client = client
+        self.block_size = block_size
+        self.load, self.save = load, save
+        self.residency = Residency(
+            client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
+            free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s,
+            alive=lambda: client.session.lost,
+        )  # fmt: skip
+        self.claims: dict[str, str] = {}  # request -> the handoff it claims, whose digest it must match
+        self.block_pool: Any = None
+        blockpool.install(self.residency, self._answer, self._bind)
+
+    def _bind(self, block_pool: Any) -> None:
+        self.block_pool = block_pool
+
+    # -- arrivals -----------------------------------------------------------------------------------------
+
+    def arrive(self, request: Any) -> None:
+        """Start the pool's answer: the claim of a handed-over prefill, else a lookup of the prompt's prefix."""
+        params = request.kv_transfer_params or {}
+        key = params.get(HANDOFF_KEY)
+        if key is None and not self.load:
+            return
+        prompt = request.prompt_token_ids
+        if key is not None:
+            self.claims[request.request_id] = str(params.get(DIGEST_KEY) or "")
+        self.residency.prefetch(request.request_id, prompt, claim=str(key) if key is not None else None)
+
+    def _answer(self, request: Any) -> tuple[Hit, int] | None:
+        """What to install for ``request`` before vLLM searches its prefix cache: its hit and how many blocks."""
+        hit = self.residency.answer(request.request_id)
+        if hit is None or not hit.ids:
+            return None
+        prompt = request.prompt_token_ids
+        want = self.claims.pop(request.request_id, None)
+        if want is not None:
+            full = len(prompt) // self.block_size * self.block_size
+            digest = prompt_digest(prompt)
+            if hit.num_tokens != full or hit.meta.get("digest") != digest or (want and want != digest):
+                log.warning("kvpool: handoff for %s holds another prompt's KV; computing it", request.request_id)
+                self.residency.install(request.request_id, hit, 0)
+                return None
+        usable = min(len(hit.ids), (len(prompt) - 1) // self.block_size)
+        return hit, usable
+
+    # -- a request's end ------------------------------------------------------------------------------------
+
+    def after_alloc(self, request: Any) -> None:
+        """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
+        self._leave(self.residency.unpin(request.request_id))
+
+    def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
+        """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
+        decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
+        self.claims.pop(request.request_id, None)
+        self._leave(self.residency.finished(request.request_id))
+        done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
+        params = request.kv_transfer_params or {}
+        if params.get("do_remote_decode"):
+            prompt = list(request.prompt_token_ids)
+            if done < len(prompt) or len(prompt) < self.block_size:
+                return None
+            key = f"{self.client.session_id}:{request.request_id}"
+            digest = prompt_digest(prompt)
+            self.residency.park(key, block_ids, prompt, {"digest": digest})
+            return {HANDOFF_KEY: key, DIGEST_KEY: digest, "num_tokens": len(prompt)}
+        if self.save and done >= self.block_size:
+            self.residency.commit(block_ids, list(request.all_token_ids[:done]))
+        return None
+
+    def finished_uncached(self, request: Any) -> None:
+        """A request whose KV the pool does not share (LoRA, images, a salt) left: only its pins go."""
+        self._leave(self.residency.finished(request.request_id))
+
+    def _leave(self, blocks: list[int]) -> None:
+        if blocks and self.block_pool is not None:
+            self.block_pool.leave(blocks)
+
+    def step(self) -> None:
+        self.residency.check()
+
+    def close(self) -> None:
+        from kvpool.integrations.vllm import blockpool
+
+        blockpool.uninstall()
+        self.residency.close()
+        self.client.close()
+
+
+class ResidentWorker:
+    """The worker side in resident mode: the arena mapped once, vLLM's KV cache allocation pointed at it."""
+
+    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout) -> None:
+        import torch
+
+        from kvpool.integrations.vllm import kvmemory
+
+        self.client = client
+        device = descriptor.device.index if descriptor.arenas and descriptor.device is not None else None
+        arena = client.arena(descriptor.layout, device=device)
+        self.kv = kvmemory.ArenaKV(arena.raw.view(torch.int8), descriptor.layout, descriptor.num_blocks)
+        self.runners = kvmemory.install(self.kv, _layer_index)
+
+    def register(self, kv_caches: dict[str, Any]) -> None:
+        self.kv.check(kv_caches)
+        log.info("kvpool: resident mode: vLLM's KV cache is the arena's %d layer regions (model runners patched: %s)",
+                 len(kv_caches), ", ".join(self.runners))  # fmt: skip
+
+    def close(self) -> None:
+        self.client.close()  # the mapping stays while the process lives: CUDA graphs hold its addresses
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return int(extract_layer_index(name))
+
+
+def gpu_uuid() -> str | None:
+    """The UUID of the GPU this process computes on, as the pool names its arenas' devices."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+    except Exception:
+        return None

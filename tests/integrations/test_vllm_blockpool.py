@@ -1,0 +1,152 @@
+"""Resident mode under vLLM's own KV cache manager (needs vLLM, no GPU): two engines' managers over one pool, a
+prefix one computed found by the other's own hit search in the same arena blocks, a slab that refills before the
+manager says no, a prefill parked and claimed by id."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="needs vLLM (pip install 'kvpool[vllm]')")
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.request import Request
+
+from kvpool.integrations.vllm import blockpool
+from kvpool.integrations.vllm.resident import ResidentScheduler
+from tests.conftest import PoolProcess, start_pool
+from tests.integrations.test_vllm_residency import BS, LAYOUT, RESIDENT_POOL, N, books, holds, stamp
+
+HASH = get_hash_fn_by_name("sha256")
+init_none_hash(HASH)
+HASHER = get_request_block_hasher(BS, HASH)
+
+
+class FakeClientEngine:
+    """One engine's scheduler side as the connector builds it in resident mode, and vLLM's manager over it."""
+
+    def __init__(self, url: str, name: str, slab_blocks: int = 8) -> None:
+        from kvpool.client import PoolClient
+        from kvpool.slab import SlabConfig
+
+        self.client = PoolClient(url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48))
+        descriptor = self.client.descriptor()
+        self.sched = ResidentScheduler(self.client, descriptor, BS, claim_timeout_s=2.0)
+        spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers)]
+        size = N * spec.page_size_bytes
+        config = KVCacheConfig(N, [KVCacheTensor(size, [n]) for n in names], [KVCacheGroupSpec(names, spec)])
+        self.manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS)
+        assert isinstance(self.manager.block_pool, blockpool.ResidentBlockPool)
+        self.arena = self.client.arena()
+
+    def request(self, rid: str, prompt: list[int], params: dict | None = None) -> Request:
+        req = Request(rid, prompt, SamplingParams(max_tokens=4), None, block_hasher=HASHER)
+        req.kv_transfer_params = params
+        self.sched.arrive(req)
+        return req
+
+    def schedule(self, req: Request) -> tuple[list[int], int]:
+        """What vLLM's scheduler does for a waiting request: its hits, then its slots; returns its blocks and how
+        many of its tokens were hits."""
+        computed, hit_tokens, _ = self.manager.get_computed_blocks(req)
+        new = self.manager.allocate_slots(req, req.num_tokens - hit_tokens, hit_tokens, computed)
+        assert new is not None, "the manager placed the request"
+        self.sched.after_alloc(req)
+        req.num_computed_tokens = hit_tokens
+        return list(self.manager.get_block_ids(req.request_id)[0]), hit_tokens
+
+    def run(self, req: Request) -> list[int]:
+        """Schedule, 'compute' what was not a hit, finish, free: the request's whole life in one engine."""
+        blocks, hit = self.schedule(req)
+        prompt = list(req.prompt_token_ids)
+        for i in range(hit // BS, len(prompt) // BS):
+            for layer in range(LAYOUT.num_layers):
+                self.arena.k(layer)[blocks[i]].fill_(stamp(prompt, i))
+                self.arena.v(layer)[blocks[i]].fill_(-stamp(prompt, i))
+        req.num_computed_tokens = len(prompt)
+        params = self.sched.finished(req, blocks)
+        self.manager.free(req)
+        self.sched.residency.drain()
+        return blocks if params is None else [params]  # type: ignore[list-item]
+
+    def close(self) -> None:
+        self.sched.close()
+
+
+@pytest.fixture
+def pool() -> Iterator[PoolProcess]:
+    proc = start_pool(*RESIDENT_POOL)
+    yield proc
+    proc.stop()
+
+
+def test_vllm_s_own_hit_search_finds_another_engine_s_prefix_in_the_same_blocks(pool: PoolProcess) -> None:
+    a = FakeClientEngine(pool.url, "a")
+    b = FakeClientEngine(pool.url, "b")
+    try:
+        prompt = list(range(1000, 1000 + 5 * BS + 3))
+        a_blocks = a.run(a.request("r1", prompt))
+        assert 0 not in a_blocks
+        req = b.request("r2", [*prompt[: 5 * BS], 7, 7, 7, 7, 7])
+        blocks, hit = b.schedule(req)
+        assert hit == 5 * BS and blocks[:5] == a_blocks[:5], "vLLM's own hit search gave engine a's arena blocks"
+        assert holds(b.arena, blocks[:5], prompt)
+        assert b.sched.residency.counters.installed_blocks == 5 and b.sched.residency.counters.copied_blocks == 0
+        req.num_computed_tokens = req.num_tokens
+        b.sched.finished(req, blocks)  # as vLLM's scheduler does: the connector hears of the end, then vLLM frees
+        b.manager.free(req)
+        b.sched.residency.drain()
+        assert not b.sched.residency.held, "every block went back: the hits and its own full block to the pool"
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1
+
+
+def test_the_slab_refills_before_the_manager_says_no(pool: PoolProcess) -> None:
+    a = FakeClientEngine(pool.url, "a", slab_blocks=4)
+    try:
+        prompt = list(range(30 * BS))
+        blocks, _ = a.schedule(a.request("big", prompt))
+        assert len(blocks) == 30 and a.sched.residency.counters.refills >= 1
+    finally:
+        a.close()
+
+
+def test_a_prefill_is_parked_and_the_decode_engine_s_manager_takes_its_blocks(pool: PoolProcess) -> None:
+    p = FakeClientEngine(pool.url, "prefill")
+    d = FakeClientEngine(pool.url, "decode")
+    try:
+        prompt = list(range(500, 500 + 4 * BS + 2))
+        req = p.request("r1", prompt, {"do_remote_decode": True})
+        blocks, _ = p.schedule(req)
+        for i in range(4):
+            for layer in range(LAYOUT.num_layers):
+                p.arena.k(layer)[blocks[i]].fill_(stamp(prompt, i))
+                p.arena.v(layer)[blocks[i]].fill_(-stamp(prompt, i))
+        req.num_computed_tokens = len(prompt)
+        params = p.sched.finished(req, blocks)
+        p.manager.free(req)
+        p.sched.residency.drain()
+        assert params is not None and params["num_tokens"] == len(prompt)
+        dreq = d.request("r1", prompt, params)
+        got, hit = d.schedule(dreq)
+        assert hit == 4 * BS and got[:4] == blocks[:4] and holds(d.arena, got[:4], prompt)
+        wrong = d.request("r2", [1, 2, 3, *prompt[3:]], params)  # a digest that does not match: nothing installed
+        _, hit = d.schedule(wrong)
+        assert hit == 0
+    finally:
+        p.close()
+        d.close()

@@ -1,0 +1,234 @@
+"""Resident mode's books without vLLM, against a real pool with a kv_packed arena and slabs: engines share KV by
+block id, hold one ref on each block they use, and give every block back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvpool.client import PoolClient
+from kvpool.errors import PoolExhausted
+from kvpool.integrations.vllm.residency import PoolGone, Residency
+from kvpool.layout import KVLayout
+from kvpool.slab import SlabConfig
+from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order="kv_packed")
+BS = LAYOUT.block_size
+N = 64
+RESIDENT_POOL = (*SMALL_POOL, "--order", "kv_packed", "--leases", "--slab-max-blocks", "64", "--lease-ttl-s", "2")
+
+
+class Engine:
+    """One engine's residency and its view of the arena, as the resident connector's scheduler side has them."""
+
+    def __init__(self, url: str, name: str) -> None:
+        self.client = PoolClient(url, name=name, layout=LAYOUT, slab=SlabConfig(blocks=8, low=2, high=48))
+        slab = self.client.slabs.slab
+        assert slab is not None, "the pool serves slabs"
+        self.res = Residency(self.client, BS, N, free_count=slab.idle_count, grow=slab.ensure_idle,
+                             alive=lambda: self.client.session.lost)  # fmt: skip
+        self.arena = self.client.arena()
+
+    def compute(self, blocks: list[int], tokens: list[int]) -> None:
+        """The forward: each block's KV is a function of its whole prefix, as real KV is."""
+        for i, b in enumerate(blocks):
+            for layer in range(LAYOUT.num_layers):
+                self.arena.k(layer)[b].fill_(stamp(tokens, i))
+                self.arena.v(layer)[b].fill_(-stamp(tokens, i))
+
+    def close(self) -> None:
+        self.res.close()
+        self.client.close()
+
+
+def stamp(tokens: list[int], i: int) -> float:
+    return float(hash(tuple(tokens[: (i + 1) * BS])) % 9973)
+
+
+def holds(arena, blocks: list[int], tokens: list[int]) -> bool:
+    return all(
+        bool((arena.k(layer)[b] == stamp(tokens, i)).all() and (arena.v(layer)[b] == -stamp(tokens, i)).all())
+        for i, b in enumerate(blocks)
+        for layer in range(LAYOUT.num_layers)
+    )
+
+
+def books(url: str) -> dict:
+    with PoolClient(url, name="probe", heartbeat=False) as c:
+        s = c.stats()
+    assert s["free"] + s["in_use"] + s["cached"] == s["num_blocks"], s
+    return s
+
+
+@pytest.fixture
+def pool() -> Iterator[PoolProcess]:
+    proc = start_pool(*RESIDENT_POOL)
+    yield proc
+    proc.stop()
+
+
+def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    try:
+        prompt = list(range(100, 100 + 5 * BS + 1))
+        blocks = a.res.take(6)
+        assert 0 not in blocks, "block 0 is vLLM's null block: never handed out"
+        a.compute(blocks[:5], prompt)
+        assert a.res.commit(blocks, prompt[: 5 * BS]) == 5
+        a.res.leave(blocks)  # vLLM freed them: the committed five go to the pool's LRU, the sixth to the slab
+        a.res.drain()
+        b.res.prefetch("r1", prompt)
+        hit = b.res.answer("r1")
+        assert hit is not None and hit.num_tokens == 5 * BS
+        got = b.res.install("r1", hit, 5)
+        assert got == blocks[:5], "the very blocks engine a wrote, not copies"
+        assert holds(b.arena, got, prompt)
+        assert a.res.counters.copied_blocks == b.res.counters.copied_blocks == 0
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1  # only the null block
+
+
+def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    try:
+        prompt = list(range(7, 7 + 4 * BS + 1))
+        blocks = a.res.take(4)
+        a.compute(blocks, prompt)
+        a.res.commit(blocks, prompt[: 4 * BS])
+        a.res.leave(blocks)
+        a.res.drain()
+        for req in ("r1", "r2"):
+            b.res.prefetch(req, prompt)
+            b.res.install(req, b.res.answer(req), 4)
+        b.res.drain()
+        assert set(b.res.held) == set(blocks) and all(b.res.pins[x] == 2 for x in blocks)
+        # the pool may evict none of them while b holds them: a third session can take only the rest
+        with PoolClient(pool.url, name="c") as c:
+            free = books(pool.url)["free"] + books(pool.url)["cached"]
+            with pytest.raises(PoolExhausted):
+                c.alloc(free + 1)
+        assert b.res.unpin("r1") == []
+        left = b.res.unpin("r2")
+        assert sorted(left) == sorted(blocks)
+        b.res.leave(left)
+        b.res.drain()
+        assert b.res.held == {}
+        with PoolClient(pool.url, name="c") as c:  # now every cached block can be evicted: b holds nothing
+            avail = books(pool.url)["free"] + books(pool.url)["cached"]
+            ids = c.alloc(avail)
+            assert set(blocks) <= {i & 0xFFFFFFFF for i in ids}
+            c.free(ids)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(pool: PoolProcess) -> None:
+    p, d = Engine(pool.url, "prefill"), Engine(pool.url, "decode")
+    try:
+        prompt = list(range(3, 3 + 3 * BS + 2))
+        blocks = p.res.take(4)
+        p.compute(blocks[:3], prompt)
+        p.res.park("p:r1", blocks, prompt, {"digest": "x"})
+        p.res.leave(blocks)  # the prefill engine frees them at once; the handoff holds its own refs
+        p.res.drain()
+        d.res.prefetch("r1", prompt, claim="p:r1")
+        hit = d.res.answer("r1")
+        assert hit is not None and hit.num_tokens == 3 * BS and hit.meta == {"digest": "x"}
+        got = d.res.install("r1", hit, 3)
+        assert got == blocks[:3] and holds(d.arena, got, prompt)
+        assert p.res.counters.parked_requests == 1
+    finally:
+        p.close()
+        d.close()
+    assert books(pool.url)["in_use"] == 1
+
+
+def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    try:
+        prompt = list(range(50, 50 + 2 * BS + 1))
+        blocks = a.res.take(2)
+        a.compute(blocks, prompt)
+        a.res.commit(blocks, prompt[: 2 * BS])
+        a.res.leave(blocks)
+        a.res.drain()
+        b.res.prefetch("gone", prompt)
+        assert b.res.finished("gone") == []
+        b.res.drain()
+        b.res.drain()  # the answer's release went out on the writes thread after the answer came
+        assert b.res.held == {}
+        with PoolClient(pool.url, name="c") as c:
+            c.free(c.alloc(books(pool.url)["free"] + books(pool.url)["cached"]))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_engine_whose_pool_stopped_takes_no_new_work(pool: PoolProcess) -> None:
+    a = Engine(pool.url, "a")
+    try:
+        a.res.take(2)
+        pool.stop()
+        with pytest.raises(PoolGone, match="Restart the pool, then restart the engine"):
+            for _ in range(50):  # the first call that reaches for the pool finds it gone
+                a.res.take(8)
+                time.sleep(0.05)
+        with pytest.raises(PoolGone):
+            a.res.free_count()
+    finally:
+        a.res.close()
+
+
+ENGINE = """
+import sys, time
+from tests.integrations.test_vllm_residency import Engine
+e = Engine(sys.argv[1], "doomed")
+e.res.take(20)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_engine_s_blocks_come_back_within_its_lease(pool: PoolProcess) -> None:
+    before = books(pool.url)["in_use"]
+    proc = subprocess.Popen([sys.executable, "-c", ENGINE, pool.url], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        assert books(pool.url)["in_use"] >= before + 20
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while books(pool.url)["in_use"] > before:
+            assert time.monotonic() - killed < 2.0 + 3.0, "the lease is 2 s; the sweep runs every second"
+            time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_arena_a_resident_engine_writes_is_what_vllm_reads() -> None:
+    """vLLM 0.26's TRITON_ATTN / FLASH_ATTN cache of a layer is [blocks, block_size, heads, 2 * head_dim] (K then
+    V), viewed as [blocks, heads, block_size, 2 * head_dim]: the arena's k()/v() views name the same numbers."""
+    raw = torch.zeros(N * LAYOUT.block_nbytes, dtype=torch.uint8)
+    offset, size = LAYOUT.layer_region(N, 1)
+    vllm = raw[offset : offset + size].view(torch.float32).view(N, BS, 2, 16).permute(0, 2, 1, 3)
+    vllm.copy_(torch.randn_like(vllm))
+    from kvpool.arena import Arena
+    from kvpool.protocol import ArenaDescriptor
+
+    desc = ArenaDescriptor(epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=N,
+                           block_nbytes=LAYOUT.block_nbytes, layout=LAYOUT, owner_pid=0)  # fmt: skip
+    arena = Arena(desc, raw)
+    assert torch.equal(arena.k(1), vllm.permute(0, 2, 1, 3)[..., :8])
+    assert torch.equal(arena.v(1), vllm.permute(0, 2, 1, 3)[..., 8:])
