@@ -71,7 +71,8 @@ class Pool(Parking, PoolStats):
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.index_listener)
         tier = self.host_tier
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block)
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block,
+                                        after_evict=tier.flush if tier else None)  # fmt: skip
         if tier is not None:
             tier.bind(self.index, self.allocator)
         self.arena_sizes = self.allocator.sizes
@@ -193,8 +194,6 @@ class Pool(Parking, PoolStats):
             if self.on_exhausted is not None:
                 self.on_exhausted(session_id)
             raise
-        if self.host_tier is not None:
-            self.host_tier.flush()
         self.counters.alloc_blocks += num_blocks
         return self.allocator.fenced(blocks)
 
