@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 FEW = 128
 #: while it watches rings, a spinning claim looks at its box once in this many turns
 LOOKS = 4
+#: the most datagrams one drain of the box takes: more than its receive buffer (4 of the largest) holds of the
+#: smallest, so that only a peer that keeps sending meanwhile is cut short
+DRAIN_MAX = 1024
 
 
 @dataclass(slots=True)
@@ -133,6 +136,8 @@ class SlabBox:
                 if request_id is None or claim.request_id == request_id:
                     return claim
                 delivered[claim.request_id] = claim
+            if time.perf_counter() >= until:  # a box that never runs dry (datagrams for other requests, or that
+                return None  # carry nothing) must not hold a claim past its time
 
     def _sleep(self, wait_s: float) -> None:
         """Block on the box, saying so first: a producer that rings a bell meanwhile sends a wake-up."""
@@ -181,7 +186,7 @@ class SlabBox:
         try:
             request_id = str(ro[at : at + rid_len], "utf-8")
             meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return packed, slots, request_id, meta if type(meta) is dict else {}
 
@@ -206,15 +211,21 @@ class SlabBox:
             return []
         entries = []
         seq = top = everyone[watched.bell]
+        # The producer writes the bell, the entries and their links: each link must go down, and no further back
+        # than the ring reaches, so the walk ends within RING steps whatever the region says.
         while seq > watched.last:
             at = watched.ring + seq % RING * ENTRY
             fields = ENTRY_HEAD.unpack_from(ro, at)
-            if fields[0] != seq or fields[5] != info.region or fields[3] != info.nonce:
+            if fields[0] != seq or fields[5] != info.region or fields[3] != info.nonce or seq + RING <= top:
                 log.warning("dropped slab handoffs from region %d: its ring does not hold sequence %d for this "
                             "session", watched.region, seq)  # fmt: skip
                 break
             if not below or seq < below:
                 entries.append((fields, at))
+            if fields[1] >= seq:
+                log.warning("dropped slab handoffs from region %d: its ring's entry %d links to %d, not to an older "
+                            "one", watched.region, seq, fields[1])  # fmt: skip
+                break
             seq = fields[1]
         if entries and not below and entries[0][0][2] > watched.last:
             self._drain()
@@ -247,8 +258,9 @@ class SlabBox:
         return self._take(memoryview(self._buf)[:n])
 
     def _drain(self) -> None:
-        """Take every datagram waiting in the box, into ``delivered``."""
-        while True:
+        """Take the datagrams waiting in the box, into ``delivered`` (as many as the box can hold: a peer that keeps
+        sending cannot keep this going)."""
+        for _ in range(DRAIN_MAX):
             try:
                 claim = self._receive_one()
             except BlockingIOError:

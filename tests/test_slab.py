@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -595,4 +596,67 @@ def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool
             z.alloc(1)
         with pytest.raises(UnknownSession):
             z.free(ids)
+    assert wait_idle(pool)["in_use"] == 0
+
+
+LIED_TO = """
+import sys, time
+from kvpool.client import PoolClient
+from kvpool.errors import HandoffNotFound
+from kvpool.slab import SlabConfig
+with PoolClient(sys.argv[1], name="slab-lied-to", slab=SlabConfig(8, 2, 16)) as c:
+    print("up", flush=True)
+    got = c.claim("req-pairing", timeout_s=10)
+    c.free(got.ids)
+    print("paired", flush=True)
+    sys.stdin.readline()  # the producer has written its lies
+    for request_id in ("req-lie", None):
+        t0 = time.monotonic()
+        try:
+            c.claim(request_id, timeout_s=1.0)
+            print("claimed", flush=True)
+        except HandoffNotFound:
+            print(f"timed out {time.monotonic() - t0:.2f}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("lie", ["prev-is-itself", "prev-goes-up", "a-cycle"])
+def test_a_ring_entry_whose_chain_does_not_go_down_cannot_hang_its_consumer(pool: PoolProcess, lie: str) -> None:
+    """Whatever a producer writes into its region is untrusted: a ring entry whose ``prev`` names itself, a later
+    sequence, or a chain that comes back on itself must not keep its consumer's claim walking (it grew by a gigabyte in
+    ten seconds and never returned): the claim drops it and answers within its time-out."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    consumer = subprocess.Popen([sys.executable, "-c", LIED_TO, pool.url], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    assert consumer.stdin is not None and consumer.stdout is not None
+    try:
+        with PoolClient(pool.url, name="slab-liar", slab=SMALL) as p:
+            assert consumer.stdout.readline().strip() == "up"
+            first = p.alloc(1)
+            p.handoff("req-pairing", first, 1, to="slab-lied-to")
+            assert consumer.stdout.readline().strip() == "paired"  # it watches p's ring from now on
+            assert p.slabs.slab is not None and p.slabs.sender is not None
+            view, peer = p.slabs.slab.view, p.slabs.sender.peers["slab-lied-to"]
+            top = view.words[HSEQ] + 3
+            prevs = {"prev-is-itself": {top: top}, "prev-goes-up": {top: top + 5, top + 5: top},
+                     "a-cycle": {top: top - 1, top - 1: top}}[lie]  # fmt: skip
+            for seq, prev in prevs.items():
+                at = view.ring + seq % RING * ENTRY
+                ENTRY_HEAD.pack_into(view.rw, at, seq, prev, 0, peer.nonce, 1, peer.region, 1, 0, 7, 0)
+                view.rw[at + ENTRY_HEAD.size : at + ENTRY_HEAD.size + 15] = array("q", first).tobytes() + b"req-lie"
+            view.words[HSEQ] = top
+            view.words[peer.bell] = top
+            consumer.stdin.write("go\n")
+            consumer.stdin.flush()
+            deadline = time.monotonic() + 15
+            answers = []
+            for _ in range(2):
+                ready = select.select([consumer.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]
+                assert ready, f"the consumer's claim never returned ({lie})"
+                answers.append(consumer.stdout.readline().strip())
+            for answer in answers:
+                assert answer.startswith("timed out") and float(answer.split()[-1]) < 1.0 + 2.0, answers
+    finally:
+        consumer.kill()
+        consumer.wait()
     assert wait_idle(pool)["in_use"] == 0
