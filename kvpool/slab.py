@@ -342,9 +342,14 @@ class Slab:
         self.slot_of[ids & BLOCK_MASK] = -1
         self.empty.extend(slots.tolist())
 
-    def settle(self, regions: Sequence[int], holds: Sequence[int] = ()) -> bool:
-        """Have the pool move the refs handed from ``regions`` now; whether this session holds ``holds``."""
-        req = SettleRequest(session_id=self.session_id, regions=list(regions), holds=list(holds))
+    def settle(
+        self, regions: Sequence[int], holds: Sequence[int] = (), took: tuple[int, int, int] | None = None
+    ) -> bool:
+        """Have the pool move the refs handed from ``regions`` now; whether this session holds ``holds`` (once it
+        took the handoff ``took`` names, producer region, nonce and sequence, if that is in flight to it)."""
+        req = SettleRequest(
+            session_id=self.session_id, regions=list(regions), holds=list(holds), took=list(took) if took else None
+        )
         return self.transport.fetch("POST", "/leases/settle", req, SettleResponse).holds
 
     def close(self) -> None:
