@@ -112,6 +112,7 @@ class Slab:
         self.empty = list(range(self.capacity - 1, -1, -1))
         self.handed = 0
         self.lock = threading.RLock()
+        self.closed = False
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -277,9 +278,11 @@ class Slab:
     # -- refills and drains -----------------------------------------------------------------------------
 
     def answer_want(self) -> None:
-        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too)."""
+        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too; its
+        thread may come by while the client closes, and then finds nothing to do)."""
         with self.lock:
-            self._answer_want()
+            if not self.closed:
+                self._answer_want()
 
     def ensure_mine(self) -> None:
         """Raise if the pool took this session's region back (its lease ran out): then it may be another's now."""
@@ -353,4 +356,6 @@ class Slab:
         return self.transport.fetch("POST", "/leases/settle", req, SettleResponse).holds
 
     def close(self) -> None:
-        self.view.close()
+        with self.lock:
+            self.closed = True
+            self.view.close()

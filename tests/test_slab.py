@@ -632,6 +632,18 @@ def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> 
     wait_idle(pool)
 
 
+def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(pool: PoolProcess) -> None:
+    """The heartbeat's thread answers the pool's flag; the client may close its slab meanwhile (the view's memory
+    released under the beat's feet raised in that thread)."""
+    with PoolClient(pool.url, name="slab-closing", slab=SMALL) as c:
+        c.free(c.alloc(1))
+        slab = c.slabs.slab
+        assert slab is not None
+        c.slabs.close()
+        slab.answer_want()  # what the beat does if it read the slab before close took it away
+    wait_idle(pool)
+
+
 def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-z", slab=SMALL, heartbeat=False) as z:
         ids = z.alloc(1)
