@@ -144,9 +144,9 @@ class Pool(Parking, PoolStats):
     def held(self, session_id: str) -> list[int]:
         """The fenced ids of the blocks the session holds, an id once per ref: what a client compares with what it
         knows it holds (a block it holds and does not know of stays held until the session ends)."""
-        holder = self.session(session_id).holder
+        session = self._live(session_id) or self.session(session_id)  # asking is no heartbeat: no lease extended
         fence_of = self.allocator.fence_of
-        return [fence_of[block] for block, refs in self.allocator.refs_of(holder).items() for _ in range(refs)]
+        return [fence_of[block] for block, refs in self.allocator.refs_of(session.holder).items() for _ in range(refs)]
 
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)

@@ -279,3 +279,21 @@ def test_sweeps_expire_by_deadline_and_renewed_leases_survive_them():
     assert pool.expire() == (0, 1)
     assert set(pool.handoffs) == {"for-live"}
     assert pool.claim(live).request_id == "for-live" and balanced(pool)
+
+
+def test_a_session_is_told_the_blocks_it_holds_once_per_ref_and_asking_is_no_heartbeat():
+    clock = Clock()
+    pool = make_pool(clock)
+    a = pool.open_session("a", "other").session_id
+    b = pool.open_session("b", "other").session_id
+    ids = pool.alloc(a, 2)
+    pool.commit(a, ids[:1], [1, 2, 3, 4])
+    pool.lookup(a, [1, 2, 3, 4])  # a second ref on the committed block
+    assert sorted(pool.held(a)) == sorted([ids[0], ids[0], ids[1]]) and pool.held(b) == []
+    pool.free(a, ids[1:])
+    assert sorted(pool.held(a)) == [ids[0], ids[0]]
+    clock.now += 1.5
+    pool.held(a)  # not a heartbeat: its lease runs out as it would have
+    clock.now += 1.0
+    with pytest.raises(UnknownSession):
+        pool.held(a)
