@@ -21,8 +21,16 @@ What it checks, and exits non-zero on:
 * direct handoffs: the fast-channel clients have inboxes, and half the handoffs are addressed to one of them, so
   their ids go producer to consumer while ownership moves in the pool; every claim checks what it got;
 * with ``--slabs``, those clients also have reservation slabs: their allocs and frees stay local, handoffs among
-  them go slab to slab, a full pool asks them for their idle blocks back, and the killed workers hand a block
-  from their own slab to one of them before they die;
+  them go slab to slab, a full pool asks them for their idle blocks back, and the killed workers hand blocks from
+  their own slab to one of them before they die: a first one as a datagram and, once that client read it, two more
+  through their ring, which the client may not have read when the worker is killed (the pool then parks them for
+  it); the client claims each by its request id;
+* the books while the clients run, not only at the end: every ``--books-interval`` seconds each client in turn is
+  paused between two operations and says what it holds (its refs, its slab's idle and unsettled handed blocks, the
+  handoffs its lease box took for later), and every block the pool's books say its session holds
+  (``GET /sessions/{id}/blocks``) must be among them: a block held by a live session that does not know of it is
+  *stranded* (it would stay held until the session ends), a violation once it is still there half a second later
+  with the client still paused;
 * at the end, after every client closed: nothing in use, no handoff parked, no session left.
 
 It shows its progress, prints ops/s by kind and errors by kind, and writes JSON and a PNG into ``--out`` like
@@ -32,6 +40,7 @@ every suite (``--json PATH`` also writes the summary alone there).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import ipaddress
 import json
@@ -61,6 +70,7 @@ from kvpool.benchmarks.soak_client import (
 from kvpool.benchmarks.soak_report import plot, print_summary, summarize
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, HandoffRefused, KvpoolError, PoolExhausted
+from kvpool.ids import block_of
 from kvpool.slab import SlabConfig
 
 SMALL_LAYOUT = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block-size", "4",
@@ -77,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host-blocks", type=int, default=0, help="host tier of the pool it starts, blocks [0: none]")
     parser.add_argument("--handoff-ttl-s", type=float, default=2.0, help="ttl_s of every handoff it parks [2]")
     parser.add_argument("--sample-interval", type=float, default=0.2, help="seconds between /stats samples [0.2]")
+    parser.add_argument("--books-interval", type=float, default=1.0,
+                        help="seconds between checks of each live client's books against the pool's [1]")  # fmt: skip
     parser.add_argument("--crash-every", type=float, default=1.5,
                         help="seconds between killed workers (0: none) [1.5]")  # fmt: skip
     parser.add_argument("--no-verify-data", action="store_true", help="do not map the arena to stamp and check bytes")
@@ -115,6 +127,55 @@ def sample_books(url: str, token: str | None, tally: Tally, stop: threading.Even
                 tally.violation(f"/stats unreachable: {exc}")
 
 
+def check_books(url: str, token: str | None, clients: list[Client], tally: Tally, stop: threading.Event,
+                interval: float) -> None:  # fmt: skip
+    """Every ``interval`` seconds, each live client in turn: paused between two operations, every block the pool's
+    books put in its session must be one it knows it holds. One that is not, and still is not half a second later
+    (the client still paused: a pipelined call the pool had not answered yet has settled by then), is stranded."""
+    with http_client(url, token, 10.0) as http:
+        while not stop.wait(interval):
+            for client in clients:
+                if stop.is_set():
+                    return
+                if not client.lock.acquire(timeout=2.0):
+                    continue
+                try:
+                    slab = client.pool.slabs.slab
+                    with slab.lock if slab is not None else contextlib.nullcontext():
+                        if client.closed:
+                            continue
+                        stranded = _stranded(http, client)
+                        if stranded:
+                            time.sleep(0.5)
+                            again = _stranded(http, client)
+                            stranded = None if again is None else stranded & again
+                        if stranded is None:
+                            continue
+                        with tally.lock:
+                            tally.book_checks += 1
+                            tally.stranded += sum(stranded.values())
+                        if stranded:
+                            tally.violation(
+                                f"live books: client {client.index}'s session holds blocks "
+                                f"{sorted(stranded.elements())[:8]} it does not know it holds (stranded)"
+                            )
+                except httpx.HTTPError as exc:
+                    tally.violation(f"live books: GET /sessions/{{id}}/blocks unreachable: {exc}")
+                finally:
+                    client.lock.release()
+
+
+def _stranded(http: httpx.Client, client: Client) -> collections.Counter[int] | None:
+    """Blocks (a count per ref) the pool's books put in the client's session beyond what the client knows it holds;
+    None if its session is gone."""
+    r = http.get(f"/sessions/{client.pool.session_id}/blocks")
+    if r.status_code == 404:
+        return None
+    r.raise_for_status()
+    held = collections.Counter(block_of(i) for i in r.json()["block_ids"])
+    return held - client.known()
+
+
 def check_balance(stats: dict[str, Any], tally: Tally, when: str) -> None:
     with tally.lock:
         tally.samples += 1
@@ -130,8 +191,11 @@ def check_balance(stats: dict[str, Any], tally: Tally, when: str) -> None:
 def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = None) -> int:
     """The doomed worker (run in a subprocess): take blocks, prefix refs and a parked handoff, then wait.
 
-    With ``to`` (a client with a slab), it also hands a block from its own slab straight to that client: the pool
-    must then give it to ``to`` once this worker is killed, or free it if ``to`` is gone too."""
+    With ``to`` (a client with a slab), it also hands blocks from its own slab straight to that client, each
+    announced on a line ``handed REQUEST_ID`` so that the soak has ``to`` claim it: first one as a datagram, then,
+    once ``to`` read it (it reads this worker's ring from then on), two through its ring. Once this worker is
+    killed, what ``to`` took is its own, what it had not read is parked for it (the ring's) or left in its lease box
+    (the datagram), and all of it comes back if ``to`` is gone too."""
     client = None
     with contextlib.suppress(KvpoolError):
         client = PoolClient(url, name="soak-doomed", role="prefill")
@@ -139,7 +203,10 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = 
             ids = client.alloc(2)
             client.handoff(f"doomed-{os.getpid()}", ids[:1], num_tokens=1, ttl_s=ttl_s)
             if to is not None:
-                client.handoff(f"doomed-slab-{os.getpid()}", ids[1:], num_tokens=1, to=to)
+                slab_handoff(client, f"doomed-slab-{os.getpid()}-0", ids[1:], to)
+                if read_by(client, to, within_s=2.0):
+                    for k in (1, 2):
+                        slab_handoff(client, f"doomed-slab-{os.getpid()}-{k}", client.alloc(1), to)
         client.lookup(family_tokens(0, block_size))
     print("ready", flush=True)
     # Killed while these are in flight: with a host tier, some land while the pool copies the prefix back for it.
@@ -151,20 +218,42 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = 
         time.sleep(3600)
 
 
+def slab_handoff(client: PoolClient, request_id: str, ids: list[int], to: str) -> None:
+    client.handoff(request_id, ids, num_tokens=1, to=to)
+    print(f"handed {request_id}", flush=True)
+
+
+def read_by(client: PoolClient, to: str, within_s: float) -> bool:
+    """Whether ``to`` reads this client's ring (it took a handoff from it), waiting up to ``within_s``."""
+    slab, sender = client.slabs.slab, client.slabs.sender
+    peer = sender.peers.get(to) if sender is not None else None
+    if slab is None or peer is None:
+        return False
+    deadline = time.monotonic() + within_s
+    while slab.view.all_words[peer.watch] != slab.info.nonce:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: Tally, stop: threading.Event,
-                 slab_to: list[str] | None = None) -> None:  # fmt: skip
+                 shared: Shared, slab_to: list[int] | None = None) -> None:  # fmt: skip
     """Every ``every`` seconds, start a worker, wait until it holds its refs, and SIGKILL it. With ``slab_to`` the
-    workers have slabs, and hand one block to one of those clients before they die."""
+    workers have slabs, and hand blocks to one of those clients before they die, which then claims them."""
     env = harness.child_env({"KVPOOL_SLAB_BLOCKS": "4"} if slab_to else None)
     rng = random.Random(len(slab_to or ()))
     while not stop.wait(every):
         cmd = [sys.executable, "-m", "kvpool.benchmarks.soak", "--crash-worker", url, str(block_size), str(ttl_s)]
-        cmd += [rng.choice(slab_to)] if slab_to else []
+        to = rng.choice(slab_to) if slab_to else None
+        cmd += [f"soak-{to}"] if to is not None else []
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
                                 cwd=machine.ROOT, text=True)  # fmt: skip
         try:
             assert proc.stdout is not None
-            ready = proc.stdout.readline().strip() == "ready"
+            while (line := proc.stdout.readline().strip()).startswith("handed "):
+                shared.park(line.split()[1], to)
+            ready = line == "ready"
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -241,9 +330,13 @@ def run(args: argparse.Namespace) -> int:
         stop, side_stop = threading.Event(), threading.Event()
         threads = [threading.Thread(target=c.run, args=(stop,), name=f"soak-{c.index}") for c in clients]
         side = [threading.Thread(target=sample_books, args=(url, token, tally, side_stop, args.sample_interval))]
+        if args.books_interval > 0:
+            books_args = (url, token, clients, tally, stop, args.books_interval)
+            side.append(threading.Thread(target=check_books, args=books_args))
         if args.crash_every > 0:
-            slab_to = [f"soak-{i}" for i in shared.addressable] if args.slabs else None
-            kill_args = (url, shared.block_size, args.handoff_ttl_s, args.crash_every, tally, side_stop, slab_to)
+            slab_to = shared.addressable if args.slabs else None
+            kill_args = (url, shared.block_size, args.handoff_ttl_s, args.crash_every, tally, side_stop, shared,
+                         slab_to)  # fmt: skip
             side.append(threading.Thread(target=kill_workers, args=kill_args))
         dropped = DroppedHandoffs(tally)
         logging.getLogger("kvpool.slabbox").addHandler(dropped)
@@ -290,6 +383,7 @@ def run(args: argparse.Namespace) -> int:
         "lease_ttl_s",
         "handoff_ttl_s",
         "sample_interval",
+        "books_interval",
         "crash_every",
         "seed",
         "host_blocks",

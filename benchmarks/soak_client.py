@@ -3,7 +3,8 @@
 Each client thread holds a session of its own and picks operations at random (alloc, free, commit, lookup,
 handoff, claim) under the weights below, checking every answer against what it knows it holds. It also names ids
 it let go of (``stale``: freed or handed off, their blocks since recycled or not), alone or beside one it holds,
-and the pool must refuse each such call whole.
+and the pool must refuse each such call whole. Between two operations it can be paused (``lock``) and asked what it
+holds (:meth:`Client.known`), which the soak compares with what the pool's books say its session holds.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any
 
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, KvpoolError, NotOwner, PoolExhausted, StaleBlock
-from kvpool.ids import block_of
+from kvpool.ids import BLOCK_MASK, block_of
+from kvpool.leases import HANDED, IDLE
 
 OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim", "stale")
 WEIGHTS = (24, 20, 12, 18, 12, 14, 6)
@@ -43,6 +45,8 @@ class Tally:
     violations: list[str] = field(default_factory=list)
     violation_count: int = 0
     samples: int = 0
+    book_checks: int = 0  # clients paused and compared with the pool's books of their session
+    stranded: int = 0  # blocks a live session held that its client did not know of, summed over the checks
     max_in_use: int = 0
     in_use: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the start, blocks in use)
     t0: float = field(default_factory=time.monotonic)
@@ -134,6 +138,8 @@ class Client:
         self.refs: list[Ref] = []
         self.retired: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)
         self.seq = 0
+        self.lock = threading.Lock()  # held through each operation: whoever holds it sees the client between two
+        self.closed = False
 
     def run(self, stop: threading.Event) -> None:
         try:
@@ -142,15 +148,33 @@ class Client:
                     kind = self.rng.choices(OPS, WEIGHTS)[0]
                     if len(self.refs) > MAX_REFS:
                         kind = "free"
-                    self.step(kind)
+                    with self.lock:
+                        self.step(kind)
             finally:
                 self.shared.all_stopped()
-            self.release_all()
+            with self.lock:
+                self.release_all()
         except Exception:
             self.shared.tally.violation(f"client {self.index} crashed: {traceback.format_exc(limit=6)}")
         finally:
+            with self.lock:
+                self.closed = True
             with contextlib.suppress(Exception):
                 self.pool.close()
+
+    def known(self) -> collections.Counter[int]:
+        """The blocks this client knows its session holds, by block number, once per ref: its refs, its slab's idle
+        blocks and those it handed that the pool has not settled yet, and the handoffs its lease box took for a
+        later claim. Called between two operations (under ``lock``, and the slab's lock if it has one)."""
+        held = collections.Counter(block_of(r.block) for r in self.refs)
+        slab, box = self.pool.slabs.slab, self.pool.slabs.box
+        if slab is not None:
+            mine = (slab.state == IDLE) | ((slab.state == HANDED) & (slab.settled != slab.seq))
+            held.update((slab.block[mine] & BLOCK_MASK).tolist())
+        if box is not None:
+            for claim in box.delivered.values():
+                held.update(block_of(i) for i in claim.block_ids)
+        return held
 
     def step(self, kind: str) -> None:
         tally = self.shared.tally
@@ -278,8 +302,10 @@ class Client:
         if got.direct:  # the ids came from the producer: trust them once the pool has confirmed the claim
             self.pool.confirm()
             self.shared.tally.op("claim, delivered directly")
-        if "refs" not in got.meta:  # a killed worker's handoff, taken by a claim of "the oldest"
+        if "refs" not in got.meta:  # a killed worker's handoff, by its request id or taken as "the oldest"
             self.refs.extend(Ref(b, "foreign", None) for b in got.block_ids)
+            if got.request_id.startswith("doomed-slab-"):
+                self.shared.tally.op("claim, of a killed worker's slab handoff")
             return True
         refs = [Ref(int(b), str(k), None if s is None else int(s)) for b, k, s in got.meta["refs"]]
         if [r.block for r in refs] != got.block_ids:

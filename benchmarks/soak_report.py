@@ -20,6 +20,8 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
         "ops_per_s": {k: round(tally.ops[k] / elapsed, 1) for k in [*OPS, *sorted(set(tally.ops) - set(OPS))]},
         "errors": dict(tally.errors),
         "samples": tally.samples,
+        "book_checks": tally.book_checks,
+        "stranded_blocks": tally.stranded,
         "max_in_use": tally.max_in_use,
         "num_blocks": end["num_blocks"],
         "crashed_workers": tally.crashed,
@@ -30,6 +32,7 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
         "violation_messages": tally.violations,
         "verify_data": not args.no_verify_data,
         "host_tier": {k: v for k, v in end.get("tiers", {}).get("host", {}).items() if k.endswith("blocks")},
+        "slabs": {k: v for k, v in end.get("leases", {}).get("counters", {}).items() if k.startswith("handed")},
     }
 
 
@@ -45,10 +48,15 @@ def print_summary(s: dict[str, Any]) -> None:
     lines += [f"  {k}: {n}" for k, n in sorted(s["errors"].items())] or ["  none"]
     lines.append(f"/stats samples: {s['samples']}, all balanced unless listed below; "
                  f"max in use {s['max_in_use']} of {s['num_blocks']}")  # fmt: skip
+    lines.append(f"live books: {s['book_checks']} checks of a paused client against its session's blocks, "
+                 f"{s['stranded_blocks']} stranded (held by the session, unknown to its client)")  # fmt: skip
     lines.append(f"killed workers: {s['crashed_workers']}")
     lines.append(f"calls refused by the pool for stale ids (kvpool_stale_refused): {s['stale_refused']}")
     if s["host_tier"]:
         lines.append(f"host tier: {s['host_tier']}")
+    if s["slabs"]:
+        lines.append(f"slab handoffs' blocks (settled: reached the consumer; parked: a killed producer's ring's, for "
+                     f"its consumer): {s['slabs']}")  # fmt: skip
     lines.append(f"end: {s['end']} (start: {s['start']})")
     lines.append(f"violations: {s['violations']}")
     lines += [f"  - {m}" for m in s["violation_messages"]]

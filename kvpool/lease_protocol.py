@@ -6,9 +6,13 @@ consumer before it names blocks it was handed; the hot path (alloc, free, a hand
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, Field
 
 from kvpool.protocol import MAX_IDS, SessionId, _Request
+
+Word = Annotated[int, Field(ge=0, lt=1 << 64)]
 
 
 class LeaseOpen(_Request):
@@ -53,6 +57,10 @@ class SettleRequest(_Request):
     session_id: SessionId = Field(max_length=64)
     regions: list[int] = Field(default_factory=list, max_length=4096, description="producers' regions to settle")
     holds: list[int] = Field(default_factory=list, max_length=MAX_IDS, description="ids to check this session holds")
+    took: list[Word] | None = Field(
+        None, min_length=3, max_length=3, description="a consumer: the producer's region and nonce and the sequence "
+        "of the handoff that holds lists; the consumer takes it if it is in flight to it with exactly those blocks"
+    )  # fmt: skip
 
 
 class SettleResponse(BaseModel):

@@ -11,8 +11,9 @@ compare-and-swap:
   slots: the block a slot holds and its ``state``, and for a handed block to whom (region and nonce) and under
   which sequence;
 * for handoffs between slabs with no system call on the way (:mod:`kvpool.slabsend`, :mod:`kvpool.slabbox`), the
-  session also writes, as a producer, its ``ring`` of recent handoffs and one ``bell`` per consumer region (the
-  sequence of its latest handoff in the ring to that region), and as a consumer, per producer region, ``watch``
+  session also writes, as a producer, its ``ring`` of recent handoffs, one ``bell`` per consumer region (the
+  sequence of its latest handoff in the ring to that region) and one ``sent`` per consumer region (the sequence of
+  its latest handoff to that region that left as a datagram), and as a consumer, per producer region, ``watch``
   (the producer's nonce, once it reads that producer's ring) and ``took`` (the last sequence it took from it),
   plus ``waiting`` while it sleeps on its lease box (a producer then sends it a wake-up).
 
@@ -35,7 +36,7 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest
 
-MAGIC = b"KVLT0002"
+MAGIC = b"KVLT0003"
 #: magic, regions, slots per region, region bytes, epoch (16 bytes, ascii)
 FILE_HEAD = struct.Struct("<8sIIQ16s")
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -76,10 +77,11 @@ def column(typecode: str, value: int, n: int) -> memoryview:
 
 def region_dtype(slots: int, regions: int) -> np.dtype:
     """One region: its header (pool: nonce, want; session: done, hseq, waiting), the session's slots, the pool's
-    settled, then the session's bells (one per region), took and watch (one per region) and ring."""
+    settled, then the session's bells, sent, took and watch (one each per region) and ring."""
     settled_at = HEAD_BYTES + SLOT.itemsize * slots
     bells_at = settled_at + 8 * slots
-    took_at = bells_at + 8 * regions
+    sent_at = bells_at + 8 * regions
+    took_at = sent_at + 8 * regions
     watch_at = took_at + 8 * regions
     ring_at = watch_at + 8 * regions
     size = ring_at + RING * ENTRY
@@ -94,6 +96,7 @@ def region_dtype(slots: int, regions: int) -> np.dtype:
         "slots": ((SLOT, (slots,)), HEAD_BYTES),
         "settled": (("<u8", (slots,)), settled_at),
         "bells": (per_region, bells_at),
+        "sent": (per_region, sent_at),
         "took": (per_region, took_at),
         "watch": (per_region, watch_at),
         "ring": (("u1", (RING * ENTRY,)), ring_at),
@@ -162,8 +165,8 @@ class TableView:
         self.halves = memoryview(self.rw).cast("I")  # slot s's state (the low half of its word 1) at 18 + 8 s
         fields = self.dtype.fields
         assert fields is not None
-        #: where a region's bells, took and watch start (in words) and its ring (in bytes), from the region's start
-        self.bells, self.took, self.watch = (fields[name][1] // 8 for name in ("bells", "took", "watch"))
+        #: where a region's bells, sent, took and watch start (in words) and its ring (in bytes), from its start
+        self.bells, self.sent, self.took, self.watch = (fields[n][1] // 8 for n in ("bells", "sent", "took", "watch"))
         self.ring = fields["ring"][1]
 
     def base(self, region: int) -> int:

@@ -102,6 +102,13 @@ class SessionList(BaseModel):
     sessions: list[SessionSummary]
 
 
+class HeldBlocks(BaseModel):
+    block_ids: list[int] = Field(
+        description="the blocks this session holds refs on, as fenced ids, an id once per ref: what the pool releases "
+        "when the session ends (slab blocks included)"
+    )
+
+
 DEVICE_HELP = "the arena's device, as the pool names it (GET /arena `arenas`); default: the pool's first"
 
 

@@ -113,6 +113,7 @@ class Slab:
         self.empty = list(range(self.capacity - 1, -1, -1))
         self.handed = 0
         self.lock = threading.RLock()
+        self.closed = False
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -296,9 +297,11 @@ class Slab:
             return self.top - before
 
     def answer_want(self) -> None:
-        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too)."""
+        """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too; its
+        thread may come by while the client closes, and then finds nothing to do)."""
         with self.lock:
-            self._answer_want()
+            if not self.closed:
+                self._answer_want()
 
     def ensure_mine(self) -> None:
         """Raise if the pool took this session's region back (its lease ran out): then it may be another's now."""
@@ -361,10 +364,17 @@ class Slab:
         self.slot_of[ids & BLOCK_MASK] = -1
         self.empty.extend(slots.tolist())
 
-    def settle(self, regions: Sequence[int], holds: Sequence[int] = ()) -> bool:
-        """Have the pool move the refs handed from ``regions`` now; whether this session holds ``holds``."""
-        req = SettleRequest(session_id=self.session_id, regions=list(regions), holds=list(holds))
+    def settle(
+        self, regions: Sequence[int], holds: Sequence[int] = (), took: tuple[int, int, int] | None = None
+    ) -> bool:
+        """Have the pool move the refs handed from ``regions`` now; whether this session holds ``holds`` (once it
+        took the handoff ``took`` names, producer region, nonce and sequence, if that is in flight to it)."""
+        req = SettleRequest(
+            session_id=self.session_id, regions=list(regions), holds=list(holds), took=list(took) if took else None
+        )
         return self.transport.fetch("POST", "/leases/settle", req, SettleResponse).holds
 
     def close(self) -> None:
-        self.view.close()
+        with self.lock:
+            self.closed = True
+            self.view.close()

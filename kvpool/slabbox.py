@@ -11,9 +11,15 @@ next handoffs here into its ring and rings this session's bell in its region, an
 entry straight from the table, with no system call, then checks the slots the same way. The region is the
 producer's own to write (the pool vouches which session occupies it), so the seal adds nothing there; a replay
 cannot happen, since the entry is read where it lies, above the last sequence taken. If the region says otherwise
-because the pool already moved the refs (the producer ended, or reused settled slots), it asks the pool whether it
-holds them now, and takes them only if so. The refs move in the pool's books afterwards (the pool settles them:
-docs/operations.md, "Slabs"); this client has them settled before it names those blocks in any call.
+because the pool already took the blocks out of the producer's slab (the producer reused settled slots, or ended),
+it asks the pool whether it holds them now, naming the handoff, and takes them only if so.
+
+The refs move in the pool's books afterwards (the pool settles them: docs/operations.md, "Slabs"), and only to a
+consumer that took the handoff: it notes each one it took in its ``took`` word for that producer, and then reads
+whether the producer is still there (a fence between), while the pool, when a producer ends, first clears its nonce
+and then reads ``took``. So either the pool sees the take and gives this session the blocks, or this side sees the
+producer gone and asks the pool, which parked for it what it had not taken from the producer's ring. This client
+has the refs settled before it names those blocks in any call.
 """
 
 from __future__ import annotations
@@ -45,6 +51,9 @@ log = logging.getLogger(__name__)
 FEW = 128
 #: while it watches rings, a spinning claim looks at its box once in this many turns
 LOOKS = 4
+#: the most datagrams one drain of the box takes: more than its receive buffer (4 of the largest) holds of the
+#: smallest, so that only a peer that keeps sending meanwhile is cut short
+DRAIN_MAX = 1024
 
 
 @dataclass(slots=True)
@@ -133,6 +142,8 @@ class SlabBox:
                 if request_id is None or claim.request_id == request_id:
                     return claim
                 delivered[claim.request_id] = claim
+            if time.perf_counter() >= until:  # a box that never runs dry (datagrams for other requests, or that
+                return None  # carry nothing) must not hold a claim past its time
 
     def _sleep(self, wait_s: float) -> None:
         """Block on the box, saying so first: a producer that rings a bell meanwhile sends a wake-up."""
@@ -158,9 +169,15 @@ class SlabBox:
         payload = self._payload(at, n, 0, rid_len, meta_len)
         if payload is None or not self._run_vouched(watched.base, run, seq, payload[0]):
             return None
-        if self.slab.view.all_words[watched.base + NONCE] != watched.nonce:
+        everyone = self.slab.view.all_words
+        if everyone[watched.base + NONCE] != watched.nonce:
             return None
         self._took(watched, (watched.region, watched.nonce), seq)
+        fence()  # then whether the producer is still there (see LeaseBooks.release): if so, the pool sees the took
+        if everyone[watched.base + NONCE] != watched.nonce:
+            h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, payload[2], num_tokens, payload[3], payload[1],
+                                     payload[0], run)  # fmt: skip
+            return self._claim(h) if self._held(h) else self._left(h)
         self.to_settle.add(watched.region)
         return Claim(payload[2], num_tokens, payload[3], payload[0], None, True)
 
@@ -181,7 +198,7 @@ class SlabBox:
         try:
             request_id = str(ro[at : at + rid_len], "utf-8")
             meta = json.loads(ro[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         return packed, slots, request_id, meta if type(meta) is dict else {}
 
@@ -206,15 +223,21 @@ class SlabBox:
             return []
         entries = []
         seq = top = everyone[watched.bell]
+        # The producer writes the bell, the entries and their links: each link must go down, and no further back
+        # than the ring reaches, so the walk ends within RING steps whatever the region says.
         while seq > watched.last:
             at = watched.ring + seq % RING * ENTRY
             fields = ENTRY_HEAD.unpack_from(ro, at)
-            if fields[0] != seq or fields[5] != info.region or fields[3] != info.nonce:
+            if fields[0] != seq or fields[5] != info.region or fields[3] != info.nonce or seq + RING <= top:
                 log.warning("dropped slab handoffs from region %d: its ring does not hold sequence %d for this "
                             "session", watched.region, seq)  # fmt: skip
                 break
             if not below or seq < below:
                 entries.append((fields, at))
+            if fields[1] >= seq:
+                log.warning("dropped slab handoffs from region %d: its ring's entry %d links to %d, not to an older "
+                            "one", watched.region, seq, fields[1])  # fmt: skip
+                break
             seq = fields[1]
         if entries and not below and entries[0][0][2] > watched.last:
             self._drain()
@@ -229,16 +252,23 @@ class SlabBox:
         return claims
 
     def _entry(self, watched: Watched, fields: tuple[int, ...], at: int) -> Claim | None:
-        """The handoff of one ring entry, if the producer's slots vouch for it (or the pool holds its blocks)."""
+        """The handoff of one ring entry, if the producer's slots vouch for it (or the pool holds its blocks); its
+        sequence is taken either way (copied first: once taken, the entry's place is the producer's again)."""
         seq, _, _, _, num_tokens, _, n, run, rid_len, meta_len = fields
-        self._took(watched, (watched.region, watched.nonce), seq)
         payload = None if run > self.slab.capacity - n else self._payload(at, n, 4 * n if run < 0 else 0, rid_len,
                                                                           meta_len)  # fmt: skip
         if payload is None:
+            self._took(watched, (watched.region, watched.nonce), seq)
             return None
         packed, slots, request_id, meta = payload
-        return self._accept(slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens, meta,
-                                                 slots, packed, run))  # fmt: skip
+        h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens, meta, slots, packed, run)
+        claim = self._accept(h, watched)
+        if claim is None:
+            self._took(watched, (watched.region, watched.nonce), seq)
+            if self.slab.view.all_words[watched.base + NONCE] != watched.nonce:
+                return self._left(h)
+            log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
+        return claim
 
     def _receive_one(self) -> Claim | None:
         """The handoff in the box's next datagram (None if it held none); BlockingIOError if the box is empty."""
@@ -247,8 +277,9 @@ class SlabBox:
         return self._take(memoryview(self._buf)[:n])
 
     def _drain(self) -> None:
-        """Take every datagram waiting in the box, into ``delivered``."""
-        while True:
+        """Take the datagrams waiting in the box, into ``delivered`` (as many as the box can hold: a peer that keeps
+        sending cannot keep this going)."""
+        for _ in range(DRAIN_MAX):
             try:
                 claim = self._receive_one()
             except BlockingIOError:
@@ -281,20 +312,40 @@ class SlabBox:
         if h.seq <= self.last_seq.get(pair, 0):
             log.warning("dropped a replayed slab handoff (%r, sequence %d)", h.request_id, h.seq)
             return None
-        claim = self._accept(h)
-        if claim is not None:  # one it drops does not take the sequence from the true one still on its way
-            if watched is None:
-                self._watch(*pair, h.seq)
-            self._took(watched, pair, h.seq)
+        claim = self._accept(h, watched)  # one it drops does not take the sequence from the true one on its way
+        if claim is None:
+            log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
         return claim
 
-    def _accept(self, h: slabwire.SlabHandoff) -> Claim | None:
+    def _accept(self, h: slabwire.SlabHandoff, watched: Watched | None) -> Claim | None:
+        """The claim of a handoff its producer's region vouches for, or that the pool holds for this session (taking
+        it if it is in flight here); None if neither. Either way the sequence is taken once the handoff is: in the
+        region's ``took`` word for its producer, which the pool reads (watching the producer from its first)."""
+        pair = h.from_region, h.from_nonce
         if self._vouched(h):
-            self.to_settle.add(h.from_region)
-        elif not self._held(h):
-            log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
+            if watched is None:
+                watched = self._watch(*pair, h.seq)
+            self._took(watched, pair, h.seq)
+            fence()  # then whether the producer is still there (see LeaseBooks.release): if so, the pool sees the took
+            if self.slab.view.all_words[watched.base + NONCE] == h.from_nonce:
+                self.to_settle.add(h.from_region)
+                return self._claim(h)
+        if not self._held(h):
             return None
+        if watched is None and self.slab.view.all_words[self.slab.view.base(h.from_region) + NONCE] == h.from_nonce:
+            watched = self._watch(*pair, h.seq)  # a live producer's first: read its ring from now on
+        self._took(watched, pair, h.seq)
+        return self._claim(h)
+
+    @staticmethod
+    def _claim(h: slabwire.SlabHandoff) -> Claim:
         return Claim(h.request_id, h.num_tokens, h.meta, h.packed, None, True)
+
+    def _left(self, h: slabwire.SlabHandoff) -> None:
+        """A ring's handoff whose producer ended before this session took it: the pool parked it for this session,
+        where a claim finds it."""
+        log.info("slab handoff %r: its producer ended before this session took it; the pool holds it here",
+                 h.request_id)  # fmt: skip
 
     def _took(self, watched: Watched | None, pair: tuple[int, int], seq: int) -> None:
         """Nothing from this producer at or below ``seq`` is taken again; the producer may reuse its ring entries."""
@@ -304,7 +355,7 @@ class SlabBox:
             watched.last = seq
             self.slab.view.words[self.slab.view.took + watched.region] = seq
 
-    def _watch(self, region: int, nonce: int, seq: int) -> None:
+    def _watch(self, region: int, nonce: int, seq: int) -> Watched:
         """Read this producer's ring from now on, and say so in this session's region (took first, then watch: a
         producer that sees the watch sees the took with it)."""
         view = self.slab.view
@@ -317,6 +368,7 @@ class SlabBox:
         watched = Watched(region, nonce, base, base + view.bells + self.slab.info.region, 8 * base + view.ring, seq)
         self.watching.append(watched)
         self.watched[region, nonce] = watched
+        return watched
 
     def _unwatch(self, watched: Watched) -> None:
         view = self.slab.view
@@ -370,8 +422,10 @@ class SlabBox:
         return words[at + 2 : end : 4] == column("Q", seq, n) and words[at + 3 : end : 4] == self._nonces[:n]
 
     def _held(self, h: slabwire.SlabHandoff) -> bool:
+        """Whether the pool says this session holds the handoff's blocks, taking them first if they are in flight
+        to it (the producer's slots were settled and reused meanwhile, or the producer ended)."""
         try:
-            return self.slab.settle([h.from_region], h.packed.tolist())
+            return self.slab.settle([h.from_region], h.packed.tolist(), (h.from_region, h.from_nonce, h.seq))
         except KvpoolError:
             return False
 

@@ -9,7 +9,9 @@ handoff into its ring and rings the consumer's bell there, with no system call (
 consumer sleeps); the consumer's side is :mod:`kvpool.slabbox`. The blocks of one alloc sit in consecutive slots,
 so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run, where
 other ids take one per slot. If a datagram cannot leave, the slots are taken back before the pool settles them,
-and the refusal says which ids are still the caller's.
+and the refusal says which ids are still the caller's. Each datagram that did leave is noted in the consumer's
+``sent`` word of this region: if this session ends before the consumer took it, the pool knows it waits in the
+consumer's box (and frees the blocks of one that never left).
 """
 
 from __future__ import annotations
@@ -72,7 +74,8 @@ class Peer:
     watch: int  # in the table's words: the consumer's watch and took of this producer, its waiting word
     took: int
     waiting: int
-    bell: int  # in this region's words: the bell this producer rings for the consumer
+    bell: int  # in this region's words: the bell this producer rings for the consumer, and its sent word
+    sent: int
     at_nonce: int  # in the table's words: the consumer region's nonce
     last_ring: int = 0  # the sequence of the last handoff to it through the ring, and through a datagram
     last_datagram: int = 0
@@ -84,7 +87,7 @@ class SlabSender:
         self.transport = slab.transport
         self.peers: dict[str, Peer] = {}
         self.no_box: dict[str, float] = {}
-        self.queued: deque[tuple[bytes, Peer]] = deque()
+        self.queued: deque[tuple[bytes, Peer, int]] = deque()  # datagrams waiting to leave, with their sequences
         self.closed = False
         self._allocated_row = column("I", ALLOCATED, slab.capacity)
         self.use_ring = slab.config.ring  # False: every handoff goes as a datagram
@@ -119,7 +122,7 @@ class SlabSender:
         peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, slabwire.sealer(bytes.fromhex(got.key)),
                                      tag, column("Q", tag, capacity), column("Q", got.nonce, capacity),
                                      base + view.watch + me, base + view.took + me, base + WAITING,
-                                     view.bells + got.region, base + NONCE)  # fmt: skip
+                                     view.bells + got.region, view.sent + got.region, base + NONCE)  # fmt: skip
         return peer
 
     def _drop(self, to: str) -> None:
@@ -162,7 +165,7 @@ class SlabSender:
             if not self._ring(peer, seq, request_id, num_tokens, meta, id_bytes + listed_slots, run, n):
                 datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
                                            listed_slots, id_bytes, run)  # fmt: skip
-                failed = self._send(datagram, peer)
+                failed = self._send(datagram, peer, seq)
                 peer.last_datagram = seq
             slab.handed += n
             self._forget(listed)  # the slab's own map, after the bell or the datagram: off the consumer's path
@@ -242,18 +245,22 @@ class SlabSender:
         me = info.region
         return everyone[base + view.watch + me] == info.nonce and everyone[base + view.took + me] >= seq
 
-    def _send(self, datagram: bytes, peer: Peer) -> OSError | None:
-        """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay."""
+    def _send(self, datagram: bytes, peer: Peer, seq: int) -> OSError | None:
+        """Under the slab's lock: datagrams leave in sequence order, or the consumer would drop one as a replay. Each
+        that left is noted in the consumer's ``sent`` word: if this session ends before the consumer took it, the
+        pool leaves it for the consumer to read (and frees one that never left)."""
         if self.queued:
-            self.queued.append((datagram, peer))
+            self.queued.append((datagram, peer, seq))
             return None
         try:
             peer.sock.send(datagram)
         except BlockingIOError:  # the consumer's queue is full (a few datagrams): send it later, never wait
-            self.queued.append((datagram, peer))
+            self.queued.append((datagram, peer, seq))
             threading.Thread(target=self._flush, name="kvpool-slab-send", daemon=True).start()
         except OSError as exc:
             return exc
+        else:
+            self.slab.view.words[peer.sent] = seq
         return None
 
     def _unsent(
@@ -262,13 +269,13 @@ class SlabSender:
         kept = self._take_back(slots, seq, tag)
         n = len(slots)
         if kept is None:
-            why = "its blocks are handed already: they go to that session if it is still there, else back to the pool"
+            why = "its blocks are handed already: they are held for that session until it ends, then back to the pool"
         elif len(kept) == n:
             why = "nothing was handed: the blocks are still yours"
         else:
             why = (
-                f"the pool had settled {n - len(kept)} of its blocks already (they go to that session if it is still "
-                f"there, else back to the pool); these are still yours: {kept}"
+                f"the pool had settled {n - len(kept)} of its blocks already (held for that session until it ends, "
+                f"then back to the pool); these are still yours: {kept}"
             )
         err = HandoffRefused(f"the handoff of {request_id!r} could not reach {to!r} ({exc}); {why}")
         err.kept = tuple(kept or ())  # the ids still the caller's
@@ -365,7 +372,7 @@ class SlabSender:
                 if not self.queued or self.closed:
                     self.queued.clear()
                     return
-                datagram, peer = self.queued[0]
+                datagram, peer, seq = self.queued[0]
                 try:
                     peer.sock.send(datagram)
                 except BlockingIOError:
@@ -374,6 +381,7 @@ class SlabSender:
                     log.warning("dropped a slab handoff to %s: %s", peer.box, exc)
                     self.queued.popleft()
                 else:
+                    self.slab.view.words[peer.sent] = seq
                     self.queued.popleft()
                     pause = FLUSH_S
                     continue

@@ -14,6 +14,11 @@ count per block. Every mutating call validates its whole input first and raises 
 Block ids are global. With several arenas (one per GPU) each arena is a contiguous id range with its
 own free stack and LRU: ``allocate`` takes an arena, everything else only needs the ids.
 
+A block that ``allocate`` evicts is told to ``on_evict`` as it goes, and once it has evicted any, ``allocate`` calls
+``after_evict`` before it returns: the host tier copies the evicted blocks' KV out there, so that no block reaches
+its next holder (an alloc, a slab's refill, a restore) before its old KV is saved. Every taker of blocks goes through
+``allocate``, so none can skip that copy.
+
 Each block has a generation, bumped (modulo 2**31) whenever it goes back to the free stack or is evicted from the
 LRU: the moments its KV stops being what an earlier holder was told. Ids leave the pool fenced with it
 (:mod:`kvpool.ids`), and :meth:`unfence` refuses one whose generation is not current. Here, inside the pool, blocks
@@ -31,7 +36,12 @@ from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_STEP, MAX_ID, blocks_of
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int | Sequence[int], on_evict: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        num_blocks: int | Sequence[int],
+        on_evict: Callable[[int], None] | None = None,
+        after_evict: Callable[[], None] | None = None,
+    ) -> None:
         sizes = [num_blocks] if isinstance(num_blocks, int) else list(num_blocks)
         if not sizes or min(sizes) < 1:
             raise ValueError(f"every arena needs at least 1 block, got {sizes}")
@@ -49,6 +59,7 @@ class BlockAllocator:
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]
         self._holders: dict[str, dict[int, int]] = {}
         self._on_evict = on_evict
+        self._after_evict = after_evict
         self.num_evictions = 0
 
     # -- counts ---------------------------------------------------------------------------------------
@@ -85,7 +96,10 @@ class BlockAllocator:
     # -- operations -----------------------------------------------------------------------------------
 
     def allocate(self, holder: str, n: int, arena: int = 0) -> list[int]:
-        """Take ``n`` blocks with ref 1 for ``holder``: free blocks first, then the least recently used cached."""
+        """Take ``n`` blocks with ref 1 for ``holder``: free blocks first, then the least recently used cached.
+
+        If it evicted any, ``after_evict`` runs before the blocks are returned; if that fails, the blocks go back to
+        the free stack (their old KV is no longer findable either way) and the error propagates."""
         if n < 1:
             raise InvalidRequest(f"num_blocks must be at least 1, got {n}")
         if not 0 <= arena < len(self.sizes):
@@ -115,6 +129,12 @@ class BlockAllocator:
         for block in ids:
             ref[block] = 1
             held[block] = 1
+        if take < n and self._after_evict is not None:
+            try:
+                self._after_evict()
+            except BaseException:
+                self.drop(holder, ids)
+                raise
         return ids
 
     def reserve(self, holder: str, block: int) -> None:

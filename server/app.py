@@ -29,6 +29,7 @@ from kvpool.protocol import (
     HandoffRequest,
     HandoffResponse,
     Health,
+    HeldBlocks,
     LookupManyRequest,
     LookupManyResponse,
     LookupRequest,
@@ -129,6 +130,12 @@ def create_app(plane: ControlPlane) -> FastAPI:
     async def heartbeat(session_id: str) -> SessionInfo:
         """Extend the session's lease; an unknown or expired session is 404."""
         return plane.heartbeat(session_id)
+
+    @api.get("/sessions/{session_id}/blocks")
+    async def held_blocks(session_id: str) -> HeldBlocks:
+        """The blocks the session holds refs on (fenced ids, one per ref), slab blocks included; unknown or expired:
+        404. What a client can check its own books against."""
+        return plane.held(session_id)
 
     @api.delete("/sessions/{session_id}")
     async def close_session(session_id: str) -> dict[str, int]:

@@ -1,10 +1,11 @@
 """The host tier's books: prefix blocks evicted from the GPU arena live on in host memory, still findable.
 
 When the arena's allocator evicts a cached prefix block, its index node is not dropped but detached from the block
-and queued; before the call that evicted it returns, :meth:`HostTier.flush` copies the whole queue to host blocks
-in one batch, and the nodes stay in the prefix index under the same keys, now pointing at host blocks. A lookup
-whose verified chain reaches nodes on the host gets arena blocks allocated for them, the KV copied back, and the
-nodes moved back to the arena before it answers: the worker receives ready blocks, as on a GPU hit.
+and queued; before the allocator hands the blocks it took to anyone (whoever asked: an alloc, a slab's refill, a
+restore), it calls :meth:`HostTier.flush`, which copies the whole queue to host blocks in one batch, and the nodes
+stay in the prefix index under the same keys, now pointing at host blocks. A lookup whose verified chain reaches
+nodes on the host gets arena blocks allocated for them, the KV copied back, and the nodes moved back to the arena
+before it answers: the worker receives ready blocks, as on a GPU hit.
 
 The tiers are exclusive: a node's KV is in the arena or on the host, never both, so each tier's books are those of
 the one tier: ``free + in_use + cached == num_blocks``, where a host block is in use only while a restore reads it.
@@ -70,7 +71,8 @@ class HostTier:
             self._forget(node)
 
     def flush(self) -> None:
-        """Copy every block queued since the last flush to the host, in one batch per arena; before answering."""
+        """Copy every block queued since the last flush to the host, in one batch per arena: the allocator calls
+        this before the blocks it evicted reach their next holder."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -144,8 +146,7 @@ class HostTier:
             self._restoring[host] = node
         fresh: list[int] = []
         try:
-            fresh = alloc.allocate(holder, len(restoring), arena)
-            self.flush()
+            fresh = alloc.allocate(holder, len(restoring), arena)  # flushes what it evicts first
             self.copier.restore(arena, hosts, [b - alloc.starts[arena] for b in fresh])
         except BaseException:  # the KV stays on the host, findable; the caller gets nothing
             for node, host in zip(restoring, hosts, strict=True):

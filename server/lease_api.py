@@ -62,11 +62,12 @@ def lease_router(plane: ControlPlane) -> APIRouter:
 
     @api.post("/settle")
     async def settle(req: SettleRequest) -> SettleResponse:
-        """Move the refs of blocks handed from these regions now, and say whether the session holds ``holds``."""
+        """Move the refs of blocks handed from these regions now, and say whether the session holds ``holds`` (taking
+        the handoff ``took`` names first, if it is in flight to it)."""
         books = _books(plane)
         plane.pool.session(req.session_id)
         settled = sum(books.settle(r) for r in set(req.regions))
-        holds = books.holds(req.session_id, req.holds) if req.holds else True
+        holds = books.holds(req.session_id, req.holds, req.took) if req.holds else True
         return SettleResponse(settled=settled, holds=holds)
 
     return api

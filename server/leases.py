@@ -12,16 +12,23 @@ the ids to the consumer (a datagram, :mod:`kvpool.slabwire`, or an entry of its 
 consumer reads, :mod:`kvpool.slabsend`; the pool reads neither). The pool moves the refs afterwards
 (:meth:`LeaseBooks.settle`): at its sweep, when the consumer asks (before it names those blocks in a call), and
 when the producer's session ends. It acts on a handed slot only for a block its own books say the producer holds
-in its slab, uncommitted, with the generation the slot names; it gives the block to the consumer the slot names if
-that session still occupies its region, else frees it; and it records the sequence as settled in the slot (a field
-only it writes), after which the producer may reuse the slot. So a dead producer's handed blocks reach their
-consumer, a dead consumer's handed blocks come back, and whatever a session writes into its region can move only its
-own blocks.
+in its slab, uncommitted, with the generation the slot names, so whatever a session writes into its region can move
+only its own blocks; and it records the sequence as settled in the slot (a field only it writes), after which the
+producer may reuse the slot.
+
+The refs reach the consumer's session only once the consumer took the handoff (its ``took`` word for that producer
+says so, or it names the handoff when it asks the pool to vouch): until then they are *in flight*, held by the pool
+under a holder of their own, so a live session never holds a block it was not told of. A consumer that ends frees
+what was in flight to it. A producer that ends first (killed, or closed) leaves each handoff its consumer had not
+taken yet where the consumer can still find it: one written into its ring is parked in the pool for that consumer
+under its request id (the ring goes with the producer's region), one that went as a datagram waits for the consumer
+to read it from its lease box, and one that never left the producer (a datagram still queued) is freed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import secrets
 from collections import OrderedDict, deque
@@ -34,15 +41,31 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest, LimitExceeded, NotOwner, UnknownSession
 from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_BITS, GEN_MASK
-from kvpool.leases import ALLOCATED, EMPTY, HANDED, IDLE, create_table
+from kvpool.leases import ALLOCATED, EMPTY, ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, IDLE, RING, create_table, fence
 from kvpool.server.config import PoolSettings
 from kvpool.server.pool import Pool
-from kvpool.server.records import Session, holder_of
+from kvpool.server.records import Handoff, Session, holder_of
 from kvpool.slabwire import pair_key
 
 log = logging.getLogger(__name__)
 
 ENDED_KEPT = 4096
+
+
+@dataclass(slots=True)
+class InFlight:
+    """The blocks of one handoff between slabs that left the producer's slab before its consumer took it."""
+
+    producer: int  # the producer's nonce
+    seq: int
+    consumer: str  # the consumer's session id, region and nonce
+    region: int
+    nonce: int
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def holder(self) -> str:
+        return f"x:{self.producer:x}:{self.seq}:{self.region}"
 
 
 @dataclass(slots=True)
@@ -54,6 +77,9 @@ class Lease:
     slab: set[int] = field(default_factory=set)  # blocks granted to the slab (a superset: pruned on each grant)
     seen: np.ndarray | None = None  # the slots' ids as the pool last took their generations in
     counted: int = 0  # the last handoff sequence counted in the pool's counters
+    #: its handoffs in flight, by (sequence, consumer region, consumer nonce)
+    in_flight: dict[tuple[int, int, int], InFlight] = field(default_factory=dict)
+    claimed: set[int] = field(default_factory=set)  # sequences counted as claims (a handoff may settle in parts)
 
 
 @dataclass(slots=True)
@@ -65,6 +91,7 @@ class LeaseCounters:
     handed_settled: int = 0
     handed_released: int = 0
     handed_ignored: int = 0
+    handed_parked: int = 0  # blocks of a ring handoff whose producer ended first, parked for its consumer
     generations_taken: int = 0
 
 
@@ -81,6 +108,9 @@ class LeaseBooks:
         self._secret = secrets.token_bytes(32)
         #: nonces of sessions that ended lately: a consumer may still have to check a handoff they sent
         self._ended: OrderedDict[int, str] = OrderedDict()
+        #: handoffs that went as datagrams from producers that ended before their consumer took them, by consumer:
+        #: still in flight, until the consumer reads the datagram and names them (:meth:`holds`) or ends
+        self.unread: dict[str, list[InFlight]] = {}
 
     # -- sessions ---------------------------------------------------------------------------------------
 
@@ -113,11 +143,21 @@ class LeaseBooks:
         return lease
 
     def release(self, session: Session) -> None:
-        """Before a session's refs are released: move what it handed to live consumers, then give up its region."""
+        """Before a session's refs are released: settle what it handed (see the module's docstring), free what was
+        in flight to it, then give up its region.
+
+        Its nonce goes first, and only then does the pool read whether its consumers took its handoffs: a consumer
+        writes what it took and then reads the producer's nonce (each fences between), so either the pool sees the
+        take and gives it the blocks, or the consumer sees the producer gone and asks the pool, which by then has
+        decided."""
         lease = self.leases.get(session.session_id)
         if lease is None:
             return
-        self.settle(lease.region)
+        self.table[lease.region]["nonce"] = 0
+        fence()
+        self.settle(lease.region, ending=True)
+        for flight in self.unread.pop(session.session_id, ()):
+            self._release(flight)
         del self.leases[session.session_id]
         del self.at[lease.region]
         self.table[lease.region] = np.zeros((), self.table.dtype)
@@ -206,8 +246,9 @@ class LeaseBooks:
             raise UnknownSession(f"no session held lease region {region} under that nonce lately")
         return pair_key(self._secret, sid, session_id)
 
-    def settle(self, region: int) -> int:
-        """Move the refs of the blocks handed from ``region`` (see the module's docstring); how many slots."""
+    def settle(self, region: int, ending: bool = False) -> int:
+        """Settle the slots handed from ``region`` and its handoffs in flight (see the module's docstring); how many
+        slots. ``ending``: the producer's session ends, so what its consumers have not taken is decided now."""
         lease = self.at.get(region)
         if lease is None:
             return 0
@@ -215,20 +256,25 @@ class LeaseBooks:
         slots = mine["slots"]
         self._sync(lease, slots)
         handed = np.flatnonzero(slots["state"] == HANDED)
-        if not handed.size:
-            return 0
-        seen = slots[handed]  # a copy: the producer keeps writing
-        settled = mine["settled"]
-        todo = seen["seq"] != settled[handed]
-        handed, seen = handed[todo], seen[todo]
-        if not handed.size:
-            return 0
+        if handed.size:
+            seen = slots[handed]  # a copy: the producer keeps writing
+            todo = seen["seq"] != mine["settled"][handed]
+            handed, seen = handed[todo], seen[todo]
+            if handed.size:
+                self._take_handed(lease, handed, seen)
+        if lease.in_flight:
+            self._resolve(lease, ending)
+        return int(handed.size)
+
+    def _take_handed(self, lease: Lease, handed: np.ndarray, seen: np.ndarray) -> None:
+        """The handed slots' blocks leave the producer's slab: in flight to their consumer, or back to the pool if
+        that session is gone."""
         pool, allocator = self.pool, self.pool.allocator
         holder = holder_of(lease.session_id)
         held, committed, fence_of = allocator.refs_of(holder), allocator.committed, allocator.fence_of
-        moves: dict[str, list[int]] = {}
+        settled = self.table[lease.region]["settled"]
+        going: dict[tuple[int, int, int], list[int]] = {}
         drops: list[int] = []
-        claimed: set[int] = set()  # the sequences of the handoffs whose refs reach their consumer
         made: set[int] = set()
         for slot, entry in zip(handed.tolist(), seen.tolist(), strict=True):
             fenced, _, to_region, seq, to_nonce = entry
@@ -240,28 +286,129 @@ class LeaseBooks:
                 # when it ends, and a late heartbeat must not cost it blocks it already took
                 consumer = self.at.get(to_region)
                 if consumer is not None and consumer.nonce == to_nonce and consumer.session_id in pool.sessions:
-                    moves.setdefault(holder_of(consumer.session_id), []).append(block)
-                    claimed.add(seq)
+                    going.setdefault((seq, to_region, to_nonce), []).append(block)
                 else:
                     drops.append(block)
                 made.add(seq)
             else:
                 self.counters.handed_ignored += 1
             settled[slot] = seq
-        for dst, blocks in moves.items():
-            allocator.transfer(holder, dst, blocks)
-            self.counters.handed_settled += len(blocks)
+        for key, blocks in going.items():
+            flight = lease.in_flight.get(key)
+            if flight is None:
+                consumer = self.at[key[1]]
+                flight = lease.in_flight[key] = InFlight(lease.nonce, key[0], consumer.session_id, key[1], key[2])
+            allocator.transfer(holder, flight.holder, blocks)
+            flight.blocks += blocks
         if drops:
             allocator.free(holder, drops)
             self.counters.handed_released += len(drops)
-        # in the pool's own counters as a handoff and its claim, as if they had passed through /handoff and /claim;
-        # once each, though a settle may come while the producer is still marking a handoff's slots
+        # in the pool's own counters as a handoff (here) and its claim (once its consumer takes it), as if they had
+        # passed through /handoff and /claim; once each, though a settle may come while the producer is still
+        # marking a handoff's slots
         new = [seq for seq in made if seq > lease.counted]
         if new:
             pool.counters.handoffs += len(new)
-            pool.counters.claims += len(claimed.intersection(new))
             lease.counted = max(new)
-        return int(handed.size)
+
+    def _resolve(self, lease: Lease, ending: bool) -> None:
+        """Each handoff in flight from ``lease``: to its consumer once it took it, freed if it is gone; and if the
+        producer ends, parked for the consumer (a ring's entry), left for it to read (a datagram that left), or
+        freed (one that never left)."""
+        pool = self.pool
+        region = self.table[lease.region]
+        for key, flight in list(lease.in_flight.items()):
+            consumer = self.at.get(flight.region)
+            if consumer is None or consumer.nonce != flight.nonce or consumer.session_id not in pool.sessions:
+                del lease.in_flight[key]
+                self._release(flight)
+            elif self._taken(consumer, lease, flight.seq):
+                del lease.in_flight[key]
+                self._deliver(flight, lease)
+            elif ending:
+                del lease.in_flight[key]
+                entry = self._ring_entry(lease, flight)
+                if entry is not None:
+                    if not self._park(lease, flight, *entry):
+                        self._release(flight)
+                elif int(region["sent"][flight.region]) >= flight.seq:
+                    self.unread.setdefault(flight.consumer, []).append(flight)
+                else:
+                    self._release(flight)
+        if len(lease.claimed) > RING:  # only the handoff its producer marks now can settle in parts: the latest
+            lease.claimed = {s for s in lease.claimed if s >= lease.counted}
+
+    def _taken(self, consumer: Lease, producer: Lease, seq: int) -> bool:
+        """Whether the consumer says it took the producer's handoff ``seq`` (its watch first, then its took: it
+        writes them in the other order)."""
+        words = self.table[consumer.region]
+        return int(words["watch"][producer.region]) == producer.nonce and int(words["took"][producer.region]) >= seq
+
+    def _deliver(self, flight: InFlight, producer: Lease | None) -> None:
+        self.pool.allocator.transfer(flight.holder, holder_of(flight.consumer), flight.blocks)
+        self.counters.handed_settled += len(flight.blocks)
+        if producer is None or flight.seq not in producer.claimed:
+            self.pool.counters.claims += 1
+            if producer is not None:
+                producer.claimed.add(flight.seq)
+
+    def _release(self, flight: InFlight) -> None:
+        self.pool.allocator.free(flight.holder, flight.blocks)
+        self.counters.handed_released += len(flight.blocks)
+
+    def _ring_entry(self, lease: Lease, flight: InFlight) -> tuple[str, int, dict[str, Any], list[int]] | None:
+        """The request id, num_tokens, meta and ids (in their order) of the producer's ring entry for this handoff,
+        if it wrote it there and its ids are exactly the blocks in flight; else None (a datagram, or a lie)."""
+        ring = self.table[lease.region]["ring"]
+        at = flight.seq % RING * ENTRY
+        raw = ring[at : at + ENTRY].tobytes()
+        seq, _, _, nonce, num_tokens, region, n, run, rid_len, meta_len = ENTRY_HEAD.unpack_from(raw)
+        if seq != flight.seq or region != flight.region or nonce != flight.nonce or n != len(flight.blocks):
+            return None
+        listed = 4 * n if run < 0 else 0
+        if 8 * n + listed + rid_len + meta_len > ENTRY_ROOM:
+            return None
+        at = ENTRY_HEAD.size
+        ids = np.frombuffer(raw, np.int64, n, at).tolist()
+        at += 8 * n + listed
+        try:
+            request_id = raw[at : at + rid_len].decode()
+            meta = json.loads(raw[at + rid_len : at + rid_len + meta_len]) if meta_len else {}
+        except (ValueError, RecursionError):
+            return None
+        fence_of = self.pool.allocator.fence_of
+        if sorted(ids) != sorted(fence_of[b] for b in flight.blocks) or not isinstance(meta, dict) or not request_id:
+            return None
+        return request_id, num_tokens, meta, ids
+
+    def _park(self, lease: Lease, flight: InFlight, request_id: str, num_tokens: int, meta: dict[str, Any],
+              ids: list[int]) -> bool:  # fmt: skip
+        """Park a ring's handoff whose producer ended for its consumer, as ``/handoff`` with ``to`` would; False if
+        the pool would refuse that handoff (its request id taken, a limit)."""
+        pool = self.pool
+        meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
+        waiting = pool._addressed.get(flight.consumer, ())
+        if (
+            request_id in pool.handoffs
+            or len(pool.handoffs) >= pool.limits.max_handoffs
+            or len(waiting) >= pool.limits.max_handoffs_per_session
+            or len(meta_json) > pool.limits.max_meta_bytes
+            or not 0 <= num_tokens <= len(ids) * pool.layout.block_size
+        ):
+            log.warning("freed slab handoff %r from an ended session: the pool cannot park it", request_id)
+            return False
+        pool._seq += 1
+        handoff = Handoff(request_id=request_id, block_ids=ids, num_tokens=num_tokens, meta=meta,
+                          from_session=lease.session_id, expires_at=pool.clock() + pool.handoff_ttl_s,
+                          ttl_s=pool.handoff_ttl_s, to=flight.consumer, seq=pool._seq, meta_json=meta_json,
+                          blocks=[i & BLOCK_MASK for i in ids])  # fmt: skip
+        pool.allocator.transfer(flight.holder, handoff.holder, handoff.blocks)
+        pool.refused.pop(request_id, None)
+        pool._park(handoff)
+        self.counters.handed_parked += len(ids)
+        if pool.on_handoff is not None:
+            pool.on_handoff(request_id)
+        return True
 
     def _sync(self, lease: Lease, slots: np.ndarray) -> None:
         """Take in the generations the session moved in its slab: a block freed into a slab gets its next one there,
@@ -296,18 +443,43 @@ class LeaseBooks:
 
     def settle_all(self) -> int:
         states = self.table["slots"]["state"]
-        regions = np.flatnonzero(np.any(states == HANDED, axis=1))
-        return sum(self.settle(int(r)) for r in regions)
+        regions = set(np.flatnonzero(np.any(states == HANDED, axis=1)).tolist())
+        regions.update(lease.region for lease in self.leases.values() if lease.in_flight)
+        return sum(self.settle(r) for r in regions)
 
-    def holds(self, session_id: str, ids: Sequence[int]) -> bool:
-        """Whether the session holds a ref on each of these ids, at their generation (a consumer's slow check)."""
+    def holds(self, session_id: str, ids: Sequence[int], took: Sequence[int] | None = None) -> bool:
+        """Whether the session holds a ref on each of these ids, at their generation (a consumer's slow check).
+
+        ``took``: the (producer region, producer nonce, sequence) of the handoff the consumer read these ids from;
+        if it is in flight to this session with exactly these blocks, the consumer takes it now."""
         holder = self.pool.session(session_id).holder
         try:
             blocks = self.pool.allocator.unfence(ids)
         except Exception:
             return False
+        if took is not None:
+            self._take_named(session_id, took, sorted(blocks))
         held = self.pool.allocator.refs_of(holder)
         return all(b in held for b in blocks)
+
+    def _take_named(self, session_id: str, took: Sequence[int], blocks: list[int]) -> None:
+        region, nonce, seq = took
+        consumer = self.leases.get(session_id)
+        producer = self.at.get(region)
+        if consumer is not None and producer is not None and producer.nonce == nonce:
+            flight = producer.in_flight.get((seq, consumer.region, consumer.nonce))
+            if flight is not None and sorted(flight.blocks) == blocks:
+                del producer.in_flight[flight.seq, flight.region, flight.nonce]
+                self._deliver(flight, producer)
+            return
+        unread = self.unread.get(session_id, [])
+        for flight in unread:
+            if (flight.producer, flight.seq) == (nonce, seq) and sorted(flight.blocks) == blocks:
+                unread.remove(flight)
+                if not unread:
+                    del self.unread[session_id]
+                self._deliver(flight, None)
+                return
 
     # -- introspection ----------------------------------------------------------------------------------
 
@@ -316,6 +488,8 @@ class LeaseBooks:
         regions = self.table[used]
         states = regions["slots"]["state"]
         unsettled = (states == HANDED) & (regions["slots"]["seq"] != regions["settled"])
+        flights = [f for lease in self.leases.values() for f in lease.in_flight.values()]
+        flights += [f for unread in self.unread.values() for f in unread]
         c = self.counters
         return {
             "regions": len(used),
@@ -323,6 +497,7 @@ class LeaseBooks:
             "slab_idle": int(np.count_nonzero(states == IDLE)),
             "slab_allocated": int(np.count_nonzero(states == ALLOCATED)),
             "slab_handed": int(np.count_nonzero(unsettled)),
+            "slab_in_flight": sum(len(f.blocks) for f in flights),
             "counters": {name: getattr(c, name) for name in LeaseCounters.__slots__},
         }
 

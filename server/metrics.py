@@ -81,7 +81,7 @@ class PoolCollector(Collector):
         leases = s.get("leases")
         if leases is not None:
             slab = GaugeMetricFamily("kvpool_slab_blocks", "blocks in reservation slabs, by state", labels=["state"])
-            for state in ("idle", "allocated", "handed"):
+            for state in ("idle", "allocated", "handed", "in_flight"):
                 slab.add_metric([state], leases[f"slab_{state}"])
             yield slab
             yield GaugeMetricFamily("kvpool_lease_regions", "sessions holding a slab", value=leases["regions"])

@@ -31,6 +31,7 @@ from kvpool.protocol import (
     FreeResponse,
     HandoffRequest,
     HandoffResponse,
+    HeldBlocks,
     LookupManyRequest,
     LookupManyResponse,
     LookupRequest,
@@ -211,6 +212,11 @@ class ControlPlane:
     def heartbeat(self, session_id: str) -> SessionInfo:
         self.pool.heartbeat(session_id)
         return SessionInfo(session_id=session_id, lease_ttl_s=self.pool.lease_ttl_s, epoch=self.epoch)
+
+    def held(self, session_id: str) -> HeldBlocks:
+        if self.leases is not None:  # what its slab handed moves on first, as before any call that names blocks
+            self.leases.settle_session(session_id)
+        return HeldBlocks.model_construct(block_ids=self.pool.held(session_id))
 
     def arena_fd(self, req: ArenaFdRequest) -> tuple[ArenaFdResponse, int]:
         """A VMM arena's fd, for a live session only: the fast channel attaches it to the reply."""

@@ -76,7 +76,8 @@ class Pool(Parking, PoolStats):
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.index_listener)
         tier = self.host_tier
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block)
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block,
+                                        after_evict=tier.flush if tier else None)  # fmt: skip
         if tier is not None:
             tier.bind(self.index, self.allocator)
         for start in self.allocator.starts:
@@ -191,6 +192,13 @@ class Pool(Parking, PoolStats):
     def heartbeat(self, session_id: str) -> Session:
         return self.session(session_id)
 
+    def held(self, session_id: str) -> list[int]:
+        """The fenced ids of the blocks the session holds, an id once per ref: what a client compares with what it
+        knows it holds (a block it holds and does not know of stays held until the session ends)."""
+        session = self._live(session_id) or self.session(session_id)  # asking is no heartbeat: no lease extended
+        fence_of = self.allocator.fence_of
+        return [fence_of[block] for block, refs in self.allocator.refs_of(session.holder).items() for _ in range(refs)]
+
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
@@ -244,8 +252,6 @@ class Pool(Parking, PoolStats):
             if self.on_exhausted is not None:
                 self.on_exhausted(session_id)
             raise
-        if self.host_tier is not None:
-            self.host_tier.flush()
         self.counters.alloc_blocks += num_blocks
         return self.allocator.fenced(blocks)
 

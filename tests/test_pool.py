@@ -461,3 +461,21 @@ def test_a_kv_packed_pool_keeps_each_arena_s_block_0_as_vllm_s_null_block():
     assert (s["free"], s["in_use"], s["cached"]) == (0, 8, 0) and balanced(pool)
     pool.close_session(sid)
     assert pool.stats()["in_use"] == 2 and balanced(pool)
+
+
+def test_a_session_is_told_the_blocks_it_holds_once_per_ref_and_asking_is_no_heartbeat():
+    clock = Clock()
+    pool = make_pool(clock)
+    a = pool.open_session("a", "other").session_id
+    b = pool.open_session("b", "other").session_id
+    ids = pool.alloc(a, 2)
+    pool.commit(a, ids[:1], [1, 2, 3, 4])
+    pool.lookup(a, [1, 2, 3, 4])  # a second ref on the committed block
+    assert sorted(pool.held(a)) == sorted([ids[0], ids[0], ids[1]]) and pool.held(b) == []
+    pool.free(a, ids[1:])
+    assert sorted(pool.held(a)) == [ids[0], ids[0]]
+    clock.now += 1.5
+    pool.held(a)  # not a heartbeat: its lease runs out as it would have
+    clock.now += 1.0
+    with pytest.raises(UnknownSession):
+        pool.held(a)

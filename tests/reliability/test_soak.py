@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,5 +121,40 @@ def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
     assert s["violations"] == 0, s["violation_messages"]
     assert s["ops"].get("handoff, slab to slab", 0) > 20, s["ops"]
     assert s["samples"] >= 20 and s["crashed_workers"] >= 1
+    assert s["book_checks"] >= 16 and s["stranded_blocks"] == 0, "the live books were checked, and nothing stranded"
     assert s["end"]["in_use"] == 0 and s["end"]["handoffs"] == 0 and s["end"]["sessions"] == 0
     assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
+
+
+def test_short_soak_with_slabs_and_a_host_tier_serves_no_client_anothers_kv() -> None:
+    """A slab's refill evicts prefix blocks into the host tier like any alloc: the owner's writes must never come
+    back as a prefix hit (every seed failed with thousands of hits holding another client's stamp)."""
+    proc, s = run_soak("--duration", "8", "--clients", "16", "--crash-every", "2", "--slabs", "--host-blocks", "64")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert s["violations"] == 0, s["violation_messages"]
+    assert s["verify_data"] and s["host_tier"]["restored_blocks"] > 0, s["host_tier"]
+    assert s["stranded_blocks"] == 0 and s["end"]["in_use"] == 0
+
+
+def test_live_books_flag_a_block_a_session_holds_that_its_client_does_not_know() -> None:
+    """The soak's live check, shown to fire: a block the pool's books put in a client's session while the client
+    does not know of it (here, allocated behind its back) is stranded, and found while the client lives."""
+    pool = start_pool(*SMALL_POOL)
+    tally = soak_client.Tally()
+    shared = soak_client.Shared(tally, block_size=4, handoff_ttl_s=2.0, seed=0, verify_data=False)
+    client = soak_client.Client(0, pool.url, False, shared)
+    try:
+        assert client.pool.alloc(1)  # not in the client's refs: unknown to it
+        stop = threading.Event()
+        checker = threading.Thread(target=soak.check_books, args=(pool.url, None, [client], tally, stop, 0.1))
+        checker.start()
+        deadline = time.monotonic() + 10
+        while not tally.violation_count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        checker.join()
+        assert tally.violation_count >= 1 and "stranded" in tally.violations[0], tally.violations
+        assert tally.stranded >= 1
+    finally:
+        client.pool.close()
+        pool.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from kvpool.arena import Arena
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 from kvpool.server.hosttier import HostTier
+from kvpool.server.leases import LeaseBooks
 from kvpool.server.pool import Pool
 from kvpool.server.tiercopy import TierCopier, runs
 
@@ -196,3 +198,45 @@ def test_kv_events_keep_a_router_exact_while_prefixes_move_to_the_host_and_leave
     assert_mirrors(pool, recorder, [0])
     assert len(recorder.router.blocks) == 6
     balanced(pool, tier)
+
+
+def test_every_taker_of_blocks_copies_what_it_evicted_before_the_blocks_reach_anyone(tmp_path: Path) -> None:
+    """An alloc, a slab's refill and a restore all take blocks through the allocator, which flushes what they
+    evicted before it returns them: the taker's writes can never reach the host as the evicted prefix's KV."""
+    pool, arena, tier = make(gpu_blocks=8, host_blocks=16)
+    books = LeaseBooks(pool, tmp_path, regions=2, slots=8, box_dir=None)
+    try:
+        a = pool.open_session("a", "other").session_id
+        b = pool.open_session("b", "other").session_id
+        books.open(b)
+        tokens = prompt(1, 4)
+        store(pool, arena, a, tokens)
+        slab = books.grant(b, 8, [])  # the whole arena: the prefix is evicted into the host's queue
+        tier.check()  # the queue was copied before grant returned
+        for block in slab:
+            fill(arena, block & 0xFFFFFFFF, -1.0)
+        books.grant(b, 0, slab)
+        hit = pool.lookup(a, tokens)
+        assert [value_of(arena, block) for block in hit.block_ids] == [expected(tokens, i) for i in range(4)]
+        tier.check()
+        pool.allocator.check()
+    finally:
+        books.close()
+
+
+def test_a_failed_copy_to_the_host_takes_back_the_blocks_it_was_evicting_for() -> None:
+    pool, arena, tier = make(gpu_blocks=4, host_blocks=8)
+    a = pool.open_session("a", "other").session_id
+    tokens = prompt(2, 4)
+    store(pool, arena, a, tokens)
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("copy failed")
+
+    tier.copier.offload = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="copy failed"):
+        pool.alloc(a, 2)
+    assert pool.allocator.held(f"s:{a}") == {}  # the caller holds nothing it was never told of
+    hit = pool.lookup(a, tokens)  # the two blocks it evicted are gone (not served stale), the chain's head is not
+    assert [value_of(arena, block) for block in hit.block_ids] == [expected(tokens, i) for i in range(2)]
+    pool.allocator.check()

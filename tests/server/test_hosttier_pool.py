@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.client import PoolClient
 from kvpool.hosttier import open_host_tier
 from kvpool.layout import KVLayout
+from kvpool.slab import SlabConfig
 from tests.conftest import start_pool
 from tests.server.test_metrics import promtool_problems
 
@@ -55,6 +56,38 @@ def test_a_prefix_evicted_to_the_host_comes_back_with_the_kv_the_worker_wrote() 
     assert hits == {"gpu": tiers["gpu"]["hit_blocks"], "host": tiers["host"]["hit_blocks"]}
     moved = {s.labels["direction"]: s.value for s in families["kvpool_host_tier_copied_bytes"].samples}
     assert moved["restore"] == tiers["host"]["restored_bytes"]
+
+
+def test_a_slab_that_evicts_a_prefix_never_hands_its_own_kv_to_the_prefixs_next_hit() -> None:
+    """A slab's refill evicts cached prefix blocks like any alloc: their KV must reach the host before the slab's
+    owner writes into them, or the next lookup restores the owner's bytes as the prefix (another tenant's KV)."""
+    pool = start_pool(*FLAGS, "--num-blocks", "16", "--host-blocks", "24", "--leases", "--slab-max-blocks", "16")
+    try:
+        with PoolClient(pool.url, name="a", layout=LAYOUT, slab=False) as a:
+            arena = a.arena()
+            prompt = list(range(16))  # 4 blocks
+            ids = a.alloc(4)
+            for b in ids:
+                for t in arena.block(b):
+                    t.fill_(1.0)
+            a.commit(ids, prompt)
+            a.free(ids)
+            with PoolClient(pool.url, name="b", layout=LAYOUT, slab=SlabConfig(blocks=16, low=0, high=16)) as b:
+                theirs = [b.alloc(1)[0] for _ in range(16)]  # one refill of the whole arena: the prefix is evicted
+                assert b.slabs.slab is not None and pool.stats()["cached"] == 0
+                for block in theirs:
+                    for t in b.arena().block(block):
+                        t.fill_(9.0)
+                b.free(theirs)
+            a.free(a.alloc(1))  # any later call that evicts or allocates copies what was queued for the host
+            hit = a.lookup(prompt)
+            assert hit.num_tokens == 16
+            assert [float(arena.block(block)[0].flatten()[0]) for block in hit.block_ids] == [1.0] * 4
+            a.free(hit.block_ids)
+        stats = pool.stats()
+        assert stats["free"] + stats["in_use"] + stats["cached"] == stats["num_blocks"]
+    finally:
+        pool.stop()
 
 
 @pytest.mark.parametrize(

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import os
 import stat
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
 from kvpool.ids import BLOCK_MASK, GEN_MASK, GEN_STEP, block_of, fence
 from kvpool.layout import KVLayout
-from kvpool.leases import ALLOCATED, HANDED, IDLE
+from kvpool.leases import ALLOCATED, ENTRY, ENTRY_HEAD, HANDED, IDLE, RING
 from kvpool.server.leases import LeaseBooks
 from kvpool.server.pool import Pool
 
@@ -70,6 +73,14 @@ def hand(books: LeaseBooks, producer: str, consumer: str, slots: list[int], seq:
     region["hseq"] = seq
 
 
+def take(books: LeaseBooks, consumer: str, producer: str, seq: int) -> None:
+    """What a consumer's client writes once it took the producer's handoff ``seq``: took, then watch."""
+    p, c = books.leases[producer], books.leases[consumer]
+    region = books.table[c.region]
+    region["took"][p.region] = seq
+    region["watch"][p.region] = p.nonce
+
+
 def session(books: LeaseBooks, name: str) -> str:
     sid = books.pool.open_session(name, "other").session_id
     books.open(sid)
@@ -104,41 +115,114 @@ def test_give_refuses_blocks_outside_the_slab_and_changes_nothing(books: LeaseBo
     assert books.leases[sid].slab == {i & BLOCK_MASK for i in slab}
 
 
-def test_settle_moves_handed_blocks_to_their_consumer(books: LeaseBooks) -> None:
+def test_settle_moves_handed_blocks_to_their_consumer_once_it_took_them(books: LeaseBooks) -> None:
     pool = books.pool
     p, c = session(books, "p"), session(books, "c")
     ids = books.grant(p, 6, [])
     slots = place(books, p, ids, ALLOCATED)
     hand(books, p, c, slots[:3], seq=1)
     assert books.settle(books.leases[p].region) == 3
-    assert (pool.counters.handoffs, pool.counters.claims) == (1, 1)  # one handoff of three blocks, as /claim counts
-    with pytest.raises(NotOwner):
-        pool.free(p, ids[:3])
-    pool.free(c, ids[:3])  # the consumer holds them now
     region = books.table[books.leases[p].region]
     assert region["settled"][slots[:3]].tolist() == [1, 1, 1]  # the producer may reuse those slots
-    assert books.settle(books.leases[p].region) == 0  # settled once only
+    assert books.stats()["slab_in_flight"] == 3 and pool.counters.handoffs == 1
+    with pytest.raises(NotOwner):
+        pool.free(p, ids[:3])  # no longer the producer's
+    with pytest.raises(NotOwner):
+        pool.free(c, ids[:3])  # nor the consumer's until it took them: it may not know of them yet
+    take(books, c, p, 1)
+    assert books.settle(books.leases[p].region) == 0  # settled once only; what is in flight moves on
+    assert (pool.counters.handoffs, pool.counters.claims) == (1, 1)  # one handoff of three blocks, as /claim counts
+    pool.free(c, ids[:3])  # the consumer holds them now
+    assert books.stats()["slab_in_flight"] == 0
     balanced(pool)
 
 
-def test_a_dead_producers_handed_blocks_go_to_the_consumer_and_the_rest_come_back(
-    books: LeaseBooks, clock: Clock
-) -> None:
-    pool = books.pool
+def _dead_producer(books: LeaseBooks, clock: Clock) -> tuple[str, str, list[int], list[int], int]:
+    """A producer holding 8 slab blocks (5 allocated) that hands two to a consumer under sequence 7; (producer,
+    consumer, ids, slots, producer region)."""
     p, c = session(books, "p"), session(books, "c")
     ids = books.grant(p, 8, [])
     slots = place(books, p, ids, IDLE)
     books.table[books.leases[p].region]["slots"]["state"][slots[:5]] = ALLOCATED
     hand(books, p, c, slots[:2], seq=7)
-    region = books.leases[p].region
+    return p, c, ids, slots, books.leases[p].region
+
+
+def _expire_producer(books: LeaseBooks, clock: Clock, consumer: str) -> None:
     clock.now += 1.5
-    pool.heartbeat(c)
+    books.pool.heartbeat(consumer)
     clock.now += 1.0  # the producer's lease ran out, the consumer's did not
-    assert pool.expire() == (1, 0)
+    assert books.pool.expire() == (1, 0)
+
+
+def test_a_dead_producers_handoff_its_consumer_took_is_the_consumers_and_the_rest_comes_back(
+    books: LeaseBooks, clock: Clock
+) -> None:
+    pool = books.pool
+    p, c, ids, _, region = _dead_producer(books, clock)
+    books.settle(region)  # the sweep: in flight
+    take(books, c, p, 7)
+    _expire_producer(books, clock, c)
     assert pool.stats()["in_use"] == 2  # the two handed blocks, now the consumer's
     pool.free(c, ids[:2])
     assert pool.stats()["in_use"] == 0
     assert int(books.table[region]["nonce"]) == 0 and p not in books.leases  # the region is free and zeroed
+    balanced(pool)
+
+
+def test_a_dead_producers_datagram_waits_for_its_consumer_to_read_it_and_one_never_sent_comes_back(
+    books: LeaseBooks, clock: Clock
+) -> None:
+    """A handoff that went as a datagram is in the consumer's box: the pool keeps it in flight until the consumer
+    reads it and names it (its producer's region is gone by then). One still queued in the producer never left:
+    freed, or the consumer would hold blocks it can never learn of."""
+    pool = books.pool
+    p, c, ids, slots, region = _dead_producer(books, clock)
+    p_nonce = books.leases[p].nonce
+    hand(books, p, c, slots[2:3], seq=8)
+    books.table[region]["sent"][books.leases[c].region] = 7  # 7 left as a datagram, 8 waits in the producer
+    _expire_producer(books, clock, c)
+    assert pool.stats()["in_use"] == 2 and books.stats()["slab_in_flight"] == 2
+    with pytest.raises(NotOwner):
+        pool.free(c, ids[:2])
+    assert not books.holds(c, ids[:1], (region, p_nonce, 7))  # not the blocks of that handoff: nothing moves
+    assert not books.holds(c, ids[:2], (region, p_nonce, 6))
+    assert books.holds(c, ids[:2], (region, p_nonce, 7))  # what the consumer's claim asks once it read it
+    pool.free(c, ids[:2])
+    assert pool.stats()["in_use"] == 0 and books.stats()["slab_in_flight"] == 0
+    balanced(pool)
+
+
+def test_a_dead_producers_ring_handoff_is_parked_for_its_consumer(books: LeaseBooks, clock: Clock) -> None:
+    """Its ring goes with its region: what the consumer had not taken from it is parked in the pool for that
+    consumer, under the entry's request id, where its claim finds it."""
+    pool = books.pool
+    _, c, ids, slots, region = _dead_producer(books, clock)
+    c_lease = books.leases[c]
+    rid, meta = b"req-ring", b'{"first":1}'
+    raw = ENTRY_HEAD.pack(7, 0, 0, c_lease.nonce, 5, c_lease.region, 2, slots[0], len(rid), len(meta))
+    raw += array("q", ids[:2]).tobytes() + rid + meta
+    at = 7 % RING * ENTRY
+    books.table[region]["ring"][at : at + len(raw)] = np.frombuffer(raw, np.uint8)
+    _expire_producer(books, clock, c)
+    handoff = pool.claim(c, "req-ring")
+    assert (handoff.block_ids, handoff.num_tokens, handoff.meta) == (ids[:2], 5, {"first": 1})
+    assert books.counters.handed_parked == 2
+    pool.free(c, ids[:2])
+    assert pool.stats()["in_use"] == 0
+    balanced(pool)
+
+
+def test_a_dead_producers_ring_entry_that_names_other_blocks_is_freed(books: LeaseBooks, clock: Clock) -> None:
+    pool = books.pool
+    _, c, ids, slots, region = _dead_producer(books, clock)
+    c_lease = books.leases[c]
+    raw = ENTRY_HEAD.pack(7, 0, 0, c_lease.nonce, 5, c_lease.region, 2, slots[0], 3, 0)
+    raw += array("q", [ids[0], ids[3]]).tobytes() + b"lie"
+    at = 7 % RING * ENTRY
+    books.table[region]["ring"][at : at + len(raw)] = np.frombuffer(raw, np.uint8)
+    _expire_producer(books, clock, c)
+    assert not pool.handoffs and pool.stats()["in_use"] == 0
     balanced(pool)
 
 
@@ -193,7 +277,7 @@ def test_the_table_is_private_to_the_pools_user_and_goes_with_the_pool(books: Le
 
 
 def test_a_producer_cannot_free_what_its_slab_handed(books: LeaseBooks) -> None:
-    """Its free settles its region first: the handed blocks are the consumer's by then, and the free is refused."""
+    """Its free settles its region first: the handed blocks are in flight by then, and the free is refused."""
     pool = books.pool
     p, c = session(books, "p"), session(books, "c")
     ids = books.grant(p, 2, [])
@@ -201,6 +285,9 @@ def test_a_producer_cannot_free_what_its_slab_handed(books: LeaseBooks) -> None:
     hand(books, p, c, slots, seq=1)
     with pytest.raises(NotOwner):
         pool.free(p, ids)
+    take(books, c, p, 1)
+    books.settle_session(c)  # what the consumer's client asks before it names them
+    books.settle(books.leases[p].region)
     pool.free(c, ids)
     balanced(pool)
 
@@ -214,6 +301,8 @@ def test_a_handed_block_given_back_with_the_idle_ones_is_refused(books: LeaseBoo
     with pytest.raises(NotOwner):
         books.grant(p, 0, ids)
     books.grant(p, 0, ids[1:])
+    take(books, c, p, 1)
+    books.settle(books.leases[p].region)
     pool.free(c, ids[:1])
     balanced(pool)
 
@@ -264,6 +353,7 @@ def test_a_handoff_settled_in_two_parts_counts_once(books: LeaseBooks) -> None:
     p, c = session(books, "p"), session(books, "c")
     ids = books.grant(p, 4, [])
     slots = place(books, p, ids, ALLOCATED)
+    take(books, c, p, 2)  # a consumer that took both already (it read them before the pool settled)
     hand(books, p, c, slots[:2], seq=1)
     assert books.settle(books.leases[p].region) == 2
     hand(books, p, c, slots[2:3], seq=1)
@@ -272,4 +362,66 @@ def test_a_handoff_settled_in_two_parts_counts_once(books: LeaseBooks) -> None:
     assert books.settle(books.leases[p].region) == 1
     assert (pool.counters.handoffs, pool.counters.claims) == (2, 2)
     pool.free(c, ids)
+    balanced(pool)
+
+
+def test_what_is_in_flight_to_a_consumer_that_ended_comes_back(books: LeaseBooks) -> None:
+    pool = books.pool
+    p, c = session(books, "p"), session(books, "c")
+    ids = books.grant(p, 3, [])
+    slots = place(books, p, ids, ALLOCATED)
+    hand(books, p, c, slots, seq=1)
+    books.settle(books.leases[p].region)
+    assert books.stats()["slab_in_flight"] == 3
+    pool.close_session(c)
+    books.settle_all()  # the sweep
+    assert pool.stats()["in_use"] == 0 and books.stats()["slab_in_flight"] == 0
+    balanced(pool)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(steps=st.lists(st.sampled_from(["hand", "sweep", "take", "sent", "end p", "end c", "hold"]), max_size=12))
+def test_no_live_session_ever_holds_a_handed_block_it_did_not_take(books: LeaseBooks, steps: list[str]) -> None:
+    """Whatever the order of handoffs, sweeps, takes, datagrams leaving and sessions ending: a block the producer
+    handed is the consumer's only once it took it (or named it to the pool), and the books balance throughout."""
+    pool = books.pool
+    for sid in list(pool.sessions):
+        pool.close_session(sid)
+    p, c = session(books, "p"), session(books, "c")
+    p_lease, c_lease = books.leases[p], books.leases[c]
+    ids = books.grant(p, 6, [])
+    slots = place(books, p, ids, ALLOCATED)
+    seq, taken, named = 0, 0, set()
+    for step in steps:
+        live_p, live_c = p in pool.sessions, c in pool.sessions
+        if step == "hand" and live_p and seq < 6:
+            seq += 1
+            handed = books.table[p_lease.region]["slots"]
+            handed["to_region"][slots[seq - 1]], handed["to_nonce"][slots[seq - 1]] = c_lease.region, c_lease.nonce
+            handed["seq"][slots[seq - 1]] = seq
+            handed["state"][slots[seq - 1]] = HANDED
+        elif step == "sweep":
+            books.settle_all()
+        elif step == "take" and live_c and live_p and taken < seq:
+            taken += 1
+            take(books, c, p, taken)
+        elif step == "sent" and live_p:
+            books.table[p_lease.region]["sent"][c_lease.region] = seq
+        elif step == "end p" and live_p:
+            pool.close_session(p)
+        elif step == "end c" and live_c:
+            pool.close_session(c)
+        elif step == "hold" and live_c and not live_p and taken < seq:
+            if books.holds(c, ids[taken : taken + 1], (p_lease.region, p_lease.nonce, taken + 1)):
+                named.add(ids[taken])
+            taken += 1
+        balanced(pool)
+        if c in pool.sessions:
+            held = set(pool.allocator.refs_of(f"s:{c}"))
+            knows = {ids[i] & BLOCK_MASK for i in range(taken)}
+            assert held <= knows, f"the consumer holds {held - knows}, which it never took"
+    for sid in list(pool.sessions):
+        pool.close_session(sid)
+    books.settle_all()
+    assert pool.stats()["in_use"] == 0
     balanced(pool)
