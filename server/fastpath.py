@@ -151,13 +151,13 @@ class FastChannel:
         reading = _Reading(writer)
         self._open.add(reading)
         authorized = False
-        head: asyncio.Future[bytes] | None = None  # the next frame's first byte, when a waiting claim started its read
+        head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
         def watch() -> asyncio.Future[bytes]:
-            """Read the next frame's first byte while a claim waits: it raises at end of file, when the claimer has
-            gone."""
+            """Read the start of the next frame's header while a claim waits: it raises at end of file, when the
+            claimer has gone."""
             nonlocal head
-            head = asyncio.ensure_future(reader.readexactly(1))
+            head = asyncio.ensure_future(_some(reader, HEADER.size))
             return head
 
         try:
@@ -166,10 +166,14 @@ class FastChannel:
                 if not authorized:
                     frame = await self._hello_frame(reader, hello_by)
                 else:
-                    first = await (head if head is not None else reader.readexactly(1))
+                    # as much of the header as has come (all of it, but for a client that sends it piecemeal): its
+                    # first byte starts the clock, and an idle connection between frames waits for ever
+                    raw = await (head if head is not None else reader.read(HEADER.size))
                     head = None
+                    if not raw:
+                        return
                     reading.since = loop.time()
-                    frame = await self._frame(first, reader)
+                    frame = await self._frame(raw, reader)
                     reading.since = None
                     held = len(frame) if isinstance(frame, bytes) else 0
                 if isinstance(frame, KvpoolError):
@@ -221,10 +225,12 @@ class FastChannel:
             return PayloadTooLarge(f"frame of {size} bytes before hello, over {HELLO_MAX}: say hello first")
         return await reader.readexactly(size)
 
-    async def _frame(self, first: bytes, reader: asyncio.StreamReader) -> bytes | KvpoolError:
-        """The rest of a frame whose first byte came (the sweep cuts the connection if it takes too long). Its size
+    async def _frame(self, start: bytes, reader: asyncio.StreamReader) -> bytes | KvpoolError:
+        """The rest of a frame whose first bytes came (the sweep cuts the connection if it takes too long). Its size
         is taken from ``max_buffered``; the caller gives it back once the frame is answered."""
-        (size,) = HEADER.unpack(first + await reader.readexactly(HEADER.size - 1))
+        if len(start) < HEADER.size:
+            start += await reader.readexactly(HEADER.size - len(start))
+        (size,) = HEADER.unpack(start)
         if size > self.max_frame:
             return PayloadTooLarge(
                 f"frame of {size} bytes over {self.max_frame} (--max-body-bytes, KVPOOL_MAX_BODY_BYTES)"
@@ -329,6 +335,14 @@ class FastChannel:
         ):
             fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors(include_url=False))
             self.plane.refuse(request_id, f"ValidationError: invalid {fields}", by)
+
+
+async def _some(reader: asyncio.StreamReader, n: int) -> bytes:
+    """Up to ``n`` bytes, at least one: IncompleteReadError at end of file."""
+    data = await reader.read(n)
+    if not data:
+        raise asyncio.IncompleteReadError(b"", n)
+    return data
 
 
 class _Reading:

@@ -505,13 +505,13 @@ def test_partial_fast_channel_frames_are_cut_off_and_the_token_holders_go_on() -
         idle = hello(pool, TOKEN)
         opened = time.monotonic()
         strangers, partial = [], []
-        for _ in range(30):
+        for i in range(30):
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             s.connect(path)
             s.sendall(b"\x10\x00")  # half a header
             strangers.append(s)
-            conn = hello(pool, TOKEN)
-            conn.sock.sendall(frame(b"alloc", b'{"session_id": "x", "num_blocks": 1}')[:-10])  # all but its end
+            conn = hello(pool, TOKEN)  # then half a header, or all of a frame but its end
+            conn.sock.sendall(b"\x10\x00" if i % 2 else frame(b"alloc", b'{"session_id": "x", "num_blocks": 1}')[:-10])
             partial.append(conn.sock)
         assert len(unix_calls(pool, TOKEN)) == 20
         results = [outcome(s, opened + 6.0) for s in strangers + partial]
