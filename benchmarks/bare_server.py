@@ -60,6 +60,9 @@ class StubPlane:
     def heartbeat(self, session_id: str) -> SessionInfo:
         return self.info()
 
+    def count_exceeded(self, limit: str) -> None:
+        """The pool counts what its limits refused; the floor has no metrics."""
+
     def _unsupported(self, req: Any) -> Any:
         raise NotImplementedError("the bare floor serves alloc and free only")
 

@@ -16,7 +16,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -28,6 +28,7 @@ HEADER = struct.Struct("<I")
 RECV_CHUNK = 1 << 16
 SEP = b"\0"
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 def frame(head: bytes, body: bytes) -> bytes:
@@ -71,35 +72,54 @@ class FastConnection:
     Replies carry no request id: they are matched to requests by their order. So whatever interrupts an exchange
     half way (Ctrl-C, a signal handler that raises, a time-out) closes the connection: its reply, or the rest of
     it, would otherwise be read as the next call's answer. The caller opens a new one; the pool, seeing this one
-    close, stops a claim that was waiting on it and parks again a handoff it took in that moment.
+    close, stops a claim that was waiting on it and parks again a handoff it took in that moment. With
+    ``timeout_s``, a connect, send or read that the pool leaves waiting that long raises TimeoutError, and so
+    closes the connection too.
     """
 
     def __init__(self, path: str, timeout_s: float | None = None, spin_s: float = 0.0) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(timeout_s)
-        self.sock.connect(path)
-        #: how long a read polls the socket before it sleeps in it (only without a time-out: one waits in poll)
-        self.spin_s = spin_s if timeout_s is None else 0.0
+        self.sock.settimeout(None)
+        #: how long a connect, a send or a read waits for the pool (None: for ever); a read for an answer that may
+        #: wait in the pool (a claim) waits that much longer
+        self.timeout_s = timeout_s
+        self._recv_timeout: float | None = None  # what the socket's receive time-out is set to now
+        #: how long a read polls the socket before it sleeps in it
+        self.spin_s = spin_s
         self.pending: deque[str] = deque()
+        self._waits: deque[float] = deque()  # how long each pending request may wait in the pool
         self.closed = False
         self._buf = bytearray()  # bytes read past the reply in hand: the start of the next
+        try:
+            if timeout_s is not None:
+                # The kernel's own time-outs (SO_SNDTIMEO, SO_RCVTIMEO) leave the socket blocking: a read costs one
+                # system call, where Python's settimeout would poll(2) before each.
+                _set_timeout(self.sock, socket.SO_SNDTIMEO, timeout_s)
+                self._expect(0.0)
+            self._timed("take the connection", self.sock.connect, path)
+        except BaseException:
+            self.sock.close()
+            raise
 
-    def call(self, op: bytes, body: bytes) -> tuple[int, bytes]:
-        """Send a request and read its answer."""
+    def call(self, op: bytes, body: bytes, wait_s: float = 0.0) -> tuple[int, bytes]:
+        """Send a request and read its answer; ``wait_s``: how long the pool may take beyond the time-out (a
+        claim's wait)."""
         self.settle()
         try:
-            self.sock.sendall(frame(op, body))
+            self._send(frame(op, body))
+            self._expect(wait_s)
             return self.receive()
         except BaseException:
             self.close()
             raise
 
-    def call_many(self, op: bytes, bodies: list[bytes]) -> list[tuple[int, bytes]]:
+    def call_many(self, op: bytes, bodies: list[bytes], wait_s: float = 0.0) -> list[tuple[int, bytes]]:
         """Send several requests in one write and read their answers, in order: one wake-up of the pool and one
         of this thread for all of them, where :meth:`call` in a loop pays both for each."""
         self.settle()
         try:
-            self.sock.sendall(b"".join(frame(op, body) for body in bodies))
+            self._send(b"".join(frame(op, body) for body in bodies))
+            self._expect(wait_s)
             return [self.receive() for _ in bodies]
         except BaseException:
             self.close()
@@ -117,12 +137,11 @@ class FastConnection:
         from kvpool.fdpass import recv_frame_with_fd
 
         self.settle()
-        if self.closed:
-            raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
         try:
-            self.sock.sendall(frame(op, body) if hello is None else frame(b"hello", hello) + frame(op, body))
+            self._send(frame(op, body) if hello is None else frame(b"hello", hello) + frame(op, body))
             if meanwhile is not None:
                 meanwhile()
+            self._expect(0.0)
             if hello is not None:
                 status, reply = self.receive(exact=True)
                 if status != 200:
@@ -130,22 +149,24 @@ class FastConnection:
                     return status, reply, None
             if self._buf:
                 raise ConnectionError("bytes of no request came before a reply with a file descriptor")
-            payload, fd = recv_frame_with_fd(self.sock)
+            payload, fd = self._timed("answer", recv_frame_with_fd, self.sock)
         except BaseException:
             self.close()
             raise
         status, _, reply = payload.partition(b"\n")
         return int(status), reply, fd
 
-    def send(self, op: bytes, body: bytes, label: str) -> None:
-        """Write a request and return at once; ``label`` names it if the pool refuses it."""
+    def send(self, op: bytes, body: bytes, label: str, wait_s: float = 0.0) -> None:
+        """Write a request and return at once; ``label`` names it if the pool refuses it, ``wait_s`` is how long
+        the pool may take to answer it beyond the time-out (a claim's wait)."""
         self.settle()
         try:
-            self.sock.sendall(frame(op, body))
+            self._send(frame(op, body))
         except BaseException:
             self.close()
             raise
         self.pending.append(label)
+        self._waits.append(wait_s)
 
     def settle(self) -> None:
         """Read the replies of every pipelined request; raise if the pool refused any of them."""
@@ -160,10 +181,12 @@ class FastConnection:
     def take(self) -> tuple[str, int, bytes]:
         """The reply of the oldest pipelined request, as (label, status, body)."""
         try:
+            self._expect(self._waits[0])
             status, body = self.receive()
         except BaseException:
             self.close()
             raise
+        self._waits.popleft()
         return self.pending.popleft(), status, body
 
     def receive(self, exact: bool = False) -> tuple[int, bytes]:
@@ -204,11 +227,42 @@ class FastConnection:
                 except BlockingIOError:
                     if clock() >= until:
                         break
-        return self.sock.recv(size)
+        return self._timed("answer", self.sock.recv, size)
+
+    def _send(self, data: bytes) -> None:
+        if self.closed:
+            raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
+        self._timed("take the request", self.sock.sendall, data)
+
+    def _expect(self, wait_s: float) -> None:
+        """Let the next reads wait ``wait_s`` longer than the time-out (a claim that waits in the pool)."""
+        if self.timeout_s is None:
+            return
+        timeout = self.timeout_s + wait_s
+        if timeout != self._recv_timeout:
+            _set_timeout(self.sock, socket.SO_RCVTIMEO, timeout)
+            self._recv_timeout = timeout
+
+    def _timed(self, what: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on the socket; the kernel's time-out, which it reports as EAGAIN, is a TimeoutError."""
+        try:
+            return fn(*args)
+        except BlockingIOError:
+            waited = self._recv_timeout if what == "answer" else self.timeout_s
+            raise TimeoutError(f"the pool did not {what} within {waited:g} s") from None
 
     def close(self) -> None:
         self.closed = True
         self.sock.close()
+
+
+def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
+    """A kernel time-out on a blocking socket: a read or a write (or a connect) blocked that long fails with EAGAIN."""
+    whole = int(seconds)
+    micro = round((seconds - whole) * 1e6)
+    if whole == micro == 0:  # zero is no time-out at all
+        micro = 1
+    sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))
 
 
 class PipelinedRefusal(Exception):

@@ -115,6 +115,11 @@ class PoolUnavailable(KvpoolError):
     status = 503
 
 
+class PoolTimeout(PoolUnavailable):
+    """The pool did not answer within the client's ``timeout_s`` (it is stopped, hung or overloaded). Raised by the
+    client only: the call may or may not have taken effect in the pool."""
+
+
 ERRORS: dict[str, type[KvpoolError]] = {
     cls.__name__: cls
     for cls in (

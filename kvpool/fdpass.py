@@ -48,24 +48,25 @@ async def send_with_fd(writer: asyncio.StreamWriter, data: bytes, fd: int) -> No
 def recv_frame_with_fd(sock: socket.socket) -> tuple[bytes, int | None]:
     """Read one frame's payload from a blocking socket, and the fd that came with it, if any."""
     fds: list[int] = []
-    buf = b""
-    while len(buf) < HEADER.size:
-        data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
-        fds.extend(got)
-        if not data:
-            _close(fds)
-            raise ConnectionError("the pool closed the fast channel")
-        buf += data
-    (size,) = HEADER.unpack(buf[: HEADER.size])
-    while len(buf) < HEADER.size + size:
-        data = sock.recv(HEADER.size + size - len(buf))
-        if not data:
-            _close(fds)
-            raise ConnectionError("the pool closed the fast channel")
-        buf += data
-    if len(buf) > HEADER.size + size or len(fds) > 1:
+    try:
+        buf = b""
+        while len(buf) < HEADER.size:
+            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
+            fds.extend(got)
+            if not data:
+                raise ConnectionError("the pool closed the fast channel")
+            buf += data
+        (size,) = HEADER.unpack(buf[: HEADER.size])
+        while len(buf) < HEADER.size + size:
+            data = sock.recv(HEADER.size + size - len(buf))
+            if not data:
+                raise ConnectionError("the pool closed the fast channel")
+            buf += data
+        if len(buf) > HEADER.size + size or len(fds) > 1:
+            raise ConnectionError("the pool sent more than one reply and one fd: the fast channel is out of step")
+    except BaseException:  # a time-out or an interruption half way, too: an fd that came is not leaked
         _close(fds)
-        raise ConnectionError("the pool sent more than one reply and one fd: the fast channel is out of step")
+        raise
     return buf[HEADER.size :], fds[0] if fds else None
 
 

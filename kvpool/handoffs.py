@@ -256,7 +256,7 @@ class DirectHandoffs:
         body = claim_json(self.session.session_id, request_id, timeout_s)
 
         def send(conn: FastConnection) -> FastConnection:
-            conn.send(op, body, request_id)
+            conn.send(op, body, request_id, timeout_s)
             return conn
 
         return self.guard(lambda: self.transport.exchange(send))

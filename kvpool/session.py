@@ -17,7 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from kvpool.arena import forget_mappings
-from kvpool.errors import InvalidRequest, KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
+from kvpool.errors import InvalidRequest, KvpoolError, PoolRestarted, PoolTimeout, PoolUnavailable, UnknownSession
 from kvpool.layout import KVLayout
 from kvpool.protocol import Health, Role, SessionCreate, SessionInfo
 from kvpool.transport import Transport
@@ -100,6 +100,8 @@ class Session:
             raise self.lost
         try:
             return fn()
+        except PoolTimeout:
+            raise  # a pool that does not answer would leave the question of its epoch waiting as long again
         except (UnknownSession, PoolUnavailable):
             self.check_epoch()
             raise

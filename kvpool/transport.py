@@ -19,10 +19,11 @@ import httpx
 from pydantic import BaseModel
 
 from kvpool.channel import SEP, FastConnection, decode, encode
-from kvpool.errors import InvalidRequest, KvpoolError, PoolUnavailable, error_for, raise_for
+from kvpool.errors import InvalidRequest, KvpoolError, PoolTimeout, PoolUnavailable, error_for, raise_for
 from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
+RAISE_TIMEOUT = "give PoolClient a larger timeout_s if the pool is only slow"
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
@@ -82,6 +83,11 @@ class Transport:
             r = self.http.request(
                 method, path, content=content, headers=headers, params=params, timeout=self.timeout_s + wait_s
             )
+        except httpx.TimeoutException as exc:
+            raise PoolTimeout(
+                f"the pool at {self.url} did not answer {method} {path} within {self.timeout_s + wait_s:g} s ({exc}): "
+                f"it may be stopped or overloaded, and the call may or may not have taken effect; {RAISE_TIMEOUT}"
+            ) from exc
         except httpx.HTTPError as exc:
             raise PoolUnavailable(f"cannot reach the pool at {self.url}: {exc}") from exc
         if r.status_code != 200:
@@ -106,7 +112,7 @@ class Transport:
             assert isinstance(req, BaseModel)
             return self.fetch("POST", path, req, resp, wait_s), None
         request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
-        status, body = self.exchange(lambda conn: conn.call(op, request))
+        status, body = self.exchange(lambda conn: conn.call(op, request, wait_s))
         if status != 200:
             raise_for(status, body)
         return decode(resp, body)
@@ -126,14 +132,17 @@ class Transport:
                         raise
                     out.append(exc)
             return out
-        replies = self.exchange(lambda conn: conn.call_many(op, [encode(req) for req in reqs]))
+        replies = self.exchange(lambda conn: conn.call_many(op, [encode(req) for req in reqs], wait_s))
         return [decode(resp, body) if status == 200 else error_for(status, body) for status, body in replies]
 
     def exchange(self, fn: Callable[[FastConnection], Any]) -> Any:
         """Run ``fn`` on this thread's fast connection; a broken channel is PoolUnavailable, and every thread opens
-        a new connection next. (A connection interrupted mid-exchange closes itself: see FastConnection.)"""
+        a new connection next; a pool that leaves it waiting past ``timeout_s`` is PoolTimeout, and this thread
+        opens a new one next. (A connection interrupted mid-exchange closes itself: see FastConnection.)"""
         try:
             return fn(self.connection())
+        except TimeoutError as exc:
+            raise self._timed_out(exc) from exc
         except (ConnectionError, OSError) as exc:
             self.reset()
             raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
@@ -169,7 +178,9 @@ class Transport:
     def _connect(self, path: str) -> FastConnection:
         check_socket(path)  # the pool named it, but whoever answers hello gets the token
         try:
-            return FastConnection(path, spin_s=self.reply_spin_s)
+            return FastConnection(path, self.timeout_s, self.reply_spin_s)
+        except TimeoutError as exc:
+            raise self._timed_out(exc, path) from exc
         except OSError as exc:
             raise PoolUnavailable(f"cannot reach the pool's fast channel at {path}: {exc}") from exc
 
@@ -203,6 +214,8 @@ class Transport:
             conn = self._connect(self.fast_path or path)
             try:
                 status, reply, fd = conn.call_fd(op, body, hello=self._hello(), meanwhile=meanwhile)
+            except TimeoutError as exc:
+                raise self._timed_out(exc, self.fast_path or path) from exc
             except (ConnectionError, OSError) as exc:
                 conn.close()
                 raise PoolUnavailable(f"the fast channel to the pool broke: {exc}") from exc
@@ -217,6 +230,13 @@ class Transport:
         if fd is None:
             raise PoolUnavailable(f"the pool answered {op.decode()} without a file descriptor: is it a kvpool pool?")
         return reply, fd
+
+    def _timed_out(self, exc: TimeoutError, path: str | None = None) -> PoolTimeout:
+        return PoolTimeout(
+            f"{exc} over its fast channel ({path or self.fast_path}): it may be stopped or overloaded, and the call "
+            f"may or may not have taken effect. This thread's connection was dropped (the next call opens a new one); "
+            f"{RAISE_TIMEOUT}"
+        )
 
     def reset(self) -> None:
         """Close every thread's fast connection; each opens a new one on its next call."""

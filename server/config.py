@@ -82,7 +82,21 @@ class PoolSettings(BaseSettings):
     max_meta_bytes: int = Field(16 << 10, ge=2, description="largest handoff meta, as compact JSON")
     max_claims_per_session: int = Field(64, ge=1, description="claims of one session waiting in the pool at once")
     max_fast_connections: int = Field(4096, ge=1, description="fast-channel connections open at once")
+    max_http_connections: int = Field(
+        1024, ge=1, description="HTTP connections open at once, per listener (TCP and the Unix socket each)"
+    )
     hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
+    read_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a connection must send the rest of a request (HTTP headers and body, a fast-channel frame) "
+        "within this of its first byte, and a new HTTP connection its first request; else it is closed",
+    )
+    max_fast_buffer_bytes: ByteSize = Field(
+        ByteSize(256 << 20),
+        ge=1024,
+        description="bytes of fast-channel frames being read or answered, all connections together",
+    )
     leases: bool = Field(
         False,
         description="serve reservation slabs and a lease table in shared memory, so that "
@@ -173,6 +187,11 @@ class PoolSettings(BaseSettings):
             raise ValueError("--kv-events-endpoint and --kv-events-replay-endpoint must be different addresses")
         if self.host_blocks is not None and self.host_bytes is not None:
             raise ValueError("give the host tier's size one way only, not --host-blocks and --host-bytes")
+        if self.max_fast_buffer_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"--max-fast-buffer-bytes ({self.max_fast_buffer_bytes}) must be at least --max-body-bytes "
+                f"({self.max_body_bytes}), or a frame of the largest size could never be read"
+            )
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         if self.arena_handle == "vmm" and self.fast_socket is None:

@@ -43,6 +43,7 @@ from kvpool.protocol import (
     LookupRequest,
     SessionRef,
 )
+from kvpool.server.connections import RefusalLog
 from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,17 @@ def _error(exc: KvpoolError) -> bytes:
 
 
 class FastChannel:
+    """The fast channel's listener and connections.
+
+    Each connection is bounded: before its hello it may send frames of :data:`HELLO_MAX` bytes at most, and must
+    have said hello within ``hello_timeout_s`` of opening; after it, a frame it has started must come whole within
+    ``read_timeout_s`` (an idle connection between frames waits for ever: clients keep theirs open), and the frames
+    being read or answered, all connections together, hold at most ``max_buffered`` bytes.
+
+    The read deadline is kept by a sweep every quarter of it, not a timer per frame: arming and cancelling one costs
+    about as much as the rest of the channel's own work on a call.
+    """
+
     def __init__(
         self,
         plane: ControlPlane,
@@ -74,6 +86,9 @@ class FastChannel:
         max_frame: int,
         max_connections: int = 4096,
         hello_timeout_s: float = 10.0,
+        read_timeout_s: float = 10.0,
+        max_buffered: int | None = None,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self.plane = plane
         self.path = path
@@ -81,10 +96,16 @@ class FastChannel:
         self.max_frame = max_frame
         self.max_connections = max_connections
         self.hello_timeout_s = hello_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.max_buffered = max_buffered if max_buffered is not None else 16 * max_frame
+        self.refusals = refusals if refusals is not None else RefusalLog(plane.count_exceeded)
         self.connections = 0
+        self.buffered = 0  # bytes of the frames being read or answered after hello, all connections together
         token = plane.settings.token
         self.token = token.get_secret_value().encode() if token else None
         self._server: asyncio.AbstractServer | None = None
+        self._open: set[_Reading] = set()
+        self._sweeper: asyncio.Task[None] | None = None
         self.ops: dict[bytes, tuple[type[BaseModel], Handler]] = {
             b"alloc": (AllocRequest, plane.alloc),
             b"free": (FreeRequest, plane.free),
@@ -101,8 +122,11 @@ class FastChannel:
         self.path.unlink(missing_ok=True)
         self._server = await asyncio.start_unix_server(self._serve, path=str(self.path))
         os.chmod(self.path, self.mode)
+        self._sweeper = asyncio.create_task(self._sweep())
 
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -115,54 +139,133 @@ class FastChannel:
                 f"the fast channel has {self.connections} connections open: the limit is {self.max_connections} "
                 "(--max-fast-connections, KVPOOL_MAX_FAST_CONNECTIONS); close idle clients, or raise it"
             )
-            self.plane.count_exceeded("max_fast_connections")
+            self.refusals.note(
+                "max_fast_connections", f"fast-channel connections past --max-fast-connections {self.max_connections}"
+            )
             writer.write(_error(limit))
             writer.close()
             return
         self.connections += 1
+        loop = asyncio.get_running_loop()
+        hello_by = loop.time() + self.hello_timeout_s
+        reading = _Reading(writer)
+        self._open.add(reading)
         authorized = False
         head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
         def watch() -> asyncio.Future[bytes]:
-            """Read the next header while a claim waits: it raises at end of file, when the claimer has gone."""
+            """Read the start of the next frame's header while a claim waits: it raises at end of file, when the
+            claimer has gone."""
             nonlocal head
-            head = asyncio.ensure_future(reader.readexactly(HEADER.size))
+            head = asyncio.ensure_future(_some(reader, HEADER.size))
             return head
 
         try:
             while True:
+                held = 0
                 if not authorized:
-                    # A stranger gets a small frame and a few seconds to say hello, no more of the pool's memory.
-                    raw = await asyncio.wait_for(reader.readexactly(HEADER.size), self.hello_timeout_s)
-                    frame = await asyncio.wait_for(self._frame(raw, HELLO_MAX, reader), self.hello_timeout_s)
+                    frame = await self._hello_frame(reader, hello_by)
                 else:
-                    raw = await (head if head is not None else reader.readexactly(HEADER.size))
+                    # as much of the header as has come (all of it, but for a client that sends it piecemeal): its
+                    # first byte starts the clock, and an idle connection between frames waits for ever
+                    raw = await (head if head is not None else reader.read(HEADER.size))
                     head = None
-                    frame = await self._frame(raw, self.max_frame, reader)
-                if frame is None:
-                    writer.write(_error(PayloadTooLarge(self._too_large(raw, authorized))))
+                    if not raw:
+                        return
+                    reading.since = loop.time()
+                    frame = await self._frame(raw, reader)
+                    reading.since = None
+                    held = len(frame) if isinstance(frame, bytes) else 0
+                if isinstance(frame, KvpoolError):
+                    writer.write(_error(frame))
                     await writer.drain()
                     return
-                op, _, body = frame.partition(b"\n")
-                if op == b"hello":
-                    reply = self._hello(body)
-                    authorized = reply[HEADER.size : HEADER.size + 3] == b"200"
-                elif not authorized:
-                    reply = _error(Unauthorized("say hello first (with the pool's token, if it has one)"))
-                elif op == b"arena_fd":
-                    await self._arena_fd(body, writer)
-                    continue
-                else:
-                    reply = await self._call(op, body, watch if op in WAITS else None)
+                try:
+                    op, _, body = frame.partition(b"\n")
+                    del frame
+                    if op == b"hello":
+                        reply = self._hello(body)
+                        authorized = reply[HEADER.size : HEADER.size + 3] == b"200"
+                    elif not authorized:
+                        reply = _error(Unauthorized("say hello first (with the pool's token, if it has one)"))
+                    elif op == b"arena_fd":
+                        await self._arena_fd(body, writer)
+                        continue
+                    else:
+                        reply = await self._call(op, body, watch if op in WAITS else None)
+                    del body
+                finally:  # before the reply waits for its reader: a client that does not read holds no budget
+                    self.buffered -= held
                 writer.write(reply)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
             self.connections -= 1
+            self._open.discard(reading)
             if head is not None and not head.done():
                 head.cancel()
             writer.close()
+
+    async def _hello_frame(self, reader: asyncio.StreamReader, by: float) -> bytes | KvpoolError:
+        """A frame of a connection that has not said hello: small, and in time for the hello's deadline (from the
+        connection's start, so that wrong hellos one after the other do not hold it open either)."""
+        try:
+            return await asyncio.wait_for(self._small_frame(reader), by - asyncio.get_running_loop().time())
+        except TimeoutError:
+            self.refusals.note(
+                "hello_timeout_s",
+                f"fast-channel connections that said no hello within --hello-timeout-s {self.hello_timeout_s:g}",
+            )
+            raise
+
+    async def _small_frame(self, reader: asyncio.StreamReader) -> bytes | KvpoolError:
+        (size,) = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if size > HELLO_MAX:
+            return PayloadTooLarge(f"frame of {size} bytes before hello, over {HELLO_MAX}: say hello first")
+        return await reader.readexactly(size)
+
+    async def _frame(self, start: bytes, reader: asyncio.StreamReader) -> bytes | KvpoolError:
+        """The rest of a frame whose first bytes came (the sweep cuts the connection if it takes too long). Its size
+        is taken from ``max_buffered``; the caller gives it back once the frame is answered."""
+        if len(start) < HEADER.size:
+            start += await reader.readexactly(HEADER.size - len(start))
+        (size,) = HEADER.unpack(start)
+        if size > self.max_frame:
+            return PayloadTooLarge(
+                f"frame of {size} bytes over {self.max_frame} (--max-body-bytes, KVPOOL_MAX_BODY_BYTES)"
+            )
+        if self.buffered + size > self.max_buffered:
+            self.refusals.note(
+                "max_fast_buffer_bytes", f"fast-channel frames past --max-fast-buffer-bytes {self.max_buffered}"
+            )
+            return LimitExceeded(
+                f"the fast channel holds {self.buffered} bytes of frames being read or answered, and this one of "
+                f"{size} would pass {self.max_buffered} (--max-fast-buffer-bytes, KVPOOL_MAX_FAST_BUFFER_BYTES): "
+                "send it again, or raise the limit"
+            )
+        self.buffered += size
+        try:
+            return await reader.readexactly(size)
+        except BaseException:
+            self.buffered -= size
+            raise
+
+    async def _sweep(self) -> None:
+        """Cut the connections that sent part of a frame and not the rest within ``read_timeout_s``: their read
+        then ends."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.read_timeout_s / 4)
+            late = loop.time() - self.read_timeout_s
+            for reading in [r for r in self._open if r.since is not None and r.since < late]:
+                reading.since = None
+                self.refusals.note(
+                    "read_timeout_s",
+                    f"fast-channel connections that sent part of a frame and not the rest within --read-timeout-s "
+                    f"{self.read_timeout_s:g}",
+                )
+                reading.writer.transport.abort()
 
     async def _arena_fd(self, body: bytes, writer: asyncio.StreamWriter) -> None:
         """Answer with the arena's fd attached (SCM_RIGHTS): only here, after hello, and for a live session."""
@@ -176,16 +279,6 @@ class FastChannel:
         else:
             await send_with_fd(writer, _encode(200, result.model_dump_json().encode()), fd)
         await writer.drain()
-
-    async def _frame(self, raw: bytes, limit: int, reader: asyncio.StreamReader) -> bytes | None:
-        (size,) = HEADER.unpack(raw)
-        return None if size > limit else await reader.readexactly(size)
-
-    def _too_large(self, raw: bytes, authorized: bool) -> str:
-        (size,) = HEADER.unpack(raw)
-        if authorized:
-            return f"frame of {size} bytes over {self.max_frame} (--max-body-bytes, KVPOOL_MAX_BODY_BYTES)"
-        return f"frame of {size} bytes before hello, over {HELLO_MAX}: say hello first"
 
     def _hello(self, body: bytes) -> bytes:
         try:
@@ -228,7 +321,7 @@ class FastChannel:
         books keep their own."""
         try:
             head = json.loads(body.partition(b"\0")[0])
-        except ValueError:
+        except (ValueError, RecursionError):  # nested too deep for the parser: no request id to speak of
             return
         if not isinstance(head, dict):
             return
@@ -242,6 +335,24 @@ class FastChannel:
         ):
             fields = ", ".join(".".join(map(str, e["loc"])) for e in exc.errors(include_url=False))
             self.plane.refuse(request_id, f"ValidationError: invalid {fields}", by)
+
+
+async def _some(reader: asyncio.StreamReader, n: int) -> bytes:
+    """Up to ``n`` bytes, at least one: IncompleteReadError at end of file."""
+    data = await reader.read(n)
+    if not data:
+        raise asyncio.IncompleteReadError(b"", n)
+    return data
+
+
+class _Reading:
+    """A connection, and since when (the loop's clock) it has been reading a frame: None between frames."""
+
+    __slots__ = ("since", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.since: float | None = None
 
 
 def _reply(result: BaseModel) -> bytes:

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,13 +111,15 @@ def spawn(
     wait: bool = True,
     timeout_s: float = 60.0,
     workdir: Path | None = None,
+    preexec_fn: Callable[[], object] | None = None,
 ) -> ServerProcess:
-    """Run ``python -m <module_args>`` (which must listen where ``socket``/``port`` say) with its output in ``log``."""
+    """Run ``python -m <module_args>`` (which must listen where ``socket``/``port`` say) with its output in ``log``;
+    ``preexec_fn`` runs in the child before it starts (to set its resource limits, say)."""
     args = [sys.executable, "-m", *module_args]
     with log.open("wb") as out:
         proc = subprocess.Popen(
             args, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env or child_env(),
-            cwd=SOURCE_ROOT,
+            cwd=SOURCE_ROOT, preexec_fn=preexec_fn,
         )  # fmt: skip
     server = ServerProcess(proc, socket, port, log, args, workdir)
     if wait:

@@ -18,6 +18,7 @@ import uvicorn
 
 from kvpool.server.app import create_app
 from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, settings_from_args
+from kvpool.server.connections import HTTPGuard, RefusalLog, open_files_limit, size_caps
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 from kvpool.trust import directory_problem
@@ -113,21 +114,36 @@ def serve(settings: PoolSettings) -> None:
         sockets.append(bind_tcp(settings.host, settings.port))
     if settings.socket is not None:
         sockets.append(bind_unix(settings.socket, settings.socket_mode))
+    # Every listener has a cap of its own, all of them under the fd limit: a local user who holds the TCP port's
+    # connections can then neither keep the Unix sockets' clients out nor leave the pool unable to open a file.
+    wanted = {"tcp": settings.max_http_connections} if settings.port else {}
+    if settings.socket is not None:
+        wanted["unix"] = settings.max_http_connections
+    if settings.fast_socket is not None:
+        wanted["fast"] = settings.max_fast_connections
+    caps = size_caps(wanted, open_files_limit())
+    refusals = RefusalLog(plane.count_exceeded)
     if settings.fast_socket is not None:
         fast = FastChannel(
             plane,
             settings.fast_socket,
             settings.socket_mode,
             settings.max_body_bytes,
-            max_connections=settings.max_fast_connections,
+            max_connections=caps["fast"],
             hello_timeout_s=settings.hello_timeout_s,
+            read_timeout_s=settings.read_timeout_s,
+            max_buffered=settings.max_fast_buffer_bytes,
+            refusals=refusals,
         )
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
+    guard = HTTPGuard({k: v for k, v in caps.items() if k != "fast"}, settings.read_timeout_s, refusals)
     # A /claim may wait up to an hour for its handoff; without a bound on the graceful shutdown, one waiting claim
     # would keep a stopping pool (SIGTERM) alive that long. Every other call finishes in microseconds.
     config = uvicorn.Config(
         app,
+        http=guard.protocol(),
+        ws="none",  # the pool serves no WebSocket; an upgraded connection would leave its listener's count
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=30,

@@ -68,7 +68,9 @@ class PoolCollector(Collector):
         for field, (name, doc) in COUNTERS.items():
             yield CounterMetricFamily(name, doc, value=s["counters"][field])
         refused = CounterMetricFamily(
-            "kvpool_limits_exceeded", "calls refused (429) for a per-client limit, by setting", labels=["limit"]
+            "kvpool_limits_exceeded",
+            "calls refused, and connections refused or closed, for a per-client limit, by setting",
+            labels=["limit"],
         )
         for limit, count in sorted(s["limits_exceeded"].items()):
             refused.add_metric([limit], count)

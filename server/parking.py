@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import heapq
 import json
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.errors import HandoffExists, HandoffNotFound, HandoffRefused, InvalidRequest, KvpoolError, NotOwner
+from kvpool.errors import (
+    HandoffExists,
+    HandoffNotFound,
+    HandoffRefused,
+    InvalidRequest,
+    KvpoolError,
+    NotOwner,
+    PayloadTooLarge,
+)
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
@@ -40,6 +48,7 @@ class Parking:
     session: Callable[[str], Session]
     named: Callable[[str], Session]
     exceeded: Callable[[str, str], KvpoolError]
+    limits_exceeded: Counter[str]
     _live: Callable[[str], Session | None]
     _expire_session: Callable[[Session], None]
     unfence: Callable[[Sequence[int]], list[int]]
@@ -77,6 +86,8 @@ class Parking:
                     f"request {request_id!r} was refused before ({refusal.why}), and its claimer was told so and "
                     "dropped it: hand it off under a new request id"
                 )
+            if not block_ids:
+                raise InvalidRequest("a handoff carries at least one block: hand off the blocks of the request's KV")
             max_tokens = len(block_ids) * self.layout.block_size
             if num_tokens > max_tokens:
                 raise InvalidRequest(
@@ -84,7 +95,11 @@ class Parking:
                 )
             meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
             if len(meta_json) > limits.max_meta_bytes:
-                raise self.exceeded("max_meta_bytes", f"meta is {len(meta_json)} bytes of JSON")
+                self.limits_exceeded["max_meta_bytes"] += 1
+                raise PayloadTooLarge(
+                    f"meta is {len(meta_json)} bytes of JSON, over the limit of {limits.max_meta_bytes} "
+                    "(--max-meta-bytes, KVPOOL_MAX_META_BYTES): send less meta, or raise the limit"
+                )
             if len(self.handoffs) >= limits.max_handoffs:
                 raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
             mine = self._parked_by.get(session_id, ())

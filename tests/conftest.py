@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,13 +40,18 @@ def free_port() -> int:
 PoolProcess = ServerProcess
 
 
-def start_pool(*flags: str, env: dict[str, str] | None = None, timeout_s: float = 60.0) -> PoolProcess:
+def start_pool(
+    *flags: str,
+    env: dict[str, str] | None = None,
+    timeout_s: float = 60.0,
+    preexec_fn: Callable[[], object] | None = None,
+) -> PoolProcess:
     """Start a real pool on a fresh socket and port and wait until ``/health`` answers 200."""
     workdir = Path(tempfile.mkdtemp(prefix="kvp-"))
     sock, port = workdir / "kvpool.sock", free_port()
     args = ["kvpool", "serve", "--socket", str(sock), "--port", str(port), "--backend", "cpu", "--log-level", "warning"]
     return spawn([*args, *flags], socket=sock, port=port, log=workdir / "pool.log", env=child_env(**(env or {})),
-                 timeout_s=timeout_s, workdir=workdir)  # fmt: skip
+                 timeout_s=timeout_s, workdir=workdir, preexec_fn=preexec_fn)  # fmt: skip
 
 
 @pytest.fixture

@@ -152,16 +152,112 @@ def test_a_polling_read_takes_replies_that_come_while_it_polls_and_after(tmp_pat
         thread.join(5)
 
 
-def test_a_connection_with_a_time_out_does_not_poll(tmp_path):
-    """With a time-out the socket waits in poll(2) on every read, so the polling would sleep there: it is off."""
+def test_a_connection_with_a_time_out_polls_too(tmp_path):
+    """The time-out is the kernel's (SO_RCVTIMEO), so the socket stays blocking and the polling stays on."""
+    replies = [b"a" * 10, b"b" * (2 * RECV_CHUNK + 3), b"c" * 5]
     path = str(tmp_path / "s.sock")
-    thread = serve_once(path, [b"x"], 1)
+    thread = serve_once(path, replies, 12)
     conn = FastConnection(path, timeout_s=10, spin_s=0.002)
     try:
-        assert conn.spin_s == 0.0 and conn.call(b"x", b"1") == (200, b"x")
+        assert conn.spin_s == 0.002 and conn.sock.gettimeout() is None
+        assert conn.call_many(b"x", [b"1", b"2", b"3"]) == [(200, r) for r in replies]
     finally:
         conn.close()
         thread.join(5)
+
+
+def serve_late(path: str, delay_s: float, replies: int = 1) -> threading.Thread:
+    """A stand-in pool that answers each of ``replies`` requests ``delay_s`` after it came, then waits for the client
+    to go (a pool that stopped answering: a delay longer than the client waits)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+
+    def run() -> None:
+        conn, _ = listener.accept()
+        with conn, listener:
+            for _ in range(replies):
+                if not conn.recv(1 << 16):
+                    return
+                time.sleep(delay_s)
+                try:
+                    conn.sendall(frame(b"200", b"late"))
+                except OSError:
+                    return
+            conn.recv(1)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("spin_s", [0.0, 0.002])
+def test_a_call_the_pool_leaves_unanswered_times_out_and_drops_the_connection(tmp_path, spin_s):
+    path = str(tmp_path / "s.sock")
+    thread = serve_late(path, 30.0)
+    conn = FastConnection(path, timeout_s=0.5, spin_s=spin_s)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"did not answer within 0\.5 s"):
+        conn.call(b"x", b"1")
+    assert time.monotonic() - start < 0.5 + 2.0
+    assert conn.closed  # its late answer can never be read as the next call's
+    with pytest.raises(ConnectionError):
+        conn.call(b"x", b"2")
+    thread.join(0)
+
+
+def test_an_answer_with_a_file_descriptor_times_out_too(tmp_path):
+    path = str(tmp_path / "s.sock")
+    thread = serve_late(path, 30.0)
+    conn = FastConnection(path, timeout_s=0.5)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.call_fd(b"arena_fd", b"{}", hello=b"{}")
+    assert time.monotonic() - start < 0.5 + 2.0 and conn.closed
+    thread.join(0)
+
+
+def test_a_request_that_may_wait_in_the_pool_is_given_its_wait_on_top(tmp_path):
+    """A claim waits in the pool up to its own timeout_s: its answer is read for that long beyond the time-out,
+    and the next call is held to the time-out alone again."""
+    path = str(tmp_path / "s.sock")
+    thread = serve_late(path, 1.0, replies=2)
+    conn = FastConnection(path, timeout_s=0.3)
+    try:
+        conn.send(b"claim", b"1", "claimed", wait_s=5.0)
+        assert conn.take() == ("claimed", 200, b"late")
+        with pytest.raises(TimeoutError, match=r"within 0\.3 s"):
+            conn.call(b"alloc", b"2")
+    finally:
+        conn.close()
+        thread.join(5)
+
+
+def test_a_pool_whose_backlog_is_full_times_out_the_connect(tmp_path):
+    """A stopped pool accepts nothing: once its listen backlog is full, a connect waits, for the time-out only."""
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    queued = []
+    try:
+        for _ in range(4):  # fill the backlog (its length is the kernel's business: try until a connect would wait)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="take the connection"):
+            FastConnection(path, timeout_s=0.5)
+        assert time.monotonic() - start < 0.5 + 2.0
+    finally:
+        for s in queued:
+            s.close()
+        listener.close()
 
 
 def test_an_exact_read_leaves_what_follows_in_the_socket(tmp_path):

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from array import array
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,9 +24,11 @@ from kvpool.errors import (
     LayoutMismatch,
     NameTaken,
     NotOwner,
+    PoolTimeout,
     UnknownSession,
 )
 from kvpool.layout import KVLayout
+from kvpool.protocol import ArenaFdRequest
 from tests.conftest import SMALL_POOL, child_env, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -435,5 +440,59 @@ def test_salted_prefixes_over_a_sha256_pool():
                 hit = client.lookup(prompt, salt=salt)
                 assert hit.block_ids == ids and hit.num_tokens == 8
                 client.free(hit.block_ids)
+    finally:
+        pool.stop()
+
+
+def bounded(call: Callable[[], object], limit_s: float) -> tuple[float, BaseException | None]:
+    """How long ``call`` took and what it raised; (``limit_s``, None) if it was still blocked then."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            call()
+        except BaseException as exc:
+            out["error"] = exc
+        out["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    return out.get("took", limit_s), out.get("error")
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "http"])
+def test_every_call_ends_within_its_time_out_when_the_pool_stops_answering(fast):
+    """A pool stopped with SIGSTOP answers nothing: each call raises PoolTimeout within ``timeout_s`` (plus a
+    claim's own wait), whether it goes over a kept connection, a new one (whose hello goes unanswered) or the fd
+    exchange. Once the pool goes on, each call gets its own answer, never a late one of a call that timed out."""
+    timeout = 1.5
+    pool = start_pool(*SMALL_POOL, "--lease-ttl-s", "60")  # the lease runs on while the pool is stopped
+    try:
+        with PoolClient(pool.url, name="w", timeout_s=timeout, fast=fast, heartbeat=False) as c:
+            held = c.alloc(1)
+            fd_request = ArenaFdRequest(session_id=c.session_id)
+            calls = [
+                ("alloc", lambda: c.alloc(2), 0.0),
+                ("alloc over a new connection", lambda: c.alloc(2), 0.0),
+                ("free", lambda: c.free(held), 0.0),
+                ("lookup", lambda: c.lookup([1, 2, 3, 4]), 0.0),
+                ("claim", lambda: c.claim("nobody", timeout_s=1.0), 1.0),
+                ("arena fd", lambda: c.transport.fetch_fd(b"arena_fd", fd_request, f"{pool.socket}.fast"), 0.0),
+            ]
+            os.kill(pool.proc.pid, signal.SIGSTOP)
+            try:
+                for name, call, wait_s in calls:
+                    took, error = bounded(call, timeout + wait_s + 10.0)
+                    assert isinstance(error, PoolTimeout), (name, repr(error))
+                    assert took < timeout + wait_s + 2.0, (name, took)
+                    assert "timeout_s" in str(error), error
+            finally:
+                os.kill(pool.proc.pid, signal.SIGCONT)
+            mine = c.alloc(3)
+            assert len(mine) == 3 and c.free(mine) == 3
+            with pytest.raises(HandoffNotFound, match="nobody"):
+                c.claim("nobody", timeout_s=0)
     finally:
         pool.stop()

@@ -35,11 +35,24 @@ def test_flags_override_environment(monkeypatch):
 
 @pytest.mark.parametrize(
     "argv",
-    [["--num-blocks", "4", "--arena-bytes", "1GiB"], ["--port", "0", "--socket", "none"]],
+    [
+        ["--num-blocks", "4", "--arena-bytes", "1GiB"],
+        ["--port", "0", "--socket", "none"],
+        ["--max-fast-buffer-bytes", "1MiB"],  # under --max-body-bytes: the largest frame could never be read
+        ["--read-timeout-s", "0"],
+        ["--max-http-connections", "0"],
+    ],
 )
 def test_contradictions_are_refused(argv):
     with pytest.raises(ValidationError):
         parse(argv)
+
+
+def test_connection_bounds_are_settings(monkeypatch):
+    assert (PoolSettings().read_timeout_s, PoolSettings().max_http_connections) == (10.0, 1024)
+    monkeypatch.setenv("KVPOOL_READ_TIMEOUT_S", "2.5")
+    s = parse(["--max-http-connections", "50", "--max-fast-buffer-bytes", "64MiB"])
+    assert (s.read_timeout_s, s.max_http_connections, s.max_fast_buffer_bytes) == (2.5, 50, 64 << 20)
 
 
 def test_sizes_read_like_people_write_them():

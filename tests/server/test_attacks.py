@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -26,15 +27,25 @@ import httpx
 import pytest
 
 from kvpool import cli
-from kvpool.channel import FastConnection, frame
-from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, HandoffRefused, LimitExceeded, NameTaken, NotOwner, UntrustedSocket
+from kvpool.channel import HEADER, FastConnection, decode, frame
+from kvpool.client import PoolClient, http_client
+from kvpool.errors import (
+    HandoffNotFound,
+    HandoffRefused,
+    LimitExceeded,
+    NameTaken,
+    NotOwner,
+    PayloadTooLarge,
+    UntrustedSocket,
+)
 from kvpool.inbox import encode_delivery
+from kvpool.protocol import AllocResponse
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
 from tests.server.books import assert_balanced
 
 OTHER_UID = 65534  # nobody: a second local user, made a member of the pool's socket group for the attack
 TOKEN = "attack-tests-token"
+HEADER_SIZE = HEADER.size
 IS_ROOT = os.geteuid() == 0
 
 
@@ -208,17 +219,24 @@ def test_sessions_expiring_together_never_stall_the_others(tmp_path: Path) -> No
     """Thousands of idle sessions expire in one sweep while tens of thousands of handoffs are parked: the sweep
     must cost what expired, or the pool's one event loop stalls past the lease and expires everyone else."""
     sessions, producers, per_producer = 3000, 20, 2000
+    blocks = str(producers * per_producer + 64)  # one block a handoff (of 1 KiB each)
     pool = start_pool(
-        *SMALL_POOL, "--lease-ttl-s", "2", "--max-sessions", str(sessions + 100), "--handoff-ttl-s", "3600"
-    )
+        *SMALL_POOL, "--num-blocks", blocks, "--lease-ttl-s", "2", "--max-sessions", str(sessions + 100),
+        "--handoff-ttl-s", "3600",
+    )  # fmt: skip
     try:
         with PoolClient(pool.url, name="victim") as victim, pool.http() as http:
             conn = hello(pool)
             for i in range(producers):  # parked for anyone, for an hour: they outlive their producers
                 r = http.post("/sessions", json={"name": f"p{i}"})
                 sid = r.json()["session_id"]
-                for j in range(per_producer):
-                    body = {"session_id": sid, "request_id": f"h-{i}-{j}", "block_ids": [], "num_tokens": 0}
+                status, reply = conn.call(
+                    b"alloc", json.dumps({"session_id": sid, "num_blocks": per_producer}).encode()
+                )
+                assert status == 200, reply
+                ids = decode(AllocResponse, reply)[0].block_ids
+                for j, block in enumerate(ids):
+                    body = {"session_id": sid, "request_id": f"h-{i}-{j}", "block_ids": [block], "num_tokens": 0}
                     assert conn.call(b"handoff", json.dumps(body).encode())[0] == 200
             conn.close()
             assert pool.stats()["handoffs"] == producers * per_producer
@@ -264,13 +282,14 @@ def test_per_client_bounds_are_settings_and_say_which(tmp_path: Path) -> None:
             assert http.post("/sessions", json={"name": "c"}).status_code == 200
             r = http.post("/sessions", json={"name": "d"})
             assert r.status_code == 429 and "KVPOOL_MAX_SESSIONS" in r.json()["detail"], r.text
-            with pytest.raises(LimitExceeded, match="max-meta-bytes"):
-                a.handoff("big", [], 0, meta={"x": "y" * 100})
-            a.handoff("h1", [], 0)
-            a.handoff("h2", [], 0)
+            ids = a.alloc(3)
+            with pytest.raises(PayloadTooLarge, match="max-meta-bytes"):  # no wait would make it fit
+                a.handoff("big", ids[:1], 0, meta={"x": "y" * 100})
+            a.handoff("h1", ids[:1], 0)
+            a.handoff("h2", ids[1:2], 0)
             before = pool.stats()
             with pytest.raises(LimitExceeded, match="max-handoffs-per-session"):
-                a.handoff("h3", a.alloc(1), 1)
+                a.handoff("h3", ids[2:], 1)
             assert pool.stats()["handoffs"] == before["handoffs"] == 2
 
             def wait_in_vain() -> None:
@@ -366,6 +385,225 @@ def test_an_interrupted_call_never_hands_its_answer_to_the_next(pool_server: Poo
         assert (got.request_id, got.block_ids) == ("next", ids)
         assert c.free([*mine, *got.block_ids]) == 3
     assert pool_server.stats()["in_use"] == 0
+
+
+# -- connections held open: a cap per listener, a deadline per request ------------------------------------------
+
+
+def half_open(port: int, n: int, data: bytes = b"GET /health HTTP/1.1\r\nhost: kvp") -> list[socket.socket]:
+    """``n`` TCP connections that each send the start of a request and no more: what any local user can hold."""
+    out = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(data)
+        out.append(s)
+    return out
+
+
+def outcome(s: socket.socket, until: float) -> tuple[bytes, float]:
+    """What the pool sent before it closed ``s`` (reset: b"reset"), and when it closed it."""
+    data = b""
+    try:
+        while True:
+            s.settimeout(max(0.01, until - time.monotonic()))
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except ConnectionResetError:
+        data = data or b"reset"
+    except TimeoutError:
+        data = b"still open"
+    finally:
+        s.close()
+    return data, time.monotonic()
+
+
+def unix_calls(pool: PoolProcess, token: str, n: int = 20) -> list[float]:
+    """Alloc + free pairs of a token holder over the Unix socket, on both transports; their durations."""
+    took = []
+    with (
+        PoolClient(pool.url, name="u-http", token=token, fast=False) as slow,
+        PoolClient(pool.url, name="u-fast", token=token) as fast,
+    ):
+        for client in (slow, fast) * (n // 2):
+            start = time.perf_counter()
+            client.free(client.alloc(2))
+            took.append(time.perf_counter() - start)
+    return took
+
+
+def unix_stats(pool: PoolProcess, token: str) -> dict[str, Any]:
+    with http_client(pool.url, token, 10.0) as h:
+        stats: dict[str, Any] = h.get("/stats").json()
+        return stats
+
+
+def test_half_open_tcp_connections_are_capped_and_cut_off_and_never_starve_the_unix_socket() -> None:
+    """Another local user holds half-sent requests open on the TCP port: past the TCP listener's cap each new one
+    is refused at once, each held one is closed once the read deadline passes, the pool says so, and the token
+    holders on the Unix socket are answered all along."""
+    cap, deadline = 50, 1.0
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN, "KVPOOL_MAX_HTTP_CONNECTIONS": str(cap),
+                                        "KVPOOL_READ_TIMEOUT_S": str(deadline)})  # fmt: skip
+    try:
+        with http_client(pool.tcp_url, TOKEN, 10.0) as keep:  # a TCP client idle between requests is not cut
+            assert keep.get("/stats").status_code == 200
+            opened = time.monotonic()
+            held = half_open(pool.port, cap - 2)  # and ``keep``: one short of the cap
+            body = (
+                f"POST /alloc HTTP/1.1\r\nhost: kvp\r\nauthorization: Bearer {TOKEN}\r\ncontent-length: 100\r\n\r\n{{"
+            )
+            held += half_open(pool.port, 1, body.encode())
+            held += half_open(pool.port, 11)
+            assert len(unix_calls(pool, TOKEN)) == 20
+            results = [outcome(s, opened + deadline + 5.0) for s in held]
+            answers = [data for data, _ in results]
+            assert answers.count(b"still open") == 0
+            timed_out = [data for data in answers if data.startswith(b"HTTP/1.1 408")]
+            assert len(timed_out) == cap - 2  # past the deadline, where no request was being answered: a 408
+            assert b"--read-timeout-s" in timed_out[0]
+            assert answers.count(b"") == 1  # headers and part of a body: the app has its request, so just closed
+            refused = [data for data in answers if not data.startswith(b"HTTP/1.1 408") and data]
+            assert len(refused) == 11  # past the cap (a 429, or a reset for a request the pool did not read)
+            assert all(data == b"reset" or data.startswith(b"HTTP/1.1 429") for data in refused), refused
+            assert all(when - opened < deadline + 3.0 for _, when in results)
+            time.sleep(deadline + 0.5)
+            assert keep.get("/stats").status_code == 200
+        s = unix_stats(pool, TOKEN)
+        assert s["limits_exceeded"] == {"max_http_connections": 11, "read_timeout_s": cap - 1}
+        wait_until(lambda: "read-timeout-s 1" in pool.output(), timeout_s=15)
+        log = pool.output()
+        assert f"TCP connections past --max-http-connections {cap}" in log, log
+        assert "TCP connections that sent no whole request within --read-timeout-s 1" in log, log
+    finally:
+        pool.stop()
+
+
+def test_upgrade_requests_give_their_connection_back() -> None:
+    """A WebSocket upgrade request (the pool serves none) is answered, and its connection, once closed, leaves room
+    under the cap again, as any other does (an upgraded connection would leave its count behind for good)."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_MAX_HTTP_CONNECTIONS": "2"})
+    upgrade = (
+        b"GET /health HTTP/1.1\r\nhost: kvp\r\nupgrade: websocket\r\nconnection: upgrade\r\n"
+        b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+    )
+    try:
+        for _ in range(5):
+            (s,) = half_open(pool.port, 1, upgrade)
+            assert s.recv(9) == b"HTTP/1.1 "
+            s.close()
+        with pool.http() as http:
+            wait_until(lambda: http.get("/health").status_code == 200)
+    finally:
+        pool.stop()
+
+
+def limit_open_files(soft: int, hard: int) -> Callable[[], None]:
+    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_pool_allowed_few_files_keeps_room_for_the_unix_socket() -> None:
+    """The issue's attack as it was: a pool that may open 400 files, another user holding 500 half-sent requests on
+    the TCP port. Its caps fit under the limit, so the Unix socket's token holders are still answered."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN}, preexec_fn=limit_open_files(400, 400))
+    held: list[socket.socket] = []
+    try:
+        held = half_open(pool.port, 500)
+        assert len(unix_calls(pool, TOKEN)) == 20
+        assert unix_stats(pool, TOKEN)["limits_exceeded"]["max_http_connections"] >= 500 - 33
+        assert "connections capped at tcp 33, unix 33, fast 133" in pool.output(), pool.output()
+    finally:
+        for s in held:
+            s.close()
+        pool.stop()
+
+
+def test_the_pool_raises_its_soft_open_files_limit_to_the_hard_one() -> None:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    pool = start_pool(*SMALL_POOL, preexec_fn=limit_open_files(256, hard))
+    try:
+        limits = Path(f"/proc/{pool.proc.pid}/limits").read_text()
+        (line,) = [line for line in limits.splitlines() if line.startswith("Max open files")]
+        soft_now, hard_now = line.split()[3:5]
+        assert soft_now == hard_now != "256", line
+    finally:
+        pool.stop()
+
+
+def test_partial_fast_channel_frames_are_cut_off_and_the_token_holders_go_on() -> None:
+    """Strangers that never finish their hello, and a token holder's connections that send part of a frame after
+    it, are closed once their deadline passes; an idle connection between frames is not; the others are served."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN, "KVPOOL_READ_TIMEOUT_S": "1",
+                                        "KVPOOL_HELLO_TIMEOUT_S": "1"})  # fmt: skip
+    path = f"{pool.socket}.fast"
+    try:
+        idle = hello(pool, TOKEN)
+        opened = time.monotonic()
+        strangers, partial = [], []
+        for i in range(30):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(path)
+            s.sendall(b"\x10\x00")  # half a header
+            strangers.append(s)
+            conn = hello(pool, TOKEN)  # then half a header, or all of a frame but its end
+            conn.sock.sendall(b"\x10\x00" if i % 2 else frame(b"alloc", b'{"session_id": "x", "num_blocks": 1}')[:-10])
+            partial.append(conn.sock)
+        assert len(unix_calls(pool, TOKEN)) == 20
+        results = [outcome(s, opened + 6.0) for s in strangers + partial]
+        assert all(data == b"" for data, _ in results), results
+        assert all(when - opened < 1.0 + 3.0 for _, when in results)
+        time.sleep(0.5)
+        assert idle.call(b"hello", json.dumps({"token": TOKEN}).encode())[0] == 200  # idle between frames: kept
+        idle.close()
+        assert unix_stats(pool, TOKEN)["limits_exceeded"] == {"hello_timeout_s": 30, "read_timeout_s": 30}
+        wait_until(lambda: "sent part of a frame" in pool.output(), timeout_s=15)
+        assert "fast-channel connections that said no hello within --hello-timeout-s 1" in pool.output()
+    finally:
+        pool.stop()
+
+
+def test_wrong_hellos_one_after_another_do_not_keep_a_stranger_connected() -> None:
+    """The hello deadline runs from the connection's start: a refused hello does not start it again."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN, "KVPOOL_HELLO_TIMEOUT_S": "1"})
+    try:
+        conn = FastConnection(f"{pool.socket}.fast", timeout_s=10)
+        start = time.monotonic()
+        with pytest.raises(ConnectionError):
+            while time.monotonic() - start < 6.0:
+                assert conn.call(b"hello", b'{"token": "wrong"}')[0] == 401
+                time.sleep(0.2)
+        assert time.monotonic() - start < 1.0 + 3.0
+    finally:
+        pool.stop()
+
+
+def test_frames_being_read_share_one_budget() -> None:
+    """The bytes of frames being read are bounded by --max-fast-buffer-bytes, whatever the number of connections:
+    a frame past the budget is refused (429, "send it again"), while smaller ones go on."""
+    body_max, budget = 64 << 10, 100_000
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_MAX_BODY_BYTES": str(body_max),
+                                        "KVPOOL_MAX_FAST_BUFFER_BYTES": str(budget)})  # fmt: skip
+    try:
+        slow = hello(pool)
+        big = frame(b"lookup", b'{"session_id": "x", "token_ids": [' + b"1," * 29_000 + b"1]}")
+        assert budget // 2 < len(big) - 4 <= body_max
+        slow.sock.sendall(big[:1000])  # holds its frame's size in the budget while it is read
+        other = hello(pool)
+        status, reply = other.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])
+        assert status == 429 and b"--max-fast-buffer-bytes" in reply, reply
+        with pytest.raises(ConnectionError):  # and closed: the rest of its frame is not read
+            other.call(b"hello", b"{}")
+        small = hello(pool)
+        assert small.call(b"hello", b"{}")[0] == 200
+        slow.sock.sendall(big[1000:])
+        status, reply = slow.receive()
+        assert status == 404 and b"unknown session" in reply  # read whole, answered: the budget is free again
+        again = hello(pool)
+        assert again.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])[0] == 404
+        assert pool.stats()["limits_exceeded"] == {"max_fast_buffer_bytes": 1}
+    finally:
+        pool.stop()
 
 
 # -- a squatted socket directory ---------------------------------------------------------------------------

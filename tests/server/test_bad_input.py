@@ -25,6 +25,7 @@ from kvpool.errors import (
     HandoffNotFound,
     InvalidRequest,
     NotOwner,
+    PayloadTooLarge,
     PoolExhausted,
     StaleBlock,
     UnknownSession,
@@ -213,6 +214,11 @@ HTTP_CASES: list[tuple[str, str, str, Any, int, list[str]]] = [
      {"session_id": "{A}", "request_id": "parked", "block_ids": [2], "num_tokens": 1}, 409, ["already parked"]),
     ("claim-unknown-request", "POST", "/claim", {"session_id": "{A}", "request_id": "nobody", "timeout_s": 0}, 404,
      ["nobody"]),
+    ("handoff-no-blocks", "POST", "/handoff",
+     {"session_id": "{A}", "request_id": "r-none", "block_ids": [], "num_tokens": 0}, 400, ["at least one block"]),
+    ("handoff-meta-too-large", "POST", "/handoff",
+     {"session_id": "{A}", "request_id": "r-meta", "block_ids": [2], "num_tokens": 1, "meta": {"x": "y" * 20000}},
+     413, ["meta", "--max-meta-bytes"]),
     ("handoff-empty-request-id", "POST", "/handoff",
      {"session_id": "{A}", "request_id": "", "block_ids": [2], "num_tokens": 1}, 422, ["request_id"]),
     ("handoff-to-nobody", "POST", "/handoff",
@@ -304,6 +310,10 @@ FAST_CLIENT_CASES: list[tuple[str, Any, type[Exception], list[str]]] = [
     ("lookup-token-too-big", lambda w: w.a.lookup([2**32] * 4), InvalidRequest, ["token ids"]),
     ("handoff-to-nobody", lambda w: w.a.handoff("r-z", [2], 1, to="nobody"), InvalidRequest, ["no live session"]),
     ("free-packed-not-held", lambda w: w.a.free(array("i", [2, 5])), NotOwner, ["holds no reference", "5"]),
+    ("handoff-no-blocks", lambda w: w.a.handoff("r-none", [], 0), InvalidRequest, ["at least one block"]),
+    ("handoff-no-blocks-to", lambda w: w.a.handoff("r-none", [], 0, to="b"), InvalidRequest, ["at least one block"]),
+    ("handoff-meta-too-large", lambda w: w.a.handoff("r-meta", [2], 1, meta={"x": "y" * 20000}), PayloadTooLarge,
+     ["--max-meta-bytes"]),
 ]  # fmt: skip
 
 
@@ -386,6 +396,19 @@ FAST_FRAME_CASES: list[tuple[str, bytes, Any, int, list[str]]] = [
     ("ids-attached-past-end", b"free", ({"session_id": "{A}", "block_ids": []}, [64]), 400, ["out of range"]),
     ("ids-attached-not-held", b"free", ({"session_id": "{A}", "block_ids": []}, [5]), 409, ["holds no reference"]),
     ("accept-unknown-request", b"accept", {"session_id": "{A}", "request_id": "nobody"}, 404, ["nobody"]),
+    # nested past any parser's depth, in a handoff (whose refusal is looked into for a request id to keep)
+    ("json-too-deep", b"handoff", b'{"meta": ' + b"[" * 50000 + b"]" * 50000 + b"}", 422, ["recursion"]),
+    ("json-too-deep-in-meta", b"handoff",
+     b'{"session_id": "x", "request_id": "r", "to": "b", "block_ids": [2], "num_tokens": 0, "meta": {"a": '
+     + b"[" * 50000 + b"]" * 50000 + b"}}", 422, ["recursion"]),
+    ("handoff-no-blocks", b"handoff", {"session_id": "{A}", "request_id": "r-none", "block_ids": [], "num_tokens": 0},
+     400, ["at least one block"]),
+    ("handoff-no-blocks-attached", b"handoff",
+     ({"session_id": "{A}", "request_id": "r-none", "block_ids": [], "num_tokens": 0}, []), 400,
+     ["at least one block"]),
+    ("handoff-meta-too-large", b"handoff",
+     {"session_id": "{A}", "request_id": "r-meta", "block_ids": [2], "num_tokens": 1, "meta": {"x": "y" * 20000}},
+     413, ["--max-meta-bytes"]),
 ]  # fmt: skip
 
 
