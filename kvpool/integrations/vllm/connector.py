@@ -7,7 +7,6 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,6 @@ from kvpool.errors import LayoutMismatch
 from kvpool.integrations.vllm import arrivals
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
-from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
@@ -73,12 +71,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
-        if self.settings.switch_interval_ms is not None:
-            sys.setswitchinterval(self.settings.switch_interval_ms / 1e3)
         self.layout = engine_layout(vllm_config)
         engine_id = str(tc.engine_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        profile = Profile(self.settings.profile_dir, side)
         link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
         if tc.kv_load_failure_policy != "recompute":
             log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
@@ -88,12 +83,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
-            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, profile)
+            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
             self._early = self.settings.early_lookup and arrivals.install()
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
-            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise, profile)
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -129,16 +124,16 @@ class KvpoolConnector(KVConnectorBase_V1):
         """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
         for a pooling request: vLLM may refuse it before its scheduler sees it, and the lookup's refs would stay."""
         if self._early and getattr(request, "pooling_params", None) is None:
-            self._prefetch(request, arriving=True)
+            self._prefetch(request)
 
     def on_new_request(self, request: Request) -> None:
-        self._prefetch(request, arriving=False)
+        self._prefetch(request)
 
-    def _prefetch(self, request: Request, arriving: bool) -> None:
+    def _prefetch(self, request: Request) -> None:
         assert self._sched is not None
         prompt = _tokens(request.prompt_token_ids)
         if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
-            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params, arriving)
+            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
