@@ -30,6 +30,8 @@ TINY: dict[str, list[str]] = {
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 
 @pytest.mark.parametrize("suite", list(TINY))
 def test_suite_runs_and_writes_json_and_png(suite: str, tmp_path: Path) -> None:

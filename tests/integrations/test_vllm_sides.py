@@ -246,6 +246,7 @@ def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool
             assert after["indexed"] == before["indexed"] + 3 and saver.stats["saved_blocks"] == 1
         finally:
             saver.close()
+            saver.link.close()  # the saver's session is its owner's (the worker's) to close
 
 
 def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool: PoolProcess) -> None:
@@ -275,6 +276,7 @@ def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool
             decode.free([i for x in got[:2] for i in x.block_ids])
         finally:
             saver.close()
+            saver.link.close()  # the saver's session is its owner's (the worker's) to close
 
 
 def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:

@@ -45,6 +45,7 @@ def test_layout_check_names_the_difference() -> None:
         check_layout(SMALL, layout_for(SMALL, 16, "float8_e4m3fn"))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
     model = LlamaModel.random(SMALL, seed=3)
     tensors = {  # rebuild the unfused tensors the way a checkpoint stores them
