@@ -390,25 +390,26 @@ def singles(s: Setup, ps: dict[str, list[list[int]]], cfg: dict[str, Any]) -> di
 
 
 def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: machine.Device) -> dict[str, Any]:
-    """Every configuration's figures: the rounds interleaved, each starting with the next configuration."""
+    """Every configuration's figures: the rounds interleaved, each starting with the next configuration. Every
+    configuration gets the same prompts, and no prompt is sent twice to one engine (it would hit whole)."""
     raw: dict[str, Any] = {}
-    n, plen, pre = cfg["requests"], cfg["prompt_len"], cfg["prefix_len"]
+    n, plen, pre, base = cfg["requests"], cfg["prompt_len"], cfg["prefix_len"], cfg["seed"] * 100_000
     with setups(cfg["engines"], model, cfg, device) as made:
         for s in made:
             raw[s.name] = {"start_s": s.start_s, "prefix": {label(a): [] for a in cfg["arrivals"]}, "pair": []}
-            warm = prompts(cfg["seed"] * 1000 + 999, n, plen, pre)
+            warm = prompts(base + 99_999, n, plen, pre)
             prefix_round(s, warm, "burst", cfg)
             pair_round(s, warm["P"], cfg)
         steps = cfg["rounds"] * len(made) + len(made)
         with harness.progress(steps, "vllm", args.no_progress) as bar:
             for r in range(cfg["rounds"]):
-                ps = prompts(cfg["seed"] * 1000 + r, n, plen, pre)
+                each = [prompts(base + 100 * r + k, n, plen, pre) for k in range(len(cfg["arrivals"]))]
                 for s in timings.rotated(made, r):
-                    for arrival in cfg["arrivals"]:
+                    for arrival, ps in zip(cfg["arrivals"], each, strict=True):
                         raw[s.name]["prefix"][label(arrival)].append(prefix_round(s, ps, arrival, cfg))
-                    raw[s.name]["pair"].append(pair_round(s, ps["P"], cfg))
+                    raw[s.name]["pair"].append(pair_round(s, each[0]["P"], cfg))
                     bar.update()
-            one = prompts(cfg["seed"] * 1000 + 500, max(1, cfg["singles"]), plen, pre)
+            one = prompts(base + 90_000, max(1, cfg["singles"]), plen, pre)
             for s in made:
                 if cfg["singles"]:
                     raw[s.name]["singles"] = singles(s, one, cfg)
