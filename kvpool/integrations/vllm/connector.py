@@ -108,7 +108,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         model = config.model_config
         names = [model.model, *(model.served_model_name if isinstance(model.served_model_name, list)
                                 else [model.served_model_name or model.model])]  # fmt: skip
-        check_engine(descriptor.layout, self.layout, descriptor.model, names)
+        try:
+            check_engine(descriptor.layout, self.layout, descriptor.model, names)
+        except LayoutMismatch:
+            link.close()  # the engine stops here: its session goes now, not when its lease runs out
+            raise
 
     # -- scheduler side ---------------------------------------------------------------------------------
 
