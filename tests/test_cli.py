@@ -145,7 +145,6 @@ def test_bench_help_is_plain_text_with_the_suites() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_the_demo_says_what_it_does_as_it_goes(workdir: Path) -> None:
     """Progress lines come while the demo runs (the pool up, the workers up, each request done), not all at the end;
     the table's columns hold one kind of value each."""
@@ -167,6 +166,7 @@ def test_the_demo_says_what_it_does_as_it_goes(workdir: Path) -> None:
     assert all(row.split()[6] == "same" and row.split()[7].startswith("[") for row in rows), rows
 
 
+@pytest.mark.slow
 def test_port_in_use_is_one_line(workdir: Path) -> None:
     port = free_port()
     with serve(workdir, port=port):
