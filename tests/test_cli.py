@@ -115,12 +115,17 @@ def test_a_cuda_only_setting_on_a_machine_without_cuda_is_one_line_before_anythi
 
 
 def test_a_bad_value_is_two_lines_naming_the_allowed_ones() -> None:
-    for argv in (["serve", "--dtype", "int4"], ["bench", "prefix", "--device", "tpu"]):
+    for argv in (
+        ["serve", "--dtype", "int4"],
+        ["bench", "prefix", "--device", "tpu"],
+        ["demo", "--dtype", "int4"],
+        ["health", "--timeout", "soon"],
+    ):
         done = kvpool(*argv)
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 2 and "usage:" not in done.stderr, done.stderr
-        assert "invalid choice" in lines[0] and "--help lists the options" in lines[1]
+        assert "invalid" in lines[0] and "--help lists the options" in lines[1]
     assert "'bf16'" in kvpool("serve", "--dtype", "int4").stderr
 
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from kvpool.client import http_client
+from kvpool.commands import Parser
 from kvpool.layout import KVLayout
 from kvpool.server.arenas import resolve_backend
 from kvpool.server.launch import ServerProcess, child_env, spawn
@@ -214,7 +215,7 @@ def demo_prompts(vocab_size: int, block_size: int, max_new_tokens: int, seed: in
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", type=Path, default=None, help="local HF-format checkpoint (default: tiny random)")
     which.add_argument("--random-model", action="store_true", help="a tiny seeded random model (the default)")
