@@ -85,7 +85,7 @@ class FastChannel:
         token = plane.settings.token
         self.token = token.get_secret_value().encode() if token else None
         self._server: asyncio.AbstractServer | None = None
-        self._open: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # connections being served, closed at stop
+        self._serving: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # connections being served, closed at stop
         self.ops: dict[bytes, tuple[type[BaseModel], Handler]] = {
             b"alloc": (AllocRequest, plane.alloc),
             b"free": (FreeRequest, plane.free),
@@ -110,10 +110,10 @@ class FastChannel:
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
         # Each open connection ends here, as if its client had gone: left to the loop's own shutdown, its task is
         # cancelled, and asyncio's stream callback logs that as an error with a traceback, every stop.
-        for writer in self._open.values():
+        for writer in self._serving.values():
             writer.close()
-        if self._open:
-            await asyncio.wait(list(self._open), timeout=1.0)
+        if self._serving:
+            await asyncio.wait(list(self._serving), timeout=1.0)
         self.path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -129,7 +129,7 @@ class FastChannel:
         self.connections += 1
         task = asyncio.current_task()
         if task is not None:
-            self._open[task] = writer
+            self._serving[task] = writer
         authorized = False
         head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
@@ -170,7 +170,7 @@ class FastChannel:
             pass
         finally:
             self.connections -= 1
-            self._open.pop(task, None)  # type: ignore[arg-type]
+            self._serving.pop(task, None)  # type: ignore[arg-type]
             if head is not None and not head.done():
                 head.cancel()
             writer.close()
