@@ -1,7 +1,7 @@
-"""``python -m kvpool.benchmarks SUITE [options]`` (and ``kvpool bench SUITE``): run one benchmark suite.
+"""kvpool bench SUITE [options] (or python -m kvpool.benchmarks SUITE [options]): run one benchmark suite.
 
 Each suite measures kvpool side by side with what users would do instead, in the same run, prints a result block
-and writes JSON and a PNG into ``--out``. ``python -m kvpool.benchmarks SUITE --help`` lists a suite's options.
+and writes JSON and a PNG into --out.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from kvpool.benchmarks import harness
+from kvpool.commands import Parser
 
 SUITES: dict[str, tuple[str, str]] = {
     "control-plane": ("kvpool.benchmarks.control_plane", "/alloc+/free latency and throughput against its floor"),
@@ -23,6 +24,8 @@ SUITES: dict[str, tuple[str, str]] = {
     "copy": ("kvpool.benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
     "host-tier": ("kvpool.benchmarks.hosttier", "the host tier's offloads and restores against a plain pinned copy"),
     "lease": ("kvpool.benchmarks.lease", "slab alloc/free and slab-to-slab handoffs against the datagram floor"),
+    "decode": ("kvpool.benchmarks.decode", "the workers' decode step against its memory-bandwidth floor"),
+    "vllm": ("kvpool.benchmarks.vllm", "vLLM engines with the kvpool connector against vLLM alone (GPU, vLLM)"),
 }
 # Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
 DELEGATED: dict[str, tuple[str, str]] = {"soak": ("kvpool.benchmarks.soak", "long-running load on a pool")}
@@ -36,7 +39,7 @@ def available() -> dict[str, tuple[str, str]]:
 def suite_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one suite: the common options, then the suite's own (imported only when asked for)."""
     module = importlib.import_module(SUITES[name][0])
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog=f"kvpool bench {name}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     harness.add_common_arguments(parser)
@@ -46,7 +49,15 @@ def suite_parser(name: str) -> argparse.ArgumentParser:
 
 
 def usage() -> str:
-    lines = [(__doc__ or "").strip(), "", "suites:"]
+    lines = [
+        "usage: kvpool bench SUITE [options]      (or: python -m kvpool.benchmarks SUITE [options])",
+        "       kvpool bench SUITE --help         the suite's options and what it measures",
+        "",
+        "Each suite measures kvpool side by side with what users would do instead, in the same run, prints a",
+        "result block and writes JSON and a PNG into --out (results/ by default).",
+        "",
+        "suites:",
+    ]
     lines += [f"  {name:<15}{help_text}" for name, (_, help_text) in available().items()]
     return "\n".join(lines)
 
@@ -59,7 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in suites:
-        print(f"kvpool bench: unknown suite {name!r}\n\n{usage()}", file=sys.stderr)
+        known = ", ".join(suites)
+        print(f"kvpool bench: no suite {name!r}: one of {known}\nkvpool bench --help says what each measures",
+              file=sys.stderr)  # fmt: skip
         return 2
     if name in DELEGATED:
         return int(importlib.import_module(DELEGATED[name][0]).main(rest) or 0)

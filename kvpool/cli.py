@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from kvpool.commands import Command, registered
+from kvpool.commands import Command, Parser, registered
 
 HIDDEN = "<hidden: --show-handle>"
 
@@ -101,7 +101,7 @@ def build_parser(commands: dict[str, Command]) -> argparse.ArgumentParser:
     from kvpool.address import default_url
 
     formatter = argparse.ArgumentDefaultsHelpFormatter
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpool", description="A node-local KV-cache pool: serve it, check it, run its workers and benchmarks."
     )
     parser.add_argument("--version", action="version", version=f"kvpool {package_version()}")

@@ -14,6 +14,7 @@ from typing import Literal
 from kvpool.errors import InvalidRequest
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, ArenaPart, DeviceInfo, HandleKind
+from kvpool.server.config import DEFAULT_NUM_BLOCKS
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ def size_in_blocks(
     arena_bytes: int | None,
     gpu_memory_fraction: float | None,
     free_device_bytes: int | None,
-    default_blocks: int = 1024,
+    default_blocks: int = DEFAULT_NUM_BLOCKS,
 ) -> int:
     """How many blocks the arena gets, from exactly one of: blocks, bytes, a share of free GPU memory."""
     if num_blocks is not None:

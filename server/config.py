@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,6 +17,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvpool.address import DEFAULT_PORT, default_socket
 from kvpool.layout import DTYPE_ALIASES, DType, KVLayout, Order
+
+#: the arena's size in blocks when none of --num-blocks, --arena-bytes and --gpu-memory-fraction is given
+DEFAULT_NUM_BLOCKS = 1024
 
 
 def parse_size(value: str | int) -> int:
@@ -42,7 +46,12 @@ class PoolSettings(BaseSettings):
     backend: Literal["auto", "cuda", "cpu"] = Field("auto", description="cuda when present, else cpu")
     device: int = Field(0, ge=0, description="CUDA device ordinal of the arena")
     devices: str | None = Field(None, description="one arena per listed device, e.g. 0,1 (overrides device)")
-    num_blocks: int | None = Field(None, ge=1, description="arena size in blocks")
+    num_blocks: int | None = Field(
+        None,
+        ge=1,
+        description="arena size in blocks",
+        json_schema_extra={"shown_default": f"{DEFAULT_NUM_BLOCKS} when no size is given"},
+    )
     arena_bytes: ByteSize | None = Field(None, ge=1, description="arena size in bytes (512MiB, 8GiB, ...)")
     gpu_memory_fraction: float | None = Field(None, gt=0, le=0.98, description="arena size: share of free GPU memory")
     shm_dir: Path = Field(Path("/dev/shm"), description="where the cpu backend creates its arena file")
@@ -63,7 +72,9 @@ class PoolSettings(BaseSettings):
     block_size: int = Field(16, ge=1, le=4096, description="tokens per block")
     dtype: DType = Field("float16", description="KV dtype (fp16, bf16, fp32 and fp8 are accepted too)")
     order: Order = Field(
-        "layer_major", description="layer_major: contiguous per-layer views; block_major: contiguous blocks"
+        "layer_major",
+        description="layer_major: contiguous per-layer views; block_major: contiguous blocks; kv_packed: vLLM's own "
+        "layout, each layer one span (resident vLLM engines; block 0 is kept as vLLM's null block)",
     )
     model: str = Field("", description="model name mixed into prefix hashes, so models never share KV")
     prefix_hash: Literal["xxh3", "sha256"] = Field(
@@ -234,32 +245,103 @@ def _choices(name: str, annotation: Any) -> list[str] | None:
     return None
 
 
+#: ``kvpool serve --help``'s sections, each field in one; a field in none is listed under "other"
+GROUPS: dict[str, tuple[str, ...]] = {
+    "arena and layout": (
+        "backend", "device", "devices", "num_blocks", "arena_bytes", "gpu_memory_fraction", "shm_dir", "arena_handle",
+        "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "order", "model",
+    ),
+    "network and security": ("host", "port", "socket", "socket_mode", "fast_channel", "token"),
+    "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes"),
+    "sessions and limits": (
+        "lease_ttl_s", "handoff_ttl_s", "max_body_bytes", "max_sessions", "max_handoffs", "max_handoffs_per_session",
+        "max_meta_bytes", "max_claims_per_session", "max_fast_connections", "hello_timeout_s",
+        "max_http_connections", "read_timeout_s", "max_fast_buffer_bytes",
+    ),
+    "slabs (reservation leases)": ("leases", "lease_regions", "slab_max_blocks"),
+    "KV events (docs/kv-events.md)": (
+        "kv_events_endpoint", "kv_events_mode", "kv_events_replay_endpoint", "kv_events_topic",
+        "kv_events_buffer_steps", "kv_events_queue_size", "kv_events_hwm", "kv_events_hashes", "kv_events_form",
+    ),
+    "logging": ("log_level",),
+}  # fmt: skip
+
+
+def backend_problem(settings: PoolSettings, cuda_available: Callable[[], bool]) -> str | None:
+    """A setting only a CUDA arena can use, on a pool whose arena will be in host memory: said (with what to use
+    instead) before anything starts, not after the pool has logged that it listens and then stopped."""
+    if settings.backend == "cpu":
+        why = "--backend cpu"
+    elif cuda_available():
+        return None
+    elif settings.backend == "cuda":
+        return "--backend cuda (KVPOOL_BACKEND): torch sees no CUDA device here: use --backend cpu (or auto)"
+    else:
+        why = "torch sees no CUDA device, so --backend auto puts it there"
+    if settings.gpu_memory_fraction is not None:
+        return (
+            "--gpu-memory-fraction (KVPOOL_GPU_MEMORY_FRACTION) sizes an arena in GPU memory, and this pool's is in "
+            f"host memory ({why}): give --num-blocks N or --arena-bytes SIZE instead"
+        )
+    return None
+
+
+def _metavar(name: str, annotation: Any) -> str:
+    """A short placeholder for the flag's value: what kind of value it is, not the flag's name again."""
+    if name.endswith("_s"):
+        return "SECONDS"
+    if name.endswith("_endpoint"):
+        return "ADDRESS"
+    kinds = {int: "N", float: "X", str: "TEXT", Path: "PATH", ByteSize: "SIZE", SecretStr: "TOKEN"}
+    for arg in (annotation, *typing.get_args(annotation)):
+        if arg in kinds:
+            return kinds[arg]
+    return "VALUE"
+
+
 def _shown(value: Any) -> str:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1 << 20 and value % (1 << 20) == 0:
         return ByteSize(value).human_readable()
     return "none" if value is None else '""' if value == "" else str(value)
 
 
-def add_settings_arguments(parser: argparse.ArgumentParser, settings_cls: type[BaseSettings]) -> None:
-    """Add a ``--flag`` for every settings field, its help, choices, default and variable read from the field.
+def add_settings_arguments(
+    parser: argparse.ArgumentParser,
+    settings_cls: type[BaseSettings],
+    groups: dict[str, tuple[str, ...]] | None = None,
+) -> None:
+    """Add a ``--flag`` for every settings field, its help, choices, default and variable read from the field, in
+    the sections ``groups`` names (a field in none goes under "other").
 
     The flags default to SUPPRESS, so a flag not given is absent and the variable or the field's default applies.
     """
     prefix = settings_cls.model_config.get("env_prefix", "")
+    sections: dict[str, Any] = {}
+    section_of = {field: title for title, fields in (groups or {}).items() for field in fields}
+    for title in groups or {}:
+        sections[title] = parser.add_argument_group(title)
     for name, info in settings_cls.model_fields.items():
         flag = "--" + name.replace("_", "-")
         default = info.get_default(call_default_factory=True)
         if name == "socket_mode":
             default = f"{default:o}"
-        help_text = f"{info.description} (default: {_shown(default)}; env {prefix}{name.upper()})"
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        shown = extra.get("shown_default") or _shown(default)
+        help_text = f"{info.description} [{shown}; {prefix}{name.upper()}]"
         if info.annotation is bool:
             kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
             choices = _choices(name, info.annotation)
-            kwargs = {"choices": choices} if choices else {"metavar": name.upper()}
+            kwargs = {"choices": choices} if choices else {"metavar": _metavar(name, info.annotation)}
             if name == "dtype":
                 kwargs["metavar"] = "{" + ",".join(typing.get_args(DType)) + "}"
-        parser.add_argument(flag, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"), **kwargs)
+        where = parser
+        if groups is not None:
+            title = section_of.get(name, "other")
+            if title not in sections:
+                sections[title] = parser.add_argument_group(title)
+            where = sections[title]
+        where.add_argument(flag, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def settings_from_args(args: argparse.Namespace, settings_cls: type[PoolSettings] = PoolSettings) -> PoolSettings:

@@ -106,6 +106,7 @@ class FastChannel:
         self._server: asyncio.AbstractServer | None = None
         self._open: set[_Reading] = set()
         self._sweeper: asyncio.Task[None] | None = None
+        self._serving: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # connections being served, closed at stop
         self.ops: dict[bytes, tuple[type[BaseModel], Handler]] = {
             b"alloc": (AllocRequest, plane.alloc),
             b"free": (FreeRequest, plane.free),
@@ -131,6 +132,12 @@ class FastChannel:
             self._server.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 1.0)
+        # Each open connection ends here, as if its client had gone: left to the loop's own shutdown, its task is
+        # cancelled, and asyncio's stream callback logs that as an error with a traceback, every stop.
+        for writer in self._serving.values():
+            writer.close()
+        if self._serving:
+            await asyncio.wait(list(self._serving), timeout=1.0)
         self.path.unlink(missing_ok=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -150,6 +157,9 @@ class FastChannel:
         hello_by = loop.time() + self.hello_timeout_s
         reading = _Reading(writer)
         self._open.add(reading)
+        task = asyncio.current_task()
+        if task is not None:
+            self._serving[task] = writer
         authorized = False
         head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
@@ -203,6 +213,7 @@ class FastChannel:
         finally:
             self.connections -= 1
             self._open.discard(reading)
+            self._serving.pop(task, None)  # type: ignore[arg-type]
             if head is not None and not head.done():
                 head.cancel()
             writer.close()

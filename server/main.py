@@ -16,8 +16,17 @@ from types import FrameType
 
 import uvicorn
 
+from kvpool.commands import Parser
 from kvpool.server.app import create_app
-from kvpool.server.config import PoolSettings, add_settings_arguments, describe_error, settings_from_args
+from kvpool.server.arenas import cuda_available
+from kvpool.server.config import (
+    GROUPS,
+    PoolSettings,
+    add_settings_arguments,
+    backend_problem,
+    describe_error,
+    settings_from_args,
+)
 from kvpool.server.connections import HTTPGuard, RefusalLog, open_files_limit, size_caps
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
@@ -192,17 +201,23 @@ def serve(settings: PoolSettings) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     from pydantic import ValidationError
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="kvpool serve",
+        usage="kvpool serve [options]",
         description="Run the pool manager until SIGINT or SIGTERM. Every flag is also a KVPOOL_* variable; "
-        "flags win over variables.",
+        "flags win over variables. Each flag's help ends with [its default; its variable].",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=36),
     )
-    add_settings_arguments(parser, PoolSettings)
+    add_settings_arguments(parser, PoolSettings, GROUPS)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:
         print(f"kvpool serve: invalid settings: {describe_error(exc)}", file=sys.stderr)
+        return 2
+    problem = backend_problem(settings, cuda_available)
+    if problem is not None:
+        print(f"kvpool serve: {problem}", file=sys.stderr)
         return 2
     serve(settings)
     return 0

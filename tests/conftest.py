@@ -66,3 +66,21 @@ SMALL_POOL = (
     "--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
     "--block-size", "4", "--dtype", "float32", "--lease-ttl-s", "5",
 )  # fmt: skip
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_client_left_open() -> Iterator[None]:
+    """A client that a test leaves open keeps its heartbeat thread, which warns every few seconds once its pool is
+    gone, until the test process ends: a module's clients are closed by the time its fixtures are torn down."""
+    import threading
+    import time
+
+    def beating() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("kvpool-heartbeat-") and t.is_alive()}
+
+    before = beating()
+    yield
+    deadline = time.monotonic() + 3.0  # a close joins its heartbeat for up to 2 s
+    while (left := beating() - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"clients left open, their heartbeats still running: {sorted(t.name for t in left)}"

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvpool.client import PoolClient
 from kvpool.server.launch import SOURCE_ROOT, ServerProcess, child_env, spawn
-from tests.conftest import free_port
+from tests.conftest import cuda_available, free_port
 
 TOKEN = "newcomer-token"
 
@@ -53,6 +57,7 @@ def test_version() -> None:
     assert done.stdout.strip().startswith("kvpool ") and done.stdout.split()[1][0].isdigit()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_requested_stop_exits_0_and_leaves_nothing(workdir: Path, sig: signal.Signals) -> None:
     pool = serve(workdir, port=free_port())
@@ -65,6 +70,108 @@ def test_a_requested_stop_exits_0_and_leaves_nothing(workdir: Path, sig: signal.
     assert "Traceback" not in log and f"stopped by {sig.name}" in log
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_with_fast_channel_clients_connected_logs_no_error(workdir: Path, sig: signal.Signals) -> None:
+    """One client idle on its fast connection, another waiting in a claim there: the stop ends both quietly."""
+    pool = serve(workdir)
+    idle, waiter = PoolClient(pool.url, name="idle"), PoolClient(pool.url, name="waiter")
+    try:
+        idle.free(idle.alloc(2))
+        assert idle.transport.fast_path is not None and waiter.transport.fast_path is not None
+
+        def wait_in_a_claim() -> None:
+            with contextlib.suppress(Exception):  # the stopping pool answers it, or its connection ends
+                waiter.claim("never", timeout_s=60)
+
+        claim = threading.Thread(target=wait_in_a_claim)
+        claim.start()
+        deadline = time.monotonic() + 30
+        while pool.stats()["claims_waiting"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.stats()["claims_waiting"] == 1
+        pool.proc.send_signal(sig)
+        assert pool.proc.wait(timeout=30) == 0
+        claim.join(timeout=30)
+    finally:
+        for client in (idle, waiter):
+            with contextlib.suppress(Exception):
+                client.close()
+    log = pool.output()
+    assert "Traceback" not in log and "ERROR" not in log and "CancelledError" not in log, log
+    assert f"stopped by {sig.name}" in log
+
+
+@pytest.mark.skipif(cuda_available(), reason="the point is a machine without CUDA")
+def test_a_cuda_only_setting_on_a_machine_without_cuda_is_one_line_before_anything_starts(workdir: Path) -> None:
+    """The README's "Running the pool" on a laptop: refused before the pool logs that it listens."""
+    sock = workdir / "kvpool.sock"
+    done = kvpool("serve", "--gpu-memory-fraction", "0.5", "--socket", str(sock), "--port", "0")
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("kvpool serve: --gpu-memory-fraction (KVPOOL_GPU_MEMORY_FRACTION) ")
+    assert line.endswith("give --num-blocks N or --arena-bytes SIZE instead")
+    assert "listening" not in done.stdout + done.stderr and not sock.exists()
+
+
+def test_a_bad_value_is_two_lines_naming_the_allowed_ones() -> None:
+    for argv in (
+        ["serve", "--dtype", "int4"],
+        ["bench", "prefix", "--device", "tpu"],
+        ["demo", "--dtype", "int4"],
+        ["health", "--timeout", "soon"],
+    ):
+        done = kvpool(*argv)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 2 and "usage:" not in done.stderr, done.stderr
+        assert "invalid" in lines[0] and "--help lists the options" in lines[1]
+    assert "'bf16'" in kvpool("serve", "--dtype", "int4").stderr
+
+
+def test_serve_help_comes_in_sections() -> None:
+    done = kvpool("serve", "--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: kvpool serve [options]\n")
+    for section in ("arena and layout:", "network and security:", "sessions and limits:", "KV events"):
+        assert f"\n{section}" in done.stdout
+    assert "--num-blocks N" in done.stdout and "[1024 when no size is given;" in " ".join(done.stdout.split())
+
+
+def test_bench_help_is_plain_text_with_the_suites() -> None:
+    done = kvpool("bench", "--help")
+    assert done.returncode == 0
+    assert done.stdout.startswith("usage: kvpool bench SUITE [options]")
+    assert "``" not in done.stdout
+    for suite in ("control-plane", "e2e", "vllm", "decode"):
+        assert f"\n  {suite} " in done.stdout
+    unknown = kvpool("bench", "nonesuch")
+    assert unknown.returncode == 2 and len(unknown.stderr.strip().splitlines()) == 2, unknown.stderr
+
+
+@pytest.mark.slow
+def test_the_demo_says_what_it_does_as_it_goes(workdir: Path) -> None:
+    """Progress lines come while the demo runs (the pool up, the workers up, each request done), not all at the end;
+    the table's columns hold one kind of value each."""
+    clean = {k: v for k, v in child_env().items() if not k.startswith("KVPOOL_")}
+    with (workdir / "stderr").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "kvpool.cli", "demo", "--max-new-tokens", "4"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=clean, cwd=SOURCE_ROOT)  # fmt: skip
+        assert proc.stdout is not None
+        arrived = [(time.monotonic(), line.rstrip("\n")) for line in proc.stdout]
+        assert proc.wait(timeout=120) == 0, (workdir / "stderr").read_text()
+    lines = [line for _, line in arrived]
+    header = next(i for i, line in enumerate(lines) if line.startswith("request "))
+    assert lines[0].startswith("kvpool demo: starting a pool") and lines[1].startswith("pool up: ")
+    assert any(line.startswith("workers up: ") for line in lines[2:header])
+    assert sorted(line.split()[0] for line in lines[:header] if " done: " in line) == [f"req-{i}" for i in range(6)]
+    assert arrived[header][0] - arrived[1][0] > 1.0, "the progress came all at once, with the table"
+    assert lines[header].split()[-3:] == ["monolithic", "first", "tokens"]
+    rows = lines[header + 1 : header + 7]
+    assert all(row.split()[6] == "same" and row.split()[7].startswith("[") for row in rows), rows
+
+
+@pytest.mark.slow
 def test_port_in_use_is_one_line(workdir: Path) -> None:
     port = free_port()
     with serve(workdir, port=port):
@@ -93,6 +200,7 @@ def test_info_without_a_pool_is_one_line(workdir: Path) -> None:
     assert "kvpool serve" in done.stderr
 
 
+@pytest.mark.slow
 def test_info_takes_the_token_from_the_environment_and_hides_every_handle(workdir: Path) -> None:
     with serve(workdir, env={"KVPOOL_TOKEN": TOKEN}) as pool:
         url = {"KVPOOL_URL": pool.url}
@@ -110,6 +218,7 @@ def test_info_takes_the_token_from_the_environment_and_hides_every_handle(workdi
     assert wrong.returncode == 1 and "refused the token" in one_line(wrong)
 
 
+@pytest.mark.slow
 def test_the_default_worker_fits_the_default_pool(workdir: Path) -> None:
     with serve(workdir) as pool:
         request = json.dumps({"request_id": "r0", "prompt": list(range(20)), "max_new_tokens": 2})
@@ -119,6 +228,7 @@ def test_the_default_worker_fits_the_default_pool(workdir: Path) -> None:
     assert record["request_id"] == "r0" and "error" not in record
 
 
+@pytest.mark.slow
 def test_a_worker_that_does_not_fit_says_which_flags_to_set(workdir: Path) -> None:
     with serve(workdir, "--num-kv-heads", "4", "--head-dim", "64") as pool:
         done = kvpool("worker", "prefill", "--random-model", "--pool", pool.url)

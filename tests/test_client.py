@@ -53,6 +53,7 @@ def start_reader(url: str, request_id: str, n: int, name: str) -> subprocess.Pop
     return proc
 
 
+@pytest.mark.slow
 def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
     w = run_worker("write", pool_server.url, "req-1", "5")
     assert w.returncode == 0, w.stderr
@@ -62,6 +63,7 @@ def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
     assert (s["free"], s["in_use"], s["handoffs"]) == (64, 0, 0)
 
 
+@pytest.mark.slow
 def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_server):
     from tests.pattern_worker import pattern, prompt_tokens
 
@@ -263,6 +265,7 @@ def run_direct_handoff(url: str, request_id: str, n: int, name: str, timeout_s: 
     assert reader.returncode == 0 and "READ OK" in out and out.strip().endswith("direct"), out + err
 
 
+@pytest.mark.slow
 def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
     run_direct_handoff(pool_server.url, "req-direct", 5, "reader-0")
     s = pool_server.stats()

@@ -81,10 +81,56 @@ def test_help_gives_every_flag_its_text_default_and_variable():
         text = action.help or ""
         assert not text.startswith("None"), f"--{name} has no description"
         assert "`" not in text, text
-        assert f"env KVPOOL_{name.upper()}" in text and "(default: " in text, text
-    assert "(default: 16.0MiB;" in actions["max_body_bytes"].help
-    assert "(default: 660;" in actions["socket_mode"].help
+        assert text.endswith(f"; KVPOOL_{name.upper()}]") and " [" in text, text
+    assert actions["max_body_bytes"].help.endswith("[16.0MiB; KVPOOL_MAX_BODY_BYTES]")
+    assert actions["socket_mode"].help.endswith("[660; KVPOOL_SOCKET_MODE]")
     assert actions["backend"].choices == ["auto", "cuda", "cpu"]
+
+
+def test_help_says_what_the_pool_does_when_no_size_is_given():
+    """The arena holds DEFAULT_NUM_BLOCKS blocks when no size is given: the help says so, and so does the pool."""
+    from kvpool.layout import KVLayout
+    from kvpool.server.arenas import size_in_blocks
+    from kvpool.server.config import DEFAULT_NUM_BLOCKS
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, PoolSettings)
+    (action,) = [a for a in parser._actions if a.dest == "num_blocks"]
+    assert action.help.endswith(f"[{DEFAULT_NUM_BLOCKS} when no size is given; KVPOOL_NUM_BLOCKS]")
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype="float32")
+    got = size_in_blocks(layout, num_blocks=None, arena_bytes=None, gpu_memory_fraction=None, free_device_bytes=None)
+    assert got == DEFAULT_NUM_BLOCKS == 1024
+
+
+def test_serve_help_puts_every_flag_in_one_section():
+    from kvpool.server.config import GROUPS
+
+    grouped = [name for names in GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(PoolSettings.model_fields), "a field in no section, or in two"
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, PoolSettings, GROUPS)
+    sections = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    for title, names in GROUPS.items():
+        assert sections[title] == set(names)
+    assert "other" not in sections
+
+
+def test_a_cuda_only_setting_on_a_cpu_pool_is_said_before_it_starts():
+    from kvpool.server.config import backend_problem
+
+    def cuda(present: bool):
+        return lambda: present
+
+    fraction = PoolSettings(gpu_memory_fraction=0.5)
+    problem = backend_problem(fraction, cuda(False))
+    assert problem is not None and problem.startswith("--gpu-memory-fraction (KVPOOL_GPU_MEMORY_FRACTION)")
+    assert "--num-blocks N or --arena-bytes SIZE instead" in problem
+    assert backend_problem(fraction, cuda(True)) is None
+    on_cpu = PoolSettings(backend="cpu", gpu_memory_fraction=0.5)
+    assert "(--backend cpu)" in (backend_problem(on_cpu, cuda(True)) or "")
+    assert "use --backend cpu" in (backend_problem(PoolSettings(backend="cuda"), cuda(False)) or "")
+    for fine in (PoolSettings(), PoolSettings(backend="cpu", num_blocks=8), PoolSettings(arena_bytes="1MiB")):
+        assert backend_problem(fine, cuda(False)) is None
 
 
 def test_invalid_settings_are_one_line_naming_flag_and_variable():

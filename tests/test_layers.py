@@ -110,3 +110,10 @@ def test_a_built_wheel_adds_nothing_but_kvpool_to_site_packages(tmp_path):
         names = set(zf.namelist())
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"kvpool"}
     assert {"kvpool/server/pool.py", "kvpool/workers/demo.py", "kvpool/benchmarks/harness.py"} <= names
+
+
+def test_the_license_file_is_the_apache_2_0_that_pyproject_names():
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"]
+    assert "END OF TERMS AND CONDITIONS" in text
+    assert 'license = { text = "Apache-2.0" }' in (ROOT / "pyproject.toml").read_text()

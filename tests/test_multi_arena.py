@@ -58,6 +58,7 @@ def test_move_copies_every_layer_of_the_blocks_to_the_other_arena(two_arenas):
         assert s["arenas"][1]["in_use"] == 0 and s["arenas"][0]["in_use"] == 3
 
 
+@pytest.mark.slow
 def test_prefill_on_one_arena_and_decode_on_another_give_the_monolithic_tokens():
     """The demo's check, across arenas: the decode claims blocks of arena 0 and moves them into arena 1."""
     import json

@@ -3,7 +3,8 @@
 It starts a pool, one prefill and one decode worker, each its own process (``python -m ...``), sends a handful of
 prompts (some sharing a prefix, one repeated), prints each request's generated tokens, prefix-cache hits and
 timings, then runs the same prompts through :func:`workers.monolithic.greedy_generate` in this process and exits
-non-zero if any token differs. With no flags it uses a tiny seeded random model and runs on the CPU in seconds.
+non-zero if any token differs. With no flags it uses a tiny seeded random model and runs on the CPU in seconds;
+it says what it is doing as it goes (the pool up, the workers up, each request done), a line at a time.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kvpool.client import http_client
+from kvpool.commands import Parser
 from kvpool.layout import KVLayout
 from kvpool.server.arenas import resolve_backend
 from kvpool.server.launch import ServerProcess, child_env, spawn
@@ -66,6 +68,45 @@ class FlowResult:
         return {r["request_id"]: r.get("tokens", []) for r in self.decode}
 
 
+@dataclass
+class _Tail:
+    """The JSON lines a worker has written to its output file so far, read as they come."""
+
+    path: Path
+    offset: int = 0
+    partial: bytes = field(default=b"")
+
+    def new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        *lines, self.partial = (self.partial + data).split(b"\n")
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def _sessions(url: str) -> int:
+    try:
+        with http_client(url, None, 2.0) as http:
+            return int(http.get("/stats").json().get("sessions", 0))
+    except Exception:  # the pool busy or not answering this instant: the next look tells
+        return 0
+
+
+def _progress_line(kind: str, record: dict[str, Any]) -> str:
+    rid = record.get("request_id", "?")
+    if "error" in record:
+        return f"{rid}: {kind} failed: {record['error']}"
+    if kind == "prefill":
+        return (f"{rid} prefilled: {record.get('prompt_len')} prompt tokens, {record.get('hit_tokens') or 0} from "
+                "the prefix cache, handed to the decode worker")  # fmt: skip
+    per = record.get("ms_per_token")
+    return f"{rid} done: {len(record.get('tokens') or [])} tokens" + (f", {per:.2f} ms per token" if per else "")
+
+
 def _run(cmd: list[str], workdir: Path, name: str) -> subprocess.Popen[bytes]:
     """Start a worker; its JSON lines go to ``<name>.out``, its log to ``<name>.log`` (files: no pipe to fill)."""
     with (workdir / f"{name}.out").open("wb") as out, (workdir / f"{name}.log").open("wb") as err:
@@ -86,8 +127,10 @@ def run_workers(
     timeout_s: float = 120.0,
     decode_args: Sequence[str] = (),
     prefill_args: Sequence[str] = (),
+    progress: Callable[[str], None] | None = None,
 ) -> FlowResult:
-    """Run one prefill and one decode worker process against the pool at ``url`` over ``requests``."""
+    """Run one prefill and one decode worker process against the pool at ``url`` over ``requests``; ``progress``
+    hears when both are connected to the pool and each request as a worker finishes its part."""
     req_file = workdir / "requests.jsonl"
     req_file.write_text("".join(r.to_json() + "\n" for r in requests))
     threads = max(1, (os.cpu_count() or 2) // 2)
@@ -105,11 +148,33 @@ def run_workers(
         workdir,
         "prefill",
     )  # fmt: skip
+    tails = {name: _Tail(workdir / f"{name}.out") for name in ("prefill", "decode")}
+    up = progress is None
+
+    def watch() -> None:
+        nonlocal up
+        if not up and _sessions(url) >= 2:
+            up = True
+            assert progress is not None
+            progress(f"workers up: prefill and decode connected to the pool ({time.perf_counter() - t0:.1f} s)")
+        for name, tail in tails.items():
+            for record in tail.new():
+                if progress is not None:
+                    progress(_progress_line(name, record))
+
     try:
-        prefill.wait(timeout=timeout_s)
-        _check_exit(prefill, workdir, "prefill")  # a failed request would leave the decode waiting for it
-        decode.wait(timeout=max(1.0, timeout_s - (time.perf_counter() - t0)))
+        while prefill.poll() is None or decode.poll() is None:
+            watch()
+            if prefill.poll() is not None:
+                _check_exit(prefill, workdir, "prefill")  # a failed request would leave the decode waiting for it
+            if decode.poll() is not None:
+                _check_exit(decode, workdir, "decode")
+            if time.perf_counter() - t0 > timeout_s:
+                raise subprocess.TimeoutExpired(decode.args, timeout_s)
+            time.sleep(0.05)
+        _check_exit(prefill, workdir, "prefill")
         _check_exit(decode, workdir, "decode")
+        watch()
     finally:
         for proc in (prefill, decode):
             if proc.poll() is None:
@@ -150,7 +215,7 @@ def demo_prompts(vocab_size: int, block_size: int, max_new_tokens: int, seed: in
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="kvpool demo", description=__doc__.split("\n\n")[0])
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--model", type=Path, default=None, help="local HF-format checkpoint (default: tiny random)")
     which.add_argument("--random-model", action="store_true", help="a tiny seeded random model (the default)")
@@ -181,6 +246,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    out = sys.stderr if args.json else sys.stdout  # with --json, stdout is the summary's alone
+
+    def say(line: str) -> None:
+        print(line, file=out, flush=True)
+
     backend = resolve_backend(args.backend)
     device = torch.device("cuda" if backend == "cuda" else "cpu")
     if args.model is not None:
@@ -207,8 +277,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "prefill_args": ["--device", p_dev],
                 "decode_args": ["--device", d_dev],
             }
+        say(f"kvpool demo: starting a pool ({backend} arena), then a prefill and a decode worker, each its own process")
         pool = start_pool(layout, args.num_blocks, workdir, backend, name, extra=placement["extra"])
         pool_s = time.perf_counter() - t0
+        say(f"pool up: {args.num_blocks} blocks of {layout.block_size} tokens ({pool_s:.1f} s)")
         try:
             flow = run_workers(
                 pool.url,
@@ -218,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.timeout_s,
                 decode_args=[*placement["decode_args"], "--max-batch", str(DEMO_MAX_BATCH)],
                 prefill_args=placement["prefill_args"],
+                progress=say,
             )
             with http_client(pool.url, None, 5.0) as http:
                 stats = http.get("/stats").json()
@@ -233,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else LlamaModel.random(config, args.seed, device, dtype)
     )
     model.batch_invariant = args.batch_invariant
+    say(f"checking: the same {len(requests)} prompts through one monolithic generator in this process")
     t1 = time.perf_counter()
     expected = greedy_generate(model, [r.prompt for r in requests], args.max_new_tokens, layout, DEMO_MAX_BATCH)
     mono_s = time.perf_counter() - t1
@@ -298,12 +372,14 @@ def _summary(
 def _print_table(s: dict[str, Any]) -> None:
     print(f"kvpool demo ({s['backend']}): 1 pool + 1 prefill worker + 1 decode worker, separate processes")
     print(f"{'request':<8} {'prompt':>6} {'hit':>4} {'computed':>8} {'prefill ms':>10} {'ms/tok':>7}  "
-          f"{'same':<4} tokens")  # fmt: skip
+          f"{'as monolithic':<13}  first tokens")  # fmt: skip
     for r in s["requests"]:
-        toks = " ".join(map(str, (r["tokens"] or [])[:10])) + (" ..." if len(r["tokens"] or []) > 10 else "")
+        shown = (r["tokens"] or [])[:8]
+        toks = "[" + ", ".join(map(str, shown)) + (", ...]" if len(r["tokens"] or []) > 8 else "]")
+        same = "same" if r["match"] else "DIFFERENT"
         print(
             f"{r['request_id']:<8} {r['prompt_len']:>6} {r['hit_tokens'] or 0:>4} {r['computed_tokens'] or 0:>8} "
-            f"{r['prefill_ms'] or 0:>10.2f} {r['ms_per_token'] or 0:>7.2f}  {'yes' if r['match'] else 'NO':<4} "
+            f"{r['prefill_ms'] or 0:>10.2f} {r['ms_per_token'] or 0:>7.2f}  {same:<13}  "
             f"{toks}{'  ' + r['error'] if r['error'] else ''}"
         )
     print(

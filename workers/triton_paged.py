@@ -160,7 +160,7 @@ def _num_sms(index: int) -> int:
 
 #: programs per multiprocessor that :func:`choose_splits` aims the grid at
 WAVES = 2
-#: context positions per tile; None: 64 for head dims up to 128, else 32 (``bench_decode --block-n`` sets it)
+#: context positions per tile; None: 64 for head dims up to 128, else 32 (``kvpool bench decode --block-n`` sets it)
 BLOCK_N: int | None = None
 
 

@@ -26,8 +26,11 @@ TINY: dict[str, list[str]] = {
     "copy": ["--sizes", "2MiB", "--rounds", "1"],
     "host-tier": ["--sizes", "2MiB", "--rounds", "1", "--layout", "1b"],
     "lease": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
+    "decode": ["--batch", "2", "--context", "32", "--steps", "2"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 
 
 @pytest.mark.parametrize("suite", list(TINY))

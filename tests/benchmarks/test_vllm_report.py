@@ -1,153 +1,161 @@
-"""The vLLM benchmarks' bookkeeping, and smoke runs of those that need no GPU (one needs vLLM: it skips without)."""
+"""``kvpool bench vllm`` without vLLM or a GPU: its options, its workload, and its figures from recorded runs."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import subprocess
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from kvpool.benchmarks.vllm_drive import per_transfer, profile_delta
-from kvpool.benchmarks.vllm_graphs_report import summary
+from kvpool.benchmarks import harness, machine
+from kvpool.benchmarks import vllm as suite
+from kvpool.server.launch import SOURCE_ROOT, child_env
 
 
-def run(ttft: list[float], tokens: list[list[int]], tpot: list[float] | None = None) -> dict:
-    return {"ttft_ms": ttft, "tpot_ms": tpot or [1.0] * len(ttft), "tokens": tokens}
+def run(ttft: list[float], tokens: list[list[int]], cached: list[int] | None = None, prompt: int = 8) -> dict:
+    return {"ttft_ms": ttft, "tpot_ms": [1.0] * len(ttft), "tokens": tokens, "prompt_tokens": [prompt] * len(ttft),
+            "cached": cached or [0] * len(ttft)}  # fmt: skip
 
 
-def test_profile_delta_keeps_only_what_happened_between_the_reads() -> None:
-    before = {"worker": {"load_gpu": {"n": 2, "total_ms": 3.0}, "save_launch_cpu": {"n": 5, "total_ms": 1.0}}}
-    after = {"worker": {"load_gpu": {"n": 5, "total_ms": 9.0}, "save_launch_cpu": {"n": 5, "total_ms": 1.0},
-                        "load_requests": {"n": 3, "total_ms": 96}}}  # fmt: skip
-    assert profile_delta(before, after) == {"worker.load_gpu": {"n": 3, "total": 6.0},
-                                            "worker.load_requests": {"n": 3, "total": 96}}  # fmt: skip
+def raw_of(name: str, burst: list[dict], pair: list[dict], singles: dict[str, list[dict]]) -> dict:
+    return {"start_s": 1.0, "prefix": {"burst": burst}, "pair": pair, "singles": singles}
 
 
-def test_per_transfer_is_the_mean_over_the_transfers_between_two_reads() -> None:
-    before = {"vllm:nixl_xfer_time_seconds": {"count": 2, "sum": 0.004}}
-    after = {"vllm:nixl_xfer_time_seconds": {"count": 6, "sum": 0.012},
-             "vllm:nixl_bytes_transferred": {"count": 4, "sum": 4096.0}}  # fmt: skip
-    assert per_transfer(before, after) == {"transfers": 4, "xfer_time_seconds_mean_ms": 2.0,
-                                           "bytes_transferred_mean": 1024.0}  # fmt: skip
+def test_options_are_read_and_a_bad_one_is_named() -> None:
+    assert suite.names("plain,copy") == ["plain", "copy"]
+    assert suite.arrivals("burst, 8") == ["burst", 8.0]
+    assert suite.share("0.5") == 0.5
+    for parse, text in ((suite.names, "plain,resident?"), (suite.arrivals, "8,fast"), (suite.arrivals, "-1"),
+                        (suite.share, "1.5")):  # fmt: skip
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
 
 
-def test_the_summary_compares_the_phases_that_ran(tmp_path) -> None:
+def test_the_help_needs_neither_vllm_nor_a_gpu() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvpool.benchmarks", "vllm", "--help"], capture_output=True,
+                          text=True, cwd=SOURCE_ROOT, env=child_env(), timeout=120, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "usage: kvpool bench vllm" in done.stdout and "--arrivals" in done.stdout
+    for name in suite.ENGINES:
+        assert f"\n  {name} " in done.stdout
+
+
+def test_without_a_gpu_it_stops_with_one_line() -> None:
+    done = subprocess.run([sys.executable, "-m", "kvpool.benchmarks", "vllm", "--device", "cpu"], capture_output=True,
+                          text=True, cwd=SOURCE_ROOT, env=child_env(), timeout=120, check=False)  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        done.stderr.strip()
+        == "kvpool bench vllm: needs a CUDA GPU (vLLM's engines run there); --device cpu cannot run it"
+    )
+
+
+def test_an_engine_configuration_is_one_entry() -> None:
+    """What the connector's configurations have in common (two engines on a pool) follows from the entry alone."""
+    assert [n for n, c in suite.ENGINES.items() if c.engines == 2] == ["copy"]
+    extra = suite.EngineConfig(
+        "a mode of the connector", connector={"mode": "x"}, pool_flags=("--order", "block_major")
+    )
+    assert extra.engines == 2 and extra.prefix_caching
+
+
+def test_a_and_b_share_the_prefix_and_p_shares_nothing() -> None:
+    ps = suite.prompts(7, n=3, prompt_len=64, prefix_len=48)
+    assert ps == suite.prompts(7, n=3, prompt_len=64, prefix_len=48)
+    for a, b in zip(ps["A"], ps["B"], strict=True):
+        assert len(a) == len(b) == 64 and a[:48] == b[:48] and a[48:] != b[48:]
+    assert all(p[:16] not in (a[:16] for a in ps["A"]) for p in ps["P"])
+    assert ps["A"][0][:48] != ps["A"][1][:48]
+
+
+def test_the_pool_is_shaped_like_the_models_kv() -> None:
+    layout = suite.pool_layout({**suite.LLAMA_1B, "torch_dtype": "bfloat16"}, 16)
+    assert (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size) == (16, 8, 64, 16)
+    assert layout.dtype == "bfloat16"
+    no_head_dim = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256, "dtype": "float16"}
+    assert suite.pool_layout(no_head_dim, 16).head_dim == 64 and suite.pool_layout(no_head_dim, 16).num_kv_heads == 4
+
+
+def test_an_outcome_is_read_from_vllms_own_stamps() -> None:
+    def out(tokens: list[int], first: float, last: float, cached: int) -> SimpleNamespace:
+        metrics = SimpleNamespace(first_token_latency=first, first_token_ts=10.0, last_token_ts=10.0 + last,
+                                  queued_ts=9.0, scheduled_ts=9.5)  # fmt: skip
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics, kv_transfer_params=None,
+                               num_cached_tokens=cached, prompt_token_ids=[1] * 32)  # fmt: skip
+
+    got = suite.outcome([out([1, 2, 3], 0.05, 0.004, 16), out([4], 0.02, 0.0, -1)], 0.2)
+    assert got["tokens"] == [[1, 2, 3], [4]] and got["ttft_ms"] == [50.0, 20.0]
+    assert got["tpot_ms"] == [pytest.approx(2.0)]  # a request of one token has no TPOT
+    assert got["cached"] == [16, 0] and got["prompt_tokens"] == [32, 32]
+
+
+def recorded() -> dict:
     a, b = [1, 2], [1, 3]
-    plain = {"device": "X", "start_s": 40.0, "burst": [{"cold": run([100.0, 120.0], [a, a]),
-                                                        "own": run([70.0, 80.0], [a, b])}],
-             "P": [run([60.0, 60.0], [a, a])], "steady": [{"rate": 8.0, "cold": run([20.0], [a]),
-                                                           "own": run([10.0], [a])}],
-             "single": {"B": [a], "B_cold": [a], "P": [b]}}  # fmt: skip
-    pool = {"device": "X", "burst": [run([55.0, 65.0], [a, a]) | {"pool": {"hit_blocks_B": 96}}],
-            "steady": [{"rate": 8.0, **run([8.0], [a])}], "ttft_profile": {},
-            "pair": [{"prefill": run([30.0, 30.0], [[7], [7]]), "decode": run([9.0, 11.0], [a, a])}],
-            "pair_profile": {"scheduler.claim_call": {"n": 2, "total": 0.5},
-                             "worker.load_gpu": {"n": 1, "total": 4.0},
-                             "worker.load_requests": {"n": 1, "total": 2}},
-            "single": {"B": [a], "P": [a]}}  # fmt: skip
-    for name, res in (("plain", plain), ("pool", pool)):
-        (tmp_path / f"{name}.json").write_text(json.dumps(res))
-    s = summary(tmp_path)
-    assert s["phases"] == ["plain", "pool"]
-    assert s["burst_ttft_p50_ms"] == {"B_cold": 110.0, "B_own_cache": 75.0, "B_pool": 60.0}
-    assert s["burst_ratio_vs_cold"] == {"pool": 0.545, "own_cache": 0.682}
-    assert s["burst_rounds_ttft_p50_ms"] == {"B_cold": [110.0], "B_own_cache": [75.0], "B_pool": [60.0]}
-    assert s["steady_ttft_p50_ms"]["8.0"] == {"cold": 20.0, "own_cache": 10.0, "pool": 8.0, "pool_vs_cold": 0.4,
-                                              "own_cache_vs_cold": 0.5}  # fmt: skip
-    assert s["pair_kvpool"]["claim_call_ms_per_request"] == 0.25
-    assert s["pair_kvpool"]["load_gpu_ms_per_request"] == 2.0
-    assert s["pair_kvpool"]["decode_ttft_p50_ms"] == 10.0
-    assert s["identical"]["burst_B_pool_vs_own_cache"] == "1/2"
-    assert s["identical"]["single_P_kvpool_pair_vs_own_cache"] == "0/1"
-    assert "pair_nixl" not in s
+    pair = [{"prefill": run([30.0, 30.0], [[7], [7]]), "decode": run([10.0, 12.0], [a, b], [4, 4])}]
+    alone = {"B": [run([9.0], [a], [4])], "P": [run([8.0], [b], [4])]}
+    plain = raw_of("plain", [run([70.0, 80.0], [a, b], [6, 6])], pair, alone)
+    cold = raw_of("cold", [run([100.0, 120.0], [a, a])], pair, alone)
+    pool_burst = run([55.0, 65.0], [a, a], [6, 6]) | {"pool": {"committed_by_A": 4, "committed_by_B": 2}}
+    copy = raw_of("copy", [pool_burst], pair, {"B": [run([9.0], [a], [4])], "P": [run([8.0], [a], [4])]})
+    return {"plain": plain, "cold": cold, "copy": copy}
 
 
-def test_the_timeline_lays_the_main_step_of_a_burst_beside_vllms_stamps(tmp_path) -> None:
-    from kvpool.benchmarks.vllm_timeline import report
-
-    t = 100.0
-    stamps = [(t, t + 0.001, t + 0.030)] + [(t + 0.010 + i * 1e-4, t + 0.012, t + 0.060) for i in range(3)]
-    burst = run([30.0, 60.0, 60.0, 60.0], [[1]] * 4) | {"core_ts": stamps}
-    (tmp_path / "pool_flat.json").write_text(json.dumps({"burst": [burst]}))
-    marks = [(0.0105, "lookups"), (0.011, "lookups"), (0.0125, "plan", {"loads": 3}), (0.014, "forward"),
-             (0.055, "saver_wait"), (0.002, "plan", {"loads": 1})]  # fmt: skip
-    (tmp_path / "timelines").mkdir()
-    lines = [json.dumps({"t": t + m[0], "k": m[1], **(m[2] if len(m) > 2 else {})}) for m in marks]
-    (tmp_path / "timelines" / "e2-timeline-scheduler-1.jsonl").write_text("\n".join(lines) + "\n")
-    step = report(tmp_path)["pool_flat"][0]
-    assert step == {"requests": 3, "queued": 10.2, "lookups": 11.0, "planned": 12.5, "forward": 14.0,
-                    "gpu_done": 55.0, "first_token": 60.0}  # fmt: skip
+def test_the_rows_compare_each_configuration_with_cold_and_plain() -> None:
+    rows = {(r["engine"], r["workload"]): r for r in suite.summarize(recorded())}
+    assert set(rows) == {(e, w) for e in ("plain", "cold", "copy")
+                         for w in ("prefix burst", "pair prefill", "pair decode", "single B", "single P")}  # fmt: skip
+    burst = rows["copy", "prefix burst"]
+    assert (burst["ttft_p50_ms"], burst["ttft_p50_vs_cold"], burst["cached_share"]) == (60.0, 0.545, 0.75)
+    assert burst["same_tokens_as_plain"] == "1/2" and burst["pool"] == [{"committed_by_A": 4, "committed_by_B": 2}]
+    assert rows["plain", "prefix burst"]["ttft_p50_vs_cold"] == 0.682
+    assert "same_tokens_as_plain" not in rows["plain", "prefix burst"]  # the reference itself
+    assert rows["copy", "single B"]["same_tokens_as_plain"] == "1/1"
+    assert rows["copy", "single P"]["same_tokens_as_plain"] == "0/1"
+    assert rows["cold", "prefix burst"]["ttft_p99_ms"] == 119.8
 
 
-def test_the_timeline_of_a_passive_connector_takes_the_first_plan_after_vllm_scheduled(tmp_path) -> None:
-    """``plain_stamped``: vLLM's own cache with the connector loading nothing, its plans all without loads."""
-    from kvpool.benchmarks.vllm_timeline import report
-
-    t = 200.0
-    stamps = [(t, t + 0.001, t + 0.030)] + [(t + 0.010 + i * 1e-4, t + 0.012, t + 0.050) for i in range(3)]
-    case = run([30.0, 50.0, 50.0, 50.0], [[1]] * 4) | {"core_ts": stamps}
-    (tmp_path / "plain_stamped.json").write_text(json.dumps({"burst": [{"own": case, "cold": case}]}))
-    marks = [(0.002, "plan", {"loads": 0}), (0.0135, "plan", {"loads": 0}), (0.016, "forward")]
-    (tmp_path / "timelines").mkdir()
-    lines = [json.dumps({"t": t + m[0], "k": m[1], **(m[2] if len(m) > 2 else {})}) for m in marks]
-    (tmp_path / "timelines" / "e2-timeline-scheduler-1.jsonl").write_text("\n".join(lines) + "\n")
-    got = report(tmp_path)
-    assert got["stamped_own"][0] == {"requests": 3, "queued": 10.2, "lookups": None, "planned": 13.5,
-                                     "forward": 16.0, "gpu_done": None, "first_token": 50.0}  # fmt: skip
-    assert got["stamped_cold"] == got["stamped_own"]
+def report_of(raw: dict, tmp_path: Path) -> harness.Report:
+    args = argparse.Namespace(out=tmp_path, tag="", metadata=[])
+    cfg = {"engines": list(raw), "requests": 2, "prompt_len": 8, "prefix_len": 4, "block_size": 4, "new_tokens": 2,
+           "rounds": 1, "cuda_graphs": True, "vllm": "0.26.0"}  # fmt: skip
+    report = harness.Report("vllm", args, machine.Device("cpu"), cfg)
+    report.raw, report.results = raw, suite.summarize(raw)
+    suite.targets(report)
+    return report
 
 
-def test_the_passive_phases_burst_ttft_is_reported_beside_the_plain_engines(tmp_path) -> None:
-    from kvpool.benchmarks.vllm_graphs_report import passive
-
-    def burst(cold: list[float], own: list[float]) -> dict:
-        half = len(cold) // 2  # two rounds
-        return {"burst": [{"cold": run(c, [[1]] * len(c)), "own": run(o, [[1]] * len(o))}
-                          for c, o in ((cold[:half], own[:half]), (cold[half:], own[half:]))]}  # fmt: skip
-
-    assert passive(tmp_path, ("plain_passive",)) == {}
-    (tmp_path / "plain.json").write_text(json.dumps(burst([100.0, 120.0, 140.0], [50.0, 60.0, 70.0])))
-    assert passive(tmp_path, ("plain_passive",)) == {}  # nothing to set beside the plain engine
-    (tmp_path / "plain_passive.json").write_text(json.dumps(burst([90.0, 110.0, 130.0], [55.0, 65.0, 75.0])))
-    assert passive(tmp_path, ("plain_stamped", "plain_passive")) == {
-        "plain": {
-            "B_cold": 120.0,
-            "B_own_cache": 60.0,
-            "B_cold_rounds": [100.0, 130.0],
-            "B_own_cache_rounds": [50.0, 65.0],
-        },
-        "plain_passive": {
-            "B_cold": 110.0,
-            "B_own_cache": 65.0,
-            "B_cold_rounds": [90.0, 120.0],
-            "B_own_cache_rounds": [55.0, 70.0],
-        },
-    }
+def test_the_targets_are_the_integrations_goals(tmp_path: Path) -> None:
+    report = report_of(recorded(), tmp_path)
+    got = {t.name: t for t in report.targets}
+    tokens = got["copy: greedy tokens one request at a time as vLLM's own cache"]
+    assert (tokens.measured, tokens.met) == ("B 1/1, P 0/1", False)
+    ttft = got["copy: burst TTFT p50 of a prefix another engine computed / cold"]
+    assert (ttft.measured, ttft.met, ttft.detail) == ("0.55x", True, "vLLM's own cache 0.68x")
+    held = got["copy: each prefix held once (B commits only its new blocks)"]
+    assert (held.goal, held.measured, held.met) == ("2 a round", "2", True)
 
 
-def test_the_saver_benchmark_runs_alone_and_beside_a_thread_holding_the_gil(tmp_path) -> None:
-    """A smoke test of ``vllm_saves`` (CPU, no vLLM): it saves every block it is given and writes both cases."""
-    out = tmp_path / "saves.json"
-    cmd = [sys.executable, "-m", "kvpool.benchmarks.vllm_saves", "--prompts", "3", "--held", "2", "--new", "2",
-           "--rounds", "3", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(out.read_text())["cases"]
-    assert set(cases) == {"alone", "beside a thread holding the GIL"}
-    assert all(c["n"] == 1 and c["wall_ms_p50"] > 0 for c in cases.values())
+def test_without_the_plain_or_cold_engine_those_comparisons_are_left_out(tmp_path: Path) -> None:
+    raw = recorded()
+    del raw["plain"], raw["cold"]
+    report = report_of(raw, tmp_path)
+    assert all("same_tokens_as_plain" not in r and "ttft_p50_vs_cold" not in r for r in report.results)
+    assert [t.name for t in report.targets] == ["copy: each prefix held once (B commits only its new blocks)"]
 
 
-def test_the_schedule_benchmark_times_both_schedulers_and_the_connector_calls(tmp_path) -> None:
-    """A smoke test of ``vllm_schedule`` (vLLM on the CPU; skipped without it): every prompt of the burst is
-    scheduled with its prefix hit, by vLLM's own cache and through the pool, and the figures are written."""
-    pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
-    out = tmp_path / "schedule.json"
-    cmd = [sys.executable, "-m", "kvpool.benchmarks.vllm_schedule", "--requests", "4", "--rounds", "2",
-           "--json", str(out)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(out.read_text())
-    assert set(got["schedule_ms_p50"]) == {"own prefix cache", "kvpool connector"}
-    assert set(got["connector_calls_ms_p50"]) == {"get_num_new_matched_tokens", "update_state_after_alloc",
-                                                  "build_connector_meta"}  # fmt: skip
+def test_the_block_and_the_files_are_written(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = report_of(recorded(), tmp_path)
+    report.print_block("vllm", suite.body(report))
+    out = capsys.readouterr().out
+    assert "copy    prefix burst" in out and "0.545" in out and "1/2" in out
+    json_path, png_path = report.save(lambda: suite.plot(report))
+    assert json.loads(json_path.read_text())["suite"] == "vllm"
+    if importlib.util.find_spec("matplotlib") is None:  # the bench extra: without it, the JSON alone
+        assert png_path is None
+    else:
+        assert png_path is not None and png_path.read_bytes()[:4] == b"\x89PNG"

@@ -246,16 +246,3 @@ def test_full_cuda_graphs_are_kept_unless_layerwise_loads_are_asked_for() -> Non
     assert not KvpoolConnector.requires_piecewise_for_cudagraph({})
     assert not KvpoolConnector.requires_piecewise_for_cudagraph({"layerwise": False})
     assert KvpoolConnector.requires_piecewise_for_cudagraph({"layerwise": True})
-
-
-def test_the_switch_interval_setting_reaches_the_engine_process(model_dir: Path, pool: PoolProcess) -> None:
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        cfg = config(model_dir, pool.url)
-        cfg.kv_transfer_config.kv_connector_extra_config["switch_interval_ms"] = 0.25
-        KvpoolConnector(cfg, KVConnectorRole.SCHEDULER, KVCacheConfig(0, [], [])).shutdown()
-        assert sys.getswitchinterval() == pytest.approx(0.25e-3)
-    finally:
-        sys.setswitchinterval(before)

@@ -13,6 +13,8 @@ import json
 import socket
 import time
 
+import pytest
+
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
 from tests.conftest import start_pool
@@ -21,6 +23,8 @@ LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=
 FLAGS = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block-size", "4", "--dtype", "float32",
          "--num-blocks", "8", "--host-blocks", "32", "--lease-ttl-s", "1")  # fmt: skip
 PREFIX = list(range(900, 924))  # six blocks
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 
 
 def lookup_and_vanish(port: int, session_id: str, tokens: list[int]) -> None:

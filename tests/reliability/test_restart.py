@@ -25,6 +25,8 @@ from tests.server.books import assert_balanced
 from tests.server.procs import serve
 
 LEASE_TTL_S = 1.0
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 FLAGS = (
     "--num-blocks", "32", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
     "--block-size", "4", "--dtype", "float32", "--lease-ttl-s", str(LEASE_TTL_S),

@@ -36,6 +36,7 @@ def run_soak(*args: str, timeout_s: float = 180) -> tuple[subprocess.CompletedPr
     return proc, summary
 
 
+@pytest.mark.slow
 def test_short_soak_passes_with_16_clients() -> None:
     proc, s = run_soak("--duration", "8", "--clients", "16", "--crash-every", "2")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -51,6 +52,7 @@ def test_short_soak_passes_with_16_clients() -> None:
     assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
 
 
+@pytest.mark.slow
 def test_short_soak_with_a_host_tier_balances_both_tiers() -> None:
     """An arena too small for the clients' prefixes: evictions go to the host tier and lookups restore them, while
     workers are killed (some while the pool restores a prefix for them); every block's bytes are checked."""
@@ -65,6 +67,7 @@ def test_short_soak_with_a_host_tier_balances_both_tiers() -> None:
     assert s["end"]["in_use"] == 0 and s["end"]["sessions"] == 0
 
 
+@pytest.mark.slow
 def test_soak_against_a_given_pool() -> None:
     pool = start_pool(*SMALL_POOL, "--lease-ttl-s", "2")
     try:
@@ -113,6 +116,7 @@ def test_a_slab_handoff_its_consumer_dropped_is_a_violation() -> None:
     assert tally.violation_count == 1 and "r1" in tally.violations[0]
 
 
+@pytest.mark.slow
 def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
     """Slabs hold blocks outside the free list and hand them over with no pool on the way: the books must still
     balance at every sample, killed workers' slabs (and what they handed) must come back, and nothing may be left."""

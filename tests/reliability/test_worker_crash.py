@@ -27,6 +27,8 @@ from tests.server.books import assert_balanced
 LEASE_TTL_S = 1.0
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 PREFIX = list(range(500, 508))  # two full blocks
 LAYOUT = (
     "--num-blocks", str(NUM_BLOCKS), "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",

@@ -119,6 +119,7 @@ def test_refuses_a_world_writable_socket_directory() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_never_takes_over_a_live_pools_socket() -> None:
     """A second pool on the same socket path refuses to start; the first keeps serving on it."""
     first = start_pool(*SMALL_POOL)

@@ -215,6 +215,7 @@ def test_no_one_without_a_live_session_can_refuse_anothers_handoff(pool_server: 
     assert (s["in_use"], s["handoffs"]) == (0, 0)
 
 
+@pytest.mark.slow
 def test_sessions_expiring_together_never_stall_the_others(tmp_path: Path) -> None:
     """Thousands of idle sessions expire in one sweep while tens of thousands of handoffs are parked: the sweep
     must cost what expired, or the pool's one event loop stalls past the lease and expires everyone else."""
@@ -271,6 +272,7 @@ def hello(pool: PoolProcess, token: str | None = None) -> FastConnection:
     return conn
 
 
+@pytest.mark.slow
 def test_per_client_bounds_are_settings_and_say_which(tmp_path: Path) -> None:
     """Sessions, parked handoffs, meta size and waiting claims are bounded; a call past a bound is a 429 that
     names the setting, and changes nothing."""
@@ -313,6 +315,7 @@ def test_per_client_bounds_are_settings_and_say_which(tmp_path: Path) -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_a_stranger_holds_no_memory_and_no_connection_for_long_before_hello(tmp_path: Path) -> None:
     pool = start_pool(*SMALL_POOL, "--hello-timeout-s", "0.5", env={"KVPOOL_TOKEN": TOKEN})
     try:

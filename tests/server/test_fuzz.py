@@ -37,6 +37,8 @@ from tests.server.books import assert_balanced
 
 MAX_EXAMPLES = 110  # per operation and generation mode; 9 operations take input, so well over 1000 cases
 MIN_CASES = 1000
+
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 CASES: Counter[str] = Counter()
 STATUSES: Counter[tuple[str, int]] = Counter()
 

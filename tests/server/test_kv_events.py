@@ -157,6 +157,7 @@ def ports() -> Iterator[tuple[int, int]]:
     yield free_port(), free_port()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", [("int", "map"), ("bytes", "array")], ids=["int-map", "bytes-array"])
 def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[int, int]) -> None:
     hashes, shape = form
@@ -216,6 +217,7 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
         pool.stop()
 
 
+@pytest.mark.slow
 def test_an_endpoint_in_use_stops_the_pool_saying_which(tmp_path: Path) -> None:
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")

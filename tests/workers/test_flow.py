@@ -23,6 +23,8 @@ from kvpool.workers.monolithic import greedy_generate
 from kvpool.workers.request import GenerationRequest
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"
 DEVICE = torch.device(BACKEND)
 

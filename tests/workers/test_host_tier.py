@@ -23,6 +23,8 @@ from kvpool.workers.model import LlamaModel
 from kvpool.workers.monolithic import greedy_generate
 from kvpool.workers.request import GenerationRequest
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 BACKEND = "cuda" if torch.cuda.is_available() else "cpu"
 BS = 8
 

@@ -45,6 +45,7 @@ def test_layout_check_names_the_difference() -> None:
         check_layout(SMALL, layout_for(SMALL, 16, "float8_e4m3fn"))
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
     model = LlamaModel.random(SMALL, seed=3)
     tensors = {  # rebuild the unfused tensors the way a checkpoint stores them
@@ -75,6 +76,7 @@ def test_sharded_checkpoint_round_trip(tmp_path: Path) -> None:
     assert greedy_generate(loaded, prompts, 6, layout) == greedy_generate(model, prompts, 6, layout)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_do_not_depend_on_paging() -> None:
     """Block size and arena order change only where K/V live, never the tokens."""
     model = LlamaModel.random(SMALL, seed=1)

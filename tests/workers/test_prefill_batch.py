@@ -110,6 +110,7 @@ def test_prefill_batch_refuses_a_table_too_short() -> None:
         model.prefill_batch([PrefillPiece([0], 4, list(range(9)))], caches)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("token_budget", [16, 4096])
 def test_monolithic_engine_equals_reference_and_hits_its_cache(token_budget: int, device: str) -> None:

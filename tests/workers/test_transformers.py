@@ -22,6 +22,8 @@ LLAMA3_ROPE = {
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], list(range(20, 80)), [3], [200] * 17]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
+pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
+
 #: bf16 logits, decoded through the paged cache, stay this close (max abs) to transformers' fp32 logits, whose
 #: values span about +-3 here; transformers' own bf16 run lands at about 0.04 (measured on CPU and GPU).
 BF16_LOGIT_TOLERANCE = 0.1

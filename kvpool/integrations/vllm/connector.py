@@ -7,7 +7,6 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 
 from __future__ import annotations
 
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,6 @@ from kvpool.errors import KvpoolError, LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm import arrivals, resident
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
-from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.resident import ResidentScheduler, ResidentWorker
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine, layerwise_for
@@ -90,13 +88,13 @@ class KvpoolConnector(KVConnectorBase_V1):
         tc = self._kv_transfer_config
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
         LIVE.add(self)
-        if self.settings.switch_interval_ms is not None:
-            sys.setswitchinterval(self.settings.switch_interval_ms / 1e3)
         self.layout = engine_layout(vllm_config)
         engine_id = str(tc.engine_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        profile = Profile(self.settings.profile_dir, side)
         link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
+        self._sched: SchedulerSide | None = None
+        self._early = False
+        self._worker: WorkerSide | None = None
         self._resident_sched: ResidentScheduler | None = None
         self._resident_worker: ResidentWorker | None = None
         if self.settings.mode == "resident" and self._resident(vllm_config, role, kv_cache_config, link.name):
@@ -104,17 +102,14 @@ class KvpoolConnector(KVConnectorBase_V1):
         if tc.kv_load_failure_policy != "recompute":
             log.warning("kvpool: set \"kv_load_failure_policy\": \"recompute\" in --kv-transfer-config, so that a "
                         "block that fails to load is computed again instead of failing its request")  # fmt: skip
-        self._sched: SchedulerSide | None = None
-        self._early = False
-        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
-            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, profile)
+            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
             self._early = self.settings.early_lookup and arrivals.install()
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
-            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise, profile)
+            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise)
 
     def _resident(self, config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, name: str) -> bool:
         """Start this side in resident mode; False, after one line saying why, where the engine cannot be
@@ -172,7 +167,11 @@ class KvpoolConnector(KVConnectorBase_V1):
                         type(exc).__name__, exc)  # fmt: skip
             link.close()
             return
-        self._check_pool_layout(descriptor, config)
+        try:
+            self._check_pool_layout(descriptor, config)
+        except LayoutMismatch:
+            link.close()  # the engine stops here: its session goes now, not when its lease runs out
+            raise
 
     def _check_pool_layout(self, descriptor: ArenaDescriptor, config: VllmConfig) -> None:
         model = config.model_config
@@ -201,20 +200,20 @@ class KvpoolConnector(KVConnectorBase_V1):
             if _cacheable(request):
                 self._resident_sched.arrive(request)
         elif self._early:
-            self._prefetch(request, arriving=True)
+            self._prefetch(request)
 
     def on_new_request(self, request: Request) -> None:
         if self._resident_sched is not None:
             if _cacheable(request):
                 self._resident_sched.arrive(request)  # a second call for one request starts nothing
             return
-        self._prefetch(request, arriving=False)
+        self._prefetch(request)
 
-    def _prefetch(self, request: Request, arriving: bool) -> None:
+    def _prefetch(self, request: Request) -> None:
         assert self._sched is not None
         prompt = _tokens(request.prompt_token_ids)
         if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
-            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params, arriving)
+            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._resident_sched is not None:

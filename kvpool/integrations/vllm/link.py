@@ -11,7 +11,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import TypeVar
 
 from kvpool.client import PoolClient
@@ -55,16 +55,6 @@ class PoolLink:
         """``fn(client)``, or ``default`` when the pool cannot answer (logged, and the session dropped)."""
         with self._lock:
             return self._call(what, fn, default)
-
-    @contextlib.contextmanager
-    def held_if_free(self) -> Iterator[bool]:
-        """Whether no other thread is in a call on this session now; if so, it is kept for this thread meanwhile."""
-        free = self._lock.acquire(blocking=False)
-        try:
-            yield free
-        finally:
-            if free:
-                self._lock.release()
 
     def _call(self, what: str, fn: Callable[[PoolClient], T], default: T) -> T:
         now = time.monotonic()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from array import array
 from collections import deque
 from dataclasses import dataclass
@@ -21,7 +20,6 @@ from typing import Any
 
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Save
-from kvpool.integrations.vllm.profile import Profile
 
 
 @dataclass
@@ -32,9 +30,8 @@ class Job:
 
 
 class Saver:
-    def __init__(self, link: PoolLink, block_size: int, reserve: int, profile: Profile | None = None) -> None:
+    def __init__(self, link: PoolLink, block_size: int, reserve: int) -> None:
         self.link, self.block_size, self.target = link, block_size, reserve
-        self.profile = profile or Profile(None, "saver")
         self._reserve: deque[int] = deque()
         self._lock = threading.Lock()
         self._jobs: queue.Queue[tuple[Any, ...]] = queue.Queue()
@@ -77,16 +74,10 @@ class Saver:
                 return
             if item[0] == "jobs":
                 _, done, jobs = item
-                began = time.monotonic()
                 if done is not None:
                     done.synchronize()
-                self.profile.mark("saver_wait", began)
-                t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
                 self._commit([job for job in jobs if not job.save.park])
                 self._park([job for job in jobs if job.save.park])
-                self.profile.add("saver_pool_calls", (time.perf_counter() - t0) * 1e3)
-                cpu_ms = round((time.thread_time() - cpu) * 1e3, 3)
-                self.profile.mark("saver_calls", began, jobs=len(jobs), cpu_ms=cpu_ms)
             if self._jobs.empty() or item[0] == "flush":
                 self.refill()
             if item[0] == "flush":

@@ -13,17 +13,14 @@ an engine loads can never be evicted and rewritten while it is being read.
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Load, Save, StepPlan, Tracked, blocks_for, prompt_digest
-from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.settings import ConnectorSettings
 
 #: kv_transfer_params keys: a prefill engine's answer carries the handoff to the decode engine's request
@@ -44,12 +41,8 @@ class Scheduled:
 
 
 class SchedulerSide:
-    def __init__(
-        self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str,
-        profile: Profile | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
         self.link, self.settings, self.block_size, self.engine_id = link, settings, block_size, engine_id
-        self.profile = profile or Profile(None, "scheduler")
         self.reqs: dict[str, Tracked] = {}
         self._loads: list[Load] = []
         # lanes: a burst of arrivals looks up on several sessions at once; a lane's refs go back through it
@@ -61,10 +54,9 @@ class SchedulerSide:
         self._next_lane = 0
         self._frees: deque[list[tuple[int, list[int]]]] = deque([[] for _ in range(settings.free_delay_steps)])
         self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
-        self._batch: list[tuple[list[int], float, Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
-        self._claims: list[tuple[list[int], dict[str, Any], float, Future[tuple[list[int], int, int]]]] = []
+        self._batch: list[tuple[list[int], Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
+        self._claims: list[tuple[list[int], dict[str, Any], Future[tuple[list[int], int, int]]]] = []
         self._batch_lock = threading.Lock()
-        self._wait_until: float | None = None  # this step's deadline for answers not back yet (lookup_wait_ms)
         self.epoch = ""
 
     # -- matching ---------------------------------------------------------------------------------------
@@ -74,25 +66,9 @@ class SchedulerSide:
         loaded from the pool, never saved to it."""
         self.reqs[req_id] = Tracked(prompt=[], saved=True)
 
-    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
-        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them; None:
-        the answer is not there after ``lookup_wait_ms``, ask again next step)."""
-        began = time.monotonic()
-        tokens = self._match(req_id, prompt, num_computed, params)
-        self.profile.mark("match", began, req=req_id, tokens=tokens)
-        return tokens
-
-    def _match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int | None:
-        ahead = self._ahead.get(req_id)
-        if ahead is not None and not ahead.done():
-            t0 = time.perf_counter()
-            try:
-                ahead.result(self._wait_left(t0))
-            except FutureTimeout:
-                self.profile.add("match_not_ready", (time.perf_counter() - t0) * 1e3)
-                return None
-            finally:
-                self.profile.add("match_wait", (time.perf_counter() - t0) * 1e3)
+    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int:
+        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them). A
+        lookup started on arrival is waited for: its answer is the pool's, and vLLM must not schedule without it."""
         old = self.reqs.get(req_id)
         if old is not None:
             self._release(old.held, lane=old.lane)  # asked again (vLLM could not place it, or it was preempted)
@@ -110,57 +86,30 @@ class SchedulerSide:
         t.held, t.lane, t.first_block, t.external = ids, lane, num_computed // self.block_size, usable - num_computed
         return t.external
 
-    def _wait_left(self, now: float) -> float | None:
-        """What is left of the step's ``lookup_wait_ms``: one budget for all of a step's waits, not one each."""
-        if self.settings.lookup_wait_ms is None:
-            return None
-        if self._wait_until is None:
-            self._wait_until = now + self.settings.lookup_wait_ms / 1e3
-        return max(0.0, self._wait_until - now)
-
-    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None, arriving: bool = False) -> None:
+    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
         calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in.
 
         Prefix lookups go out in batches: those that arrive while a lane's call is under way wait for the next
         call, and all go in it (one round trip for a burst, where one call each queued them one after the other).
-        With ``inline_when_idle``, the first arrival on an idle engine (``arriving``, on the input thread) is
-        answered on that thread before vLLM queues it. On a lane, the answer must win the GIL back from the input
-        thread, busy decoding the rest of the burst, after each socket wait, and the scheduler must win it once more
-        to read it: on an H100 with vLLM 0.26 a burst's first step waited 3.7-9.4 ms for that answer.
         """
         if len(prompt) <= self.block_size or req_id in self._ahead:
             return
-        self.profile.mark("arrive", req=req_id)
         params = dict(params or {})
-        queued = time.perf_counter()
         if not params.get(HANDOFF_KEY) and not self.settings.load:
             return
         future: Future[tuple[list[int], int, int]] = Future()
-        claim = bool(params.get(HANDOFF_KEY))
-        inline = arriving and not claim and self._idle()  # a claim may wait in the pool for its handoff
         with self._batch_lock:
-            if claim:
-                self._claims.append((prompt, params, queued, future))
+            if params.get(HANDOFF_KEY):
+                self._claims.append((prompt, params, future))
                 start, run = len(self._claims) == 1, self._claim_batch
             else:
-                self._batch.append((prompt[: self._loadable(prompt)], queued, future))
+                self._batch.append((prompt[: self._loadable(prompt)], future))
                 start, run = len(self._batch) == 1, self._lookup_batch
         self._ahead[req_id] = future
-        if not start:
-            return
-        if inline:
-            with self.links[0].held_if_free() as free:  # a lane may be freeing refs on that session
-                if free:
-                    run(0)
-                    return
-        lane = self._lane()
-        self._lanes[lane].submit(run, lane)
-
-    def _idle(self) -> bool:
-        """Nothing in flight on this side: no request tracked, no answer awaited, no lookup or claim queued."""
-        return (self.settings.inline_when_idle and self.settings.lookup_wait_ms is None and not self.reqs
-                and not self._ahead and not self._batch and not self._claims)  # fmt: skip
+        if start:
+            lane = self._lane()
+            self._lanes[lane].submit(run, lane)
 
     def _loadable(self, prompt: list[int]) -> int:
         """Tokens of the prompt's full blocks before its last token, which vLLM always computes itself."""
@@ -174,35 +123,24 @@ class SchedulerSide:
     def _lookup_batch(self, lane: int) -> None:
         with self._batch_lock:
             batch, self._batch = self._batch, []
-        t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
         hits = None
         try:
-            hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _, _ in batch]), None)
+            hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _ in batch]), None)
         finally:  # every request gets its answer, "nothing in the pool" at worst: none waits forever
-            for i, (_, queued, future) in enumerate(batch):
+            for i, (_, future) in enumerate(batch):
                 future.set_result((hits[i][0], hits[i][1], lane) if hits is not None else ([], 0, lane))
-                self.profile.add("lookup_queued", (t0 - queued) * 1e3)
-        self._batch_done("lookup", len(batch), t0, began, cpu)
 
     def _claim_batch(self, lane: int) -> None:
         """The claims of the decode requests that arrived since the last such call, in one call (pipelined)."""
         with self._batch_lock:
             batch, self._claims = self._claims, []
-        t0, began, cpu = time.perf_counter(), time.monotonic(), time.thread_time()
         claims: list[Any] = [None] * len(batch)
         try:
-            keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
+            keys = [str(params[HANDOFF_KEY]) for _, params, _ in batch]
             claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
         finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
-            for claim, (prompt, params, queued, future) in zip(claims, batch, strict=True):
+            for claim, (prompt, params, future) in zip(claims, batch, strict=True):
                 future.set_result((self._claimed(claim, params, prompt, lane), self._loadable(prompt), lane))
-                self.profile.add("claim_queued", (t0 - queued) * 1e3)
-        self._batch_done("claim", len(batch), t0, began, cpu)
-
-    def _batch_done(self, kind: str, n: int, t0: float, began: float, cpu: float) -> None:
-        self.profile.add(f"{kind}_call", (time.perf_counter() - t0) * 1e3)
-        self.profile.add(f"{kind}_batch_size", n)
-        self.profile.mark(f"{kind}s", began, n=n, cpu_ms=round((time.thread_time() - cpu) * 1e3, 3))
 
     def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
@@ -269,8 +207,6 @@ class SchedulerSide:
 
     def build(self, scheduled: Iterable[Scheduled]) -> StepPlan:
         """The worker's plan for this step; also lets go of refs whose delay has run out."""
-        self.profile.maybe_write()
-        self._wait_until = None
         plan = StepPlan(epoch=self.epoch, loads=self._loads)
         self._loads = []
         for s in scheduled:
@@ -286,9 +222,6 @@ class SchedulerSide:
         self._frees.append([])
         for lane, ids in self._frees.popleft():
             self._release(ids, now=True, lane=lane)
-        if self.profile.on:
-            self.profile.mark("plan", loads=len(plan.loads), load_blocks=sum(len(ld.arena_ids) for ld in plan.loads),
-                              saves=len(plan.saves))  # fmt: skip
         return plan
 
     def _save_of(self, s: Scheduled, t: Tracked) -> Save | None:
@@ -348,4 +281,3 @@ class SchedulerSide:
             if ids:
                 link.call("free", lambda c, ids=ids: c.free(ids), 0)
             link.close()
-        self.profile.maybe_write(force=True)

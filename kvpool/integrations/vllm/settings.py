@@ -66,31 +66,9 @@ class ConnectorSettings(BaseModel):
         description="start a request's lookup (or claim) as the engine core's input thread decodes it, beside the "
         "step then running, instead of when the scheduler takes it in between steps",
     )
-    inline_when_idle: bool = Field(
-        False,
-        description="on an engine with nothing in flight, make an arriving request's lookup on the input thread "
-        "itself before vLLM queues the request, so that the first step of a burst finds its answer ready (not with "
-        "lookup_wait_ms, which bounds the scheduler's waits only; off: on an H100 it left a burst's TTFT as it was)",
-    )
-    lookup_wait_ms: float | None = Field(
-        None,
-        ge=0,
-        le=60_000,
-        description="how long a scheduler step waits in all for lookups started on arrival; a request whose answer "
-        "is not back by then is asked again next step (default: wait for the answer)",
-    )
-    switch_interval_ms: float | None = Field(
-        None,
-        ge=0.01,
-        le=100,
-        description="set the engine core process's GIL switch interval (Python's default: 5 ms); the connector's "
-        "pool calls run on threads beside the engine's, and each of their socket waits can cost them a whole "
-        "interval to get the GIL back while vLLM's threads compute",
-    )
     lookup_threads: int = Field(
         1, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
     )
-    profile_dir: str | None = Field(None, description="write where the connector's time goes to this directory")
     name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
 
     @classmethod

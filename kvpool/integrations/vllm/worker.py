@@ -11,7 +11,6 @@ recomputes those tokens.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -21,19 +20,14 @@ from kvpool.errors import LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm.kvviews import BlockCopier, kv_views
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
-from kvpool.integrations.vllm.profile import Profile
 from kvpool.integrations.vllm.saver import Job, Saver
 from kvpool.integrations.vllm.settings import check_engine
 from kvpool.layout import KVLayout
 
 
 class WorkerSide:
-    def __init__(
-        self, link: PoolLink, layout: KVLayout, reserve: int = 1024, layerwise: bool = False,
-        profile: Profile | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, link: PoolLink, layout: KVLayout, reserve: int = 1024, layerwise: bool = False) -> None:
         self.link, self.layout, self.layerwise = link, layout, layerwise
-        self.profile = profile or Profile(None, "worker")
         self._layer_of: dict[str, int] = {}
         self._stream: torch.cuda.Stream | None = None
         self._layer_events: list[torch.cuda.Event] = []
@@ -51,7 +45,7 @@ class WorkerSide:
         self._engine = [kv_views(caches[n], self.layout, n) for n in names]
         self._layer_of = {n: i for i, n in enumerate(names)}
         self._bind()
-        self.saver = Saver(self.link, self.layout.block_size, self.reserve, self.profile)
+        self.saver = Saver(self.link, self.layout.block_size, self.reserve)
         self.saver.refill()
 
     def _bind(self) -> bool:
@@ -86,12 +80,10 @@ class WorkerSide:
     # -- loads --------------------------------------------------------------------------------------------
 
     def load(self, plan: StepPlan) -> None:
-        self.profile.mark("forward")
         if not plan.loads:
             return
         arena_ids = [b for ld in plan.loads for b in ld.arena_ids]
         engine_ids = [b for ld in plan.loads for b in ld.engine_ids]
-        t0, began = time.perf_counter(), time.monotonic()
         try:
             if not self._ready(plan.epoch):
                 raise PoolUnavailable("the pool restarted or cannot be reached")
@@ -103,14 +95,10 @@ class WorkerSide:
             else:
                 self.copier.load(local, engine_ids)
             self.stats["loaded_blocks"] += len(arena_ids)
-            self.profile.add("load_requests", len(plan.loads))
-            self.profile.add("load_blocks", len(arena_ids))
         except Exception as exc:
             log.warning("kvpool: loading %d blocks failed (%s); vLLM recomputes them", len(engine_ids), exc)
             self.failed.update(engine_ids)
             self.stats["load_failures"] += 1
-        self.profile.add("load_launch_cpu", (time.perf_counter() - t0) * 1e3)
-        self.profile.mark("load", began, blocks=len(arena_ids))
 
     def _load_layerwise(self, arena_ids: list[int], engine_ids: list[int]) -> None:
         """Every layer's copies on a side stream, which first waits for what the forward's stream queued before
@@ -123,18 +111,13 @@ class WorkerSide:
         self._stream.wait_stream(main)
         events: list[torch.cuda.Event] = []
         self._layer_events = events  # as they are recorded: a failure midway still orders the stream after them
-        timed = self.profile.on
         with torch.cuda.stream(self._stream):
-            start = torch.cuda.Event(enable_timing=timed)
-            start.record(self._stream)
             pairs = self.copier.pairs(arena_ids, engine_ids)
             for i in range(len(self._engine)):
                 self.copier.load_layer(i, pairs)
-                ev = torch.cuda.Event(enable_timing=timed)
+                ev = torch.cuda.Event()
                 ev.record(self._stream)
                 events.append(ev)
-        if timed:
-            self.profile.gpu("load_gpu", start, events[-1])
 
     def wait_layer(self, name: str) -> None:
         """The forward's stream waits for this layer's loads (those of the step, if any)."""
@@ -160,11 +143,8 @@ class WorkerSide:
     def save(self, plan: StepPlan) -> None:
         """Copy the step's finished prompts into reserve blocks; the saver commits them once the copies ran."""
         self._join_loads()
-        self.profile.mark("forward_end")
-        self.profile.maybe_write()
         if not plan.saves or self.saver is None or not self._ready(""):
             return
-        t0, began = time.perf_counter(), time.monotonic()
         bs, src, dst, jobs = self.layout.block_size, [], [], []
         for s in plan.saves:
             full = len(s.token_ids) // bs
@@ -193,8 +173,6 @@ class WorkerSide:
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(self.copier.device))
         self.saver.submit(done, jobs)
-        self.profile.add("save_launch_cpu", (time.perf_counter() - t0) * 1e3)
-        self.profile.mark("save", began, blocks=len(dst))
 
     def flush(self) -> None:
         if self.saver is not None:
@@ -208,5 +186,4 @@ class WorkerSide:
     def close(self) -> None:
         if self.saver is not None:
             self.saver.close()
-        self.profile.maybe_write(force=True)
         self.link.close()

@@ -1,0 +1,564 @@
+"""vllm: vLLM engines as users run them, with and without the kvpool connector, on one GPU.
+
+Engine configurations (--engines; each is one entry of ENGINES in this module):
+  plain   vLLM with its own prefix cache, no connector
+  cold    vLLM with prefix caching off: every prompt computed
+  copy    vLLM with the kvpool connector: prefixes and prefilled requests go through one pool, copied between
+          vLLM's cache and the arena
+
+A configuration with the connector runs two engines on one pool (a writer and a reader); one without runs one
+engine, which is both. All engines start first and stay up; each round runs every configuration once, each round
+starting with the next one, so that no configuration always goes first.
+
+Workload: a random model shaped like Llama-3.2-1B in bf16 (kept in --work), or a local checkpoint (--model);
+token-id prompts, greedy, every request generating --new-tokens, CUDA graphs on (--eager: off). Each round
+draws --requests prompts of --prompt-len tokens: prompts A and B share their first --prefix-share of tokens,
+prompts P share nothing with anything.
+  prefix   A on the writer, then B on the reader: B's prefix is one that another engine computed (through the
+           pool), or one that the same engine computed (vLLM's own cache; nothing with prefix caching off). B is
+           sent all at once (a burst) or one request every 1/rate s (--arrivals burst,8 runs both).
+  pair     P prefilled on the writer (one token, handed off with do_remote_decode), then decoded on the reader
+           with the prefill's kv_transfer_params; without the connector, P twice on the one engine.
+  singles  --singles requests of B and of P, one at a time, so that no batch composition differs.
+
+Measures: TTFT p50/p99 and TPOT p50/p99 from vLLM's own timestamps; the share of prompt tokens vLLM did not
+compute (its num_cached_tokens), and with the connector what the pool committed and hit; greedy tokens against
+the plain engine's (what vLLM's own cache gives).
+
+Needs vLLM (pip install 'kvpool[vllm]') and a CUDA GPU; --help needs neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import itertools
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvpool.benchmarks import harness, machine, timings
+from kvpool.layout import KVLayout
+
+# -- what users run -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One way of running vLLM. ``connector`` is the kvpool connector's ``kv_connector_extra_config`` (None: no
+    connector, one engine); ``pool_flags`` go to that configuration's ``kvpool serve``, ``engine_args`` to
+    ``vllm.LLM``."""
+
+    help: str
+    prefix_caching: bool = True
+    connector: dict[str, Any] | None = None
+    pool_flags: tuple[str, ...] = ()
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def engines(self) -> int:
+        return 1 if self.connector is None else 2
+
+
+ENGINES: dict[str, EngineConfig] = {
+    "plain": EngineConfig("vLLM with its own prefix cache, no connector"),
+    "cold": EngineConfig("vLLM with prefix caching off", prefix_caching=False),
+    "copy": EngineConfig("vLLM with the kvpool connector, copying between vLLM's cache and the arena", connector={}),
+}
+#: the configuration whose tokens the others are compared with, and the one TTFT ratios are taken against
+REFERENCE, COLD = "plain", "cold"
+
+LLAMA_1B = dict(
+    hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+    head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=4096,
+)  # fmt: skip
+BLOCK_SIZE = 16
+#: the writer's kv_transfer_params for a prefill that a decode engine continues
+PARK = {"do_remote_decode": True}
+
+
+# -- options ----------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engines", type=names, default=list(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
+    parser.add_argument("--arrivals", type=arrivals, default=["burst"], help="comma list: burst, or requests/s [burst]")
+    parser.add_argument("--requests", type=int, default=None, help="prompts per round [32; quick 4]")
+    parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt [1024; quick 256]")
+    parser.add_argument("--prefix-share", type=share, default=0.75, help="share of B's tokens that A has [0.75]")
+    parser.add_argument("--new-tokens", type=int, default=None, help="tokens each request generates [64; quick 8]")
+    parser.add_argument("--singles", type=int, default=None, help="requests of B and P served one at a time [8]")
+    parser.add_argument("--model", type=Path, default=None, help="local checkpoint [a random Llama-3.2-1B shape]")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kvpool-bench-vllm"), help="where the model is kept")
+    parser.add_argument("--pool-blocks", type=int, default=16384, help="blocks of each configuration's pool")
+    parser.add_argument("--engine-memory", type=float, default=0.18, help="gpu_memory_utilization of each engine")
+    parser.add_argument("--attention-backend", default="TRITON_ATTN", help="vLLM's attention backend [TRITON_ATTN]")
+    parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
+
+
+def names(text: str) -> list[str]:
+    got = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [n for n in got if n not in ENGINES]
+    if unknown or not got:
+        raise argparse.ArgumentTypeError(f"engine configurations are {', '.join(ENGINES)}; got {text!r}")
+    return got
+
+
+def arrivals(text: str) -> list[str | float]:
+    out: list[str | float] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if part == "burst":
+            out.append(part)
+            continue
+        try:
+            rate = float(part)
+        except ValueError:
+            rate = 0.0
+        if rate <= 0:
+            raise argparse.ArgumentTypeError(f"an arrival is 'burst' or requests per second (8), got {part!r}")
+        out.append(rate)
+    if not out:
+        raise argparse.ArgumentTypeError("give at least one arrival: burst, or requests per second")
+    return out
+
+
+def share(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 1:
+        raise argparse.ArgumentTypeError(f"a share is between 0 and 1 (0.75), got {text!r}")
+    return value
+
+
+def label(arrival: str | float) -> str:
+    return "burst" if arrival == "burst" else f"{arrival:g}/s"
+
+
+def config_of(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    prompt_len = args.prompt_len or (256 if quick else 1024)
+    return {
+        "engines": args.engines,
+        "arrivals": args.arrivals,
+        "rounds": args.rounds or (1 if quick else 3),
+        "requests": args.requests or (4 if quick else 32),
+        "prompt_len": prompt_len,
+        "prefix_len": int(prompt_len * args.prefix_share),
+        "new_tokens": args.new_tokens or (8 if quick else 64),
+        "singles": args.singles if args.singles is not None else (2 if quick else 8),
+        "block_size": BLOCK_SIZE,
+        "pool_blocks": args.pool_blocks,
+        "engine_memory": args.engine_memory,
+        "attention_backend": args.attention_backend,
+        "cuda_graphs": not args.eager,
+        "seed": args.seed,
+    }
+
+
+# -- the workload ---------------------------------------------------------------------------------------------
+
+
+def prompts(seed: int, n: int, prompt_len: int, prefix_len: int) -> dict[str, list[list[int]]]:
+    """A and B: ``n`` prompts each, the i-th of both opening with the same ``prefix_len`` tokens; P: unrelated."""
+    rng = random.Random(seed)
+
+    def ids(length: int) -> list[int]:
+        return [rng.randrange(10, 128000) for _ in range(length)]
+
+    pre = [ids(prefix_len) for _ in range(n)]
+    return {
+        "A": [p + ids(prompt_len - prefix_len) for p in pre],
+        "B": [p + ids(prompt_len - prefix_len) for p in pre],
+        "P": [ids(prompt_len) for _ in range(n)],
+    }
+
+
+def pool_layout(model_config: dict[str, Any], block_size: int) -> KVLayout:
+    """The arena a model's KV needs, from its ``config.json``."""
+    heads = model_config["num_attention_heads"]
+    dtype = model_config.get("torch_dtype") or model_config.get("dtype") or "bfloat16"
+    return KVLayout(
+        num_layers=model_config["num_hidden_layers"],
+        num_kv_heads=model_config.get("num_key_value_heads") or heads,
+        head_dim=model_config.get("head_dim") or model_config["hidden_size"] // heads,
+        block_size=block_size,
+        dtype=dtype,
+    )
+
+
+def outcome(outs: Sequence[Any], wall_s: float) -> dict[str, Any]:
+    """Per request, in order: tokens, TTFT and TPOT (vLLM's own timestamps), prompt tokens vLLM did not compute,
+    and the engine core's stamps (queued, scheduled, first token), which say how vLLM split a burst into steps."""
+    tpot = []
+    for o in outs:
+        n = len(o.outputs[0].token_ids)
+        if n > 1:
+            tpot.append((o.metrics.last_token_ts - o.metrics.first_token_ts) * 1e3 / (n - 1))
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "kv_transfer_params": [o.kv_transfer_params for o in outs],
+        "ttft_ms": [o.metrics.first_token_latency * 1e3 for o in outs],
+        "tpot_ms": tpot,
+        "cached": [max(0, getattr(o, "num_cached_tokens", 0) or 0) for o in outs],
+        "prompt_tokens": [len(o.prompt_token_ids) for o in outs],
+        "core_ts": [(o.metrics.queued_ts, o.metrics.scheduled_ts, o.metrics.first_token_ts) for o in outs],
+        "wall_s": wall_s,
+    }
+
+
+# -- vLLM (imported only here) ----------------------------------------------------------------------------------
+
+
+def require_vllm() -> str:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise SystemExit(f"kvpool bench vllm: needs vLLM ({exc}): pip install 'kvpool[vllm]'") from None
+    return str(vllm.__version__)
+
+
+def build_model(path: Path) -> None:
+    """A random model of Llama-3.2-1B's shape in bf16, saved where vLLM loads it from."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B, torch_dtype="bfloat16")).to(torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    torch.cuda.empty_cache()
+
+
+def engine(config: EngineConfig, model: Path, cfg: dict[str, Any], pool_url: str | None) -> Any:
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(config.engine_args)
+    if config.connector is not None:
+        extra = {"url": pool_url, "reserve_blocks": 4096, **config.connector}
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
+            kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
+        )  # fmt: skip
+    return LLM(
+        model=str(model), skip_tokenizer_init=True, attention_backend=cfg["attention_backend"],
+        gpu_memory_utilization=cfg["engine_memory"], enable_prefix_caching=config.prefix_caching,
+        max_num_batched_tokens=16384, block_size=cfg["block_size"],
+        max_model_len=max(2048, cfg["prompt_len"] + cfg["new_tokens"]), seed=0, enforce_eager=not cfg["cuda_graphs"],
+        disable_log_stats=False, **kw,
+    )  # fmt: skip
+
+
+def sampling(max_tokens: int, params: dict[str, Any] | None) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": params} if params else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+
+
+def generate(llm: Any, batch: list[list[int]], max_tokens: int, params: Sequence[dict | None] = ()) -> dict:
+    """The whole batch in one ``generate``: every request is there at t0."""
+    sps = [sampling(max_tokens, p) for p in (params or [None] * len(batch))]
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], sps, use_tqdm=False)
+    return outcome(outs, time.perf_counter() - t0)
+
+
+_steady_ids = itertools.count()
+
+
+def steady(llm: Any, batch: list[list[int]], rate: float, max_tokens: int) -> dict:
+    """One request every ``1/rate`` s, added between engine steps as a server's engine core takes them in; each
+    request's arrival is when it was due, so a step that runs past it counts in its TTFT, as for a client."""
+    eng = llm.llm_engine
+    names_ = [f"steady-{next(_steady_ids)}" for _ in batch]
+    sp = sampling(max_tokens, None)
+    done: dict[str, Any] = {}
+    t0, wall0, sent = time.perf_counter(), time.time(), 0
+    while len(done) < len(batch):
+        now = time.perf_counter() - t0
+        while sent < len(batch) and sent / rate <= now:
+            eng.add_request(names_[sent], {"prompt_token_ids": batch[sent]}, sp, arrival_time=wall0 + sent / rate)
+            sent += 1
+        if eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        elif sent < len(batch):
+            time.sleep(max(0.0, sent / rate - (time.perf_counter() - t0)))
+    return outcome([done[n] for n in names_], time.perf_counter() - t0)
+
+
+def close(llm: Any) -> None:
+    import torch
+
+    with contextlib.suppress(Exception):  # best effort: the process is ending anyway
+        llm.llm_engine.engine_core.shutdown()
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@dataclass
+class Setup:
+    """One configuration's engines (the writer and the reader, one engine twice without the connector) and pool."""
+
+    name: str
+    config: EngineConfig
+    writer: Any
+    reader: Any
+    pool: harness.Server | None
+    start_s: float
+
+    def committed(self) -> int:
+        return int(self.pool.stats()["counters"]["committed_blocks"]) if self.pool else 0
+
+    def counters(self) -> dict[str, int]:
+        return dict(self.pool.stats()["counters"]) if self.pool else {}
+
+    def wait_commits(self, before: int, n: int, timeout_s: float = 10.0) -> None:
+        """Until the writer's saves reached the pool: the reader is to find them there, as it would long after in
+        a server."""
+        end = time.monotonic() + timeout_s
+        while self.pool is not None and self.committed() < before + n and time.monotonic() < end:
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def setups(names_: Sequence[str], model: Path, cfg: dict[str, Any], device: machine.Device) -> Iterator[list[Setup]]:
+    """Every configuration's engines, started one after the other and all stopped on the way out."""
+    layout = pool_layout(json.loads((model / "config.json").read_text()), cfg["block_size"])
+    made: list[Setup] = []
+    with contextlib.ExitStack() as stack:
+        for name in names_:
+            config = ENGINES[name]
+            pool = None
+            if config.connector is not None:
+                flags = [*harness.layout_flags(layout), "--num-blocks", str(cfg["pool_blocks"]), "--model", str(model)]
+                pool = harness.start_pool(device, *flags, *config.pool_flags)
+                stack.callback(pool.stop)
+            t = time.perf_counter()
+            writer = engine(config, model, cfg, pool.url if pool else None)
+            stack.callback(close, writer)
+            reader = writer
+            if config.engines == 2:
+                reader = engine(config, model, cfg, pool.url if pool else None)
+                stack.callback(close, reader)
+            made.append(Setup(name, config, writer, reader, pool, round(time.perf_counter() - t, 1)))
+        yield made
+
+
+def prefix_round(s: Setup, ps: dict[str, list[list[int]]], arrival: str | float, cfg: dict[str, Any]) -> dict:
+    """A on the writer, then B on the reader; the pool's counters around B."""
+    before = s.committed()
+    generate(s.writer, ps["A"], cfg["new_tokens"])
+    s.wait_commits(before, len(ps["A"]) * (cfg["prompt_len"] // cfg["block_size"]))
+    c1 = s.counters()
+    got = generate(s.reader, ps["B"], cfg["new_tokens"]) if arrival == "burst" else (
+        steady(s.reader, ps["B"], float(arrival), cfg["new_tokens"]))  # fmt: skip
+    if s.pool is not None:
+        c2 = s.counters()
+        got["pool"] = {"committed_by_A": c1["committed_blocks"] - before,
+                       "committed_by_B": c2["committed_blocks"] - c1["committed_blocks"],
+                       "hit_blocks_B": c2["hit_blocks"] - c1["hit_blocks"]}  # fmt: skip
+    return got
+
+
+def pair_round(s: Setup, batch: list[list[int]], cfg: dict[str, Any]) -> dict[str, dict]:
+    """P prefilled on the writer (one token), then decoded on the reader with what the prefill answered."""
+    park = [PARK] * len(batch) if s.config.connector is not None else []
+    pre = generate(s.writer, batch, 1, park)
+    params = pre["kv_transfer_params"] if park else []
+    return {"prefill": pre, "decode": generate(s.reader, batch, cfg["new_tokens"], params)}
+
+
+def singles(s: Setup, ps: dict[str, list[list[int]]], cfg: dict[str, Any]) -> dict[str, list[dict]]:
+    """B (after its A) and the pair's P, one request at a time: tokens that no batch composition changes."""
+    out: dict[str, list[dict]] = {"B": [], "P": []}
+    for i in range(cfg["singles"]):
+        before = s.committed()
+        generate(s.writer, ps["A"][i : i + 1], cfg["new_tokens"])
+        s.wait_commits(before, cfg["prompt_len"] // cfg["block_size"])
+        out["B"].append(generate(s.reader, ps["B"][i : i + 1], cfg["new_tokens"]))
+        out["P"].append(pair_round(s, ps["P"][i : i + 1], cfg)["decode"])
+    return out
+
+
+def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: machine.Device) -> dict[str, Any]:
+    """Every configuration's figures: the rounds interleaved, each starting with the next configuration. Every
+    configuration gets the same prompts, and no prompt is sent twice to one engine (it would hit whole)."""
+    raw: dict[str, Any] = {}
+    n, plen, pre, base = cfg["requests"], cfg["prompt_len"], cfg["prefix_len"], cfg["seed"] * 100_000
+    with setups(cfg["engines"], model, cfg, device) as made:
+        for s in made:
+            raw[s.name] = {"start_s": s.start_s, "prefix": {label(a): [] for a in cfg["arrivals"]}, "pair": []}
+            warm = prompts(base + 99_999, n, plen, pre)
+            prefix_round(s, warm, "burst", cfg)
+            pair_round(s, warm["P"], cfg)
+        steps = cfg["rounds"] * len(made) + len(made)
+        with harness.progress(steps, "vllm", args.no_progress) as bar:
+            for r in range(cfg["rounds"]):
+                each = [prompts(base + 100 * r + k, n, plen, pre) for k in range(len(cfg["arrivals"]))]
+                for s in timings.rotated(made, r):
+                    for arrival, ps in zip(cfg["arrivals"], each, strict=True):
+                        raw[s.name]["prefix"][label(arrival)].append(prefix_round(s, ps, arrival, cfg))
+                    raw[s.name]["pair"].append(pair_round(s, each[0]["P"], cfg))
+                    bar.update()
+            one = prompts(base + 90_000, max(1, cfg["singles"]), plen, pre)
+            for s in made:
+                if cfg["singles"]:
+                    raw[s.name]["singles"] = singles(s, one, cfg)
+                raw[s.name]["pool_stats"] = s.pool.stats() if s.pool else None
+                bar.update()
+    return raw
+
+
+# -- figures (no vLLM needed) -------------------------------------------------------------------------------------
+
+
+def p(values: Sequence[float], q: float) -> float:
+    return round(timings.percentile(sorted(values), q), 2)
+
+
+def _cat(runs: list[dict], key: str) -> list[Any]:
+    return [x for r in runs for x in r[key]]
+
+
+def same(mine: list[list[int]], theirs: list[list[int]]) -> str:
+    return f"{sum(a == b for a, b in zip(mine, theirs, strict=True))}/{len(mine)}"
+
+
+def figures(name: str, workload: str, runs: list[dict], reference: list[dict] | None) -> dict[str, Any]:
+    """One row of the table: a configuration's requests of one workload over all rounds."""
+    ttft, tpot = _cat(runs, "ttft_ms"), _cat(runs, "tpot_ms")
+    cached, tokens = sum(_cat(runs, "cached")), sum(_cat(runs, "prompt_tokens"))
+    row: dict[str, Any] = {
+        "engine": name, "workload": workload, "n": len(ttft),
+        "ttft_p50_ms": p(ttft, 50), "ttft_p99_ms": p(ttft, 99), "tpot_p50_ms": p(tpot, 50), "tpot_p99_ms": p(tpot, 99),
+        "round_ttft_p50_ms": [p(r["ttft_ms"], 50) for r in runs], "cached_share": round(cached / max(1, tokens), 3),
+    }  # fmt: skip
+    if reference is not None:
+        row["same_tokens_as_plain"] = same(_cat(runs, "tokens"), _cat(reference, "tokens"))
+    if runs and "pool" in runs[0]:
+        row["pool"] = [r["pool"] for r in runs]
+    return row
+
+
+def workloads(res: dict[str, Any]) -> dict[str, list[dict]]:
+    """A configuration's runs by workload: prefix sharing per arrival, the pair's two sides, the single requests."""
+    out = {f"prefix {arrival}": runs for arrival, runs in res["prefix"].items()}
+    out |= {f"pair {side}": [r[side] for r in res["pair"]] for side in ("prefill", "decode")}
+    out |= {f"single {what}": runs for what, runs in res.get("singles", {}).items()}
+    return out
+
+
+def summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of every configuration and workload, TTFT ratios to the cold engine's, tokens to the plain one's."""
+    rows = []
+    ref = workloads(raw[REFERENCE]) if REFERENCE in raw else None
+    for name, res in raw.items():
+        for workload, runs in workloads(res).items():
+            theirs = ref.get(workload) if ref is not None and name != REFERENCE else None
+            rows.append(figures(name, workload, runs, theirs))
+    cold = {r["workload"]: r["ttft_p50_ms"] for r in rows if r["engine"] == COLD}
+    for r in rows:
+        if r["workload"] in cold and cold[r["workload"]] > 0:
+            r["ttft_p50_vs_cold"] = round(r["ttft_p50_ms"] / cold[r["workload"]], 3)
+    return rows
+
+
+def targets(report: harness.Report) -> None:
+    """The goals of the vLLM integration, checked on this run's own figures."""
+    cfg = report.config
+    by = {(r["engine"], r["workload"]): r for r in report.results}
+    for name in cfg["engines"]:
+        if ENGINES[name].connector is None:
+            continue
+        alone = [by.get((name, f"single {w}"), {}).get("same_tokens_as_plain") for w in ("B", "P")]
+        if all(alone):
+            ok = all(a == b for a, b in (x.split("/") for x in alone))  # type: ignore[union-attr]
+            report.targets.append(harness.Target(
+                f"{name}: greedy tokens one request at a time as vLLM's own cache", "identical",
+                f"B {alone[0]}, P {alone[1]}", ok))  # fmt: skip
+        burst = by.get((name, "prefix burst"))
+        if burst is not None and "ttft_p50_vs_cold" in burst:
+            ratio = burst["ttft_p50_vs_cold"]
+            own = by.get((REFERENCE, "prefix burst"), {}).get("ttft_p50_vs_cold")
+            report.targets.append(harness.Target(
+                f"{name}: burst TTFT p50 of a prefix another engine computed / cold", "<= 0.6x", f"{ratio:.2f}x",
+                ratio <= 0.6, f"vLLM's own cache {own:.2f}x" if own is not None else ""))  # fmt: skip
+        if burst is not None and "pool" in burst:
+            bs = cfg["block_size"]
+            new = cfg["requests"] * (cfg["prompt_len"] // bs - cfg["prefix_len"] // bs)
+            got = [r["committed_by_B"] for r in burst["pool"]]
+            report.targets.append(harness.Target(
+                f"{name}: each prefix held once (B commits only its new blocks)", f"{new} a round",
+                ", ".join(map(str, got)), all(g == new for g in got)))  # fmt: skip
+
+
+def body(report: harness.Report) -> str:
+    cfg = report.config
+    head = (f"vLLM {cfg['vllm']}, {cfg['requests']} prompts x {cfg['prompt_len']} tokens ({cfg['prefix_len']} shared "
+            f"by A and B) -> {cfg['new_tokens']} new, {cfg['rounds']} rounds, CUDA graphs "
+            f"{'on' if cfg['cuda_graphs'] else 'off'}; TTFT and TPOT in ms")  # fmt: skip
+    rows = [
+        [r["engine"], r["workload"], r["n"], f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f}",
+         f"{r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f}", r.get("ttft_p50_vs_cold", "-"),
+         f"{r['cached_share']:.0%}", r.get("same_tokens_as_plain", "-")]
+        for r in report.results
+    ]  # fmt: skip
+    headers = ["engine", "workload", "n", "TTFT p50 / p99", "TPOT p50 / p99", "/ cold", "cached", "same as plain"]
+    return head + "\n" + harness.table(headers, rows)
+
+
+def plot(report: harness.Report) -> Any:
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    kinds = list(dict.fromkeys(r["workload"] for r in report.results))
+    engines = list(dict.fromkeys(r["engine"] for r in report.results))
+    width = 0.8 / max(1, len(engines))
+    for i, name in enumerate(engines):
+        rows = {r["workload"]: r for r in report.results if r["engine"] == name}
+        xs = [k + i * width for k in range(len(kinds))]
+        p50 = [rows[w]["ttft_p50_ms"] if w in rows else 0 for w in kinds]
+        p99 = [rows[w]["ttft_p99_ms"] if w in rows else 0 for w in kinds]
+        ax.bar(xs, p50, width, label=f"{name} p50")
+        ax.scatter(xs, p99, marker="_", s=200, color="black", zorder=3)
+    ax.set_xticks([k + width * (len(engines) - 1) / 2 for k in range(len(kinds))], kinds)
+    ax.set(ylabel="TTFT ms (bar p50, tick p99)", title="vLLM engines with and without the kvpool connector")
+    ax.legend()
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"kvpool vllm ({machine.describe_device(machine.device_info(report.device))})")
+    return fig
+
+
+# -- the suite ------------------------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> int:
+    device = machine.resolve_device(args)
+    if not device.is_cuda:
+        raise SystemExit("kvpool bench vllm: needs a CUDA GPU (vLLM's engines run there); --device cpu cannot run it")
+    cfg = config_of(args) | {"vllm": require_vllm()}
+    model = args.model
+    if model is None:
+        model = args.work / "llama-1b-random"
+        if not (model / "config.json").exists():
+            build_model(model)
+    cfg |= {"model": str(model), "model_config": json.loads((model / "config.json").read_text())}
+    report = harness.Report("vllm", args, device, cfg)
+    report.raw = measure(args, cfg, model, device)
+    report.results = summarize(report.raw)
+    for name in cfg["engines"]:
+        report.config.setdefault("start_s", {})[name] = report.raw[name]["start_s"]
+    targets(report)
+    if cfg["rounds"] < 3:
+        report.notes.append("a burst's TTFT moves with how vLLM splits it into steps: few rounds make a rough p50")
+    report.print_block("vllm", body(report))
+    report.save(lambda: plot(report))
+    return 0
