@@ -5,6 +5,8 @@ Engine configurations (--engines; each is one entry of ENGINES in this module):
   cold    vLLM with prefix caching off: every prompt computed
   copy    vLLM with the kvpool connector: prefixes and prefilled requests go through one pool, copied between
           vLLM's cache and the arena
+  resident  vLLM with the kvpool connector in resident mode: each engine's KV cache is the pool's arena (kv_packed,
+          --num-gpu-blocks-override = the arena's blocks), and prefixes and prefills move by block id, never copied
 
 A configuration with the connector runs two engines on one pool (a writer and a reader); one without runs one
 engine, which is both. All engines start first and stay up; each round runs every configuration once, each round
@@ -42,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.benchmarks import harness, machine, timings
+from kvpool.benchmarks import harness, machine, nixl, timings
 from kvpool.layout import KVLayout
 
 # -- what users run -------------------------------------------------------------------------------------------
@@ -64,11 +66,25 @@ class EngineConfig:
     def engines(self) -> int:
         return 1 if self.connector is None else 2
 
+    @property
+    def resident(self) -> bool:
+        return (self.connector or {}).get("mode") == "resident"
+
+    def pool_args(self, blocks: int) -> list[str]:
+        """This configuration's ``kvpool serve`` flags for an arena of ``blocks`` blocks (a resident engine's slab
+        may hold all of them, and its vLLM is told the arena's block count)."""
+        extra = ["--order", "kv_packed", "--leases", "--lease-regions", "8", "--slab-max-blocks", str(blocks)]
+        return ["--num-blocks", str(blocks), *self.pool_flags, *(extra if self.resident else [])]
+
 
 ENGINES: dict[str, EngineConfig] = {
     "plain": EngineConfig("vLLM with its own prefix cache, no connector"),
     "cold": EngineConfig("vLLM with prefix caching off", prefix_caching=False),
     "copy": EngineConfig("vLLM with the kvpool connector, copying between vLLM's cache and the arena", connector={}),
+    "resident": EngineConfig(
+        "vLLM with the kvpool connector in resident mode: its KV cache is the arena, blocks move by id",
+        connector={"mode": "resident"},
+    ),
 }
 #: the configuration whose tokens the others are compared with, and the one TTFT ratios are taken against
 REFERENCE, COLD = "plain", "cold"
@@ -239,6 +255,8 @@ def engine(config: EngineConfig, model: Path, cfg: dict[str, Any], pool_url: str
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = dict(config.engine_args)
+    if config.resident:
+        kw["num_gpu_blocks_override"] = cfg["pool_blocks"]
     if config.connector is not None:
         extra = {"url": pool_url, "reserve_blocks": 4096, **config.connector}
         kw["kv_transfer_config"] = KVTransferConfig(
@@ -321,6 +339,17 @@ class Setup:
     def counters(self) -> dict[str, int]:
         return dict(self.pool.stats()["counters"]) if self.pool else {}
 
+    def connector_counters(self) -> dict[str, dict[str, int]]:
+        """What each engine's connector did (in resident mode: blocks installed, committed, copied: 0)."""
+        if self.config.connector is None:
+            return {}
+        from kvpool.integrations.vllm.connector import counters
+
+        out = {"writer": self.writer.collective_rpc(counters)[0]}
+        if self.reader is not self.writer:
+            out["reader"] = self.reader.collective_rpc(counters)[0]
+        return out
+
     def wait_commits(self, before: int, n: int, timeout_s: float = 10.0) -> None:
         """Until the writer's saves reached the pool: the reader is to find them there, as it would long after in
         a server."""
@@ -339,8 +368,8 @@ def setups(names_: Sequence[str], model: Path, cfg: dict[str, Any], device: mach
             config = ENGINES[name]
             pool = None
             if config.connector is not None:
-                flags = [*harness.layout_flags(layout), "--num-blocks", str(cfg["pool_blocks"]), "--model", str(model)]
-                pool = harness.start_pool(device, *flags, *config.pool_flags)
+                flags = [*harness.layout_flags(layout), "--model", str(model), *config.pool_args(cfg["pool_blocks"])]
+                pool = harness.start_pool(device, *flags)
                 stack.callback(pool.stop)
             t = time.perf_counter()
             writer = engine(config, model, cfg, pool.url if pool else None)
@@ -414,6 +443,7 @@ def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: 
                 if cfg["singles"]:
                     raw[s.name]["singles"] = singles(s, one, cfg)
                 raw[s.name]["pool_stats"] = s.pool.stats() if s.pool else None
+                raw[s.name]["connector"] = s.connector_counters()
                 bar.update()
     return raw
 
@@ -492,6 +522,29 @@ def targets(report: harness.Report) -> None:
             report.targets.append(harness.Target(
                 f"{name}: burst TTFT p50 of a prefix another engine computed / cold", "<= 0.6x", f"{ratio:.2f}x",
                 ratio <= 0.6, f"vLLM's own cache {own:.2f}x" if own is not None else ""))  # fmt: skip
+        if ENGINES[name].resident:
+            for workload in [w for (e, w) in by if e == name and w.startswith("prefix ")]:
+                own = by.get((REFERENCE, workload))
+                if own is None or not own["ttft_p50_ms"]:
+                    continue
+                ratio = by[(name, workload)]["ttft_p50_ms"] / own["ttft_p50_ms"]
+                report.targets.append(harness.Target(
+                    f"{name}: TTFT p50 of a prefix another engine computed / vLLM's own cache ({workload})",
+                    "<= 1.1x", f"{ratio:.2f}x", ratio <= 1.1))  # fmt: skip
+            copied = [c.get("copied_blocks", 0) for c in report.raw[name].get("connector", {}).values()]
+            installed = sum(c.get("installed_blocks", 0) for c in report.raw[name].get("connector", {}).values())
+            handover = max((c.get("handover_p50_us", 0) for c in report.raw[name].get("connector", {}).values()),
+                           default=0)  # fmt: skip
+            read = report.raw.get("nixl", {}).get("read_p50_us")
+            if handover and read:
+                report.targets.append(harness.Target(
+                    f"{name}: decode engine's handover p50 (claim + install) / a NIXL READ of the same blocks",
+                    "<= 0.1x", f"{handover / read:.3f}x", handover / read <= 0.1,
+                    f"{handover} us against {read} us"))  # fmt: skip
+            if copied:
+                report.targets.append(harness.Target(
+                    f"{name}: blocks copied between vLLM's cache and the arena", "0", f"{sum(copied)} "
+                    f"({installed} installed by id)", sum(copied) == 0))  # fmt: skip
         if burst is not None and "pool" in burst:
             bs = cfg["block_size"]
             new = cfg["requests"] * (cfg["prompt_len"] // bs - cfg["prefix_len"] // bs)
@@ -553,7 +606,12 @@ def run(args: argparse.Namespace) -> int:
     cfg |= {"model": str(model), "model_config": json.loads((model / "config.json").read_text())}
     report = harness.Report("vllm", args, device, cfg)
     report.raw = measure(args, cfg, model, device)
-    report.results = summarize(report.raw)
+    if any(ENGINES[n].connector is not None for n in cfg["engines"]):
+        layout = pool_layout(cfg["model_config"], cfg["block_size"])
+        page = layout.block_nbytes // layout.num_layers  # one layer's K and V of a block: one NIXL descriptor
+        report.raw["nixl"] = nixl.read_requests(layout.num_layers, cfg["prompt_len"] // cfg["block_size"], page,
+                                                max(4, cfg["requests"]))  # fmt: skip
+    report.results = summarize({k: v for k, v in report.raw.items() if k in ENGINES})
     for name in cfg["engines"]:
         report.config.setdefault("start_s", {})[name] = report.raw[name]["start_s"]
     targets(report)

@@ -57,11 +57,15 @@ def test_without_a_gpu_it_stops_with_one_line() -> None:
 
 def test_an_engine_configuration_is_one_entry() -> None:
     """What the connector's configurations have in common (two engines on a pool) follows from the entry alone."""
-    assert [n for n, c in suite.ENGINES.items() if c.engines == 2] == ["copy"]
+    assert [n for n, c in suite.ENGINES.items() if c.engines == 2] == ["copy", "resident"]
     extra = suite.EngineConfig(
         "a mode of the connector", connector={"mode": "x"}, pool_flags=("--order", "block_major")
     )
-    assert extra.engines == 2 and extra.prefix_caching
+    assert extra.engines == 2 and extra.prefix_caching and not extra.resident
+    assert extra.pool_args(100) == ["--num-blocks", "100", "--order", "block_major"]
+    resident = suite.ENGINES["resident"].pool_args(100)
+    assert resident[:2] == ["--num-blocks", "100"] and "kv_packed" in resident and "--leases" in resident
+    assert resident[resident.index("--slab-max-blocks") + 1] == "100", "an engine's slab may hold the whole arena"
 
 
 def test_a_and_b_share_the_prefix_and_p_shares_nothing() -> None:

@@ -187,7 +187,7 @@ def test_an_engine_whose_pool_stopped_takes_no_new_work(pool: PoolProcess) -> No
         with pytest.raises(PoolGone):
             a.res.free_count()
     finally:
-        a.res.close()
+        a.close()
 
 
 ENGINE = """

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 _WRAPPED = "_kvpool_arrivals"
 

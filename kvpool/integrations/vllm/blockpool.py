@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, mak
 
 from kvpool.integrations.vllm.residency import Residency
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 _WRAPPED = "_kvpool_resident"
 
@@ -110,16 +111,20 @@ class ResidentBlockPool(BlockPool):
     def install(self, request: Any) -> None:
         """Put what the pool answered for ``request`` into vLLM's map under the request's own block hashes (vLLM's
         hash seed differs between engines; the pool's chains are over token ids), before vLLM searches it."""
+        began = time.perf_counter()
         answer = self.on_request(request)
         if answer is None:
             return
         hit, usable_blocks = answer
+        claims = len(self.residency.handovers.claim_us)
         blocks = self.residency.install(request.request_id, hit, usable_blocks)
         hashes = request.block_hashes
         size = self.hash_block_size
         for i, block_id in enumerate(blocks):
             key = make_block_hash_with_group_id(hashes[i], 0)
             self._insert_block_hash(key, self.blocks[block_id], num_tokens=(i + 1) * size)
+        if len(self.residency.handovers.claim_us) > claims:  # a claimed handoff: its install is the handover's end
+            self.residency.handovers.install_us.append((time.perf_counter() - began) * 1e6)
 
 
 def install(

@@ -307,7 +307,8 @@ class KvpoolConnector(KVConnectorBase_V1):
         """What this side did, for logs and benchmarks: in resident mode, blocks installed and committed, and
         ``copied_blocks`` 0; in copy mode, the worker's copies."""
         if self._resident_sched is not None:
-            return dict(vars(self._resident_sched.residency.counters))
+            residency = self._resident_sched.residency
+            return {**vars(residency.counters), **residency.handovers.summary()}
         if self._worker is not None:
             return self._worker.counters()
         return {}

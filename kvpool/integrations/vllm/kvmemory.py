@@ -22,7 +22,7 @@ import torch
 from kvpool.errors import LayoutMismatch
 from kvpool.layout import KVLayout
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 _WRAPPED = "_kvpool_arena"
 

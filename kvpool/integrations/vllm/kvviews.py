@@ -20,7 +20,7 @@ from kvpool.errors import LayoutMismatch
 from kvpool.integrations.vllm import blockcopy
 from kvpool.layout import KVLayout
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 
 def kv_views(cache: torch.Tensor, layout: KVLayout, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:

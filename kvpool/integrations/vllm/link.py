@@ -18,7 +18,7 @@ from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, HandoffRefused, InvalidRequest, LimitExceeded, NotOwner, PoolExhausted
 from kvpool.layout import KVLayout
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 T = TypeVar("T")
 
 #: the pool answered and said no: the session is fine, only this call has nothing to give. Anything else (the

@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import statistics
 import threading
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -35,7 +37,7 @@ from typing import Any, Protocol
 from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable
 from kvpool.ids import BLOCK_MASK
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 
 class ResidentPool(Protocol):
@@ -86,6 +88,27 @@ class ResidentCounters:
     copied_blocks: int = 0
 
 
+@dataclass
+class Handovers:
+    """How long a decode engine's handovers took (microseconds, the latest ones): the claim, from the request's
+    arrival in the engine to the pool's answer (it waits there if the prefill is not parked yet), and the install
+    of its blocks into vLLM's prefix cache when the scheduler takes the request in."""
+
+    claim_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    install_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def summary(self) -> dict[str, int]:
+        if not self.install_us:
+            return {}
+        both = sorted(c + i for c, i in zip(self.claim_us, self.install_us, strict=False))
+        return {
+            "handovers": len(self.install_us),
+            "handover_claim_p50_us": int(statistics.median(self.claim_us)) if self.claim_us else 0,
+            "handover_install_p50_us": int(statistics.median(self.install_us)),
+            "handover_p50_us": int(statistics.median(both)) if both else 0,
+        }
+
+
 class Residency:
     """The engine's held blocks, pins and pool calls. All methods but ``prefetch`` run on the scheduler's thread.
 
@@ -121,6 +144,8 @@ class Residency:
         self.req_pins: dict[str, list[int]] = {}
         self.ahead: dict[str, Future[Hit]] = {}
         self.counters = ResidentCounters()
+        self.handovers = Handovers()
+        self._claimed: dict[str, float] = {}  # request -> its claim's round trip (us), until it is installed
         self.gone: Exception | None = None
         self._answers = ThreadPoolExecutor(1, thread_name_prefix="kvpool-answers")
         self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvpool-writes")
@@ -206,6 +231,10 @@ class Residency:
                 return
             if claim is not None:
                 future = self._answers.submit(self._claim, claim)
+                arrived = time.perf_counter()
+                future.add_done_callback(
+                    lambda _: self._claimed.__setitem__(req_id, (time.perf_counter() - arrived) * 1e6)
+                )
             else:
                 future = self._answers.submit(self._lookup, tokens[:loadable])
             self.ahead[req_id] = future
@@ -264,6 +293,9 @@ class Residency:
             blocks.append(block)
         self.req_pins.setdefault(req_id, []).extend(blocks)
         self._release_ids(extra)
+        claimed = self._claimed.pop(req_id, None)
+        if claimed is not None and blocks:
+            self.handovers.claim_us.append(claimed)
         if blocks:
             self.counters.installed_blocks += len(blocks)
             self.counters.installed_requests += 1

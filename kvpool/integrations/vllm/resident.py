@@ -28,7 +28,7 @@ from kvpool.protocol import ArenaDescriptor
 if TYPE_CHECKING:
     from kvpool.client import PoolClient
 
-log = logging.getLogger("kvpool.vllm")
+log = logging.getLogger("vllm.kvpool")
 
 #: kv_transfer_params keys, as copy mode names them: a prefill engine's answer carries the handoff to its decode
 HANDOFF_KEY = "kvpool_handoff"
@@ -111,6 +111,7 @@ class ResidentScheduler:
             alive=lambda: client.session.lost,
         )  # fmt: skip
         self.claims: dict[str, str] = {}  # request -> the handoff it claims, whose digest it must match
+        self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
         self.block_pool: Any = None
         blockpool.install(self.residency, self._answer, self._bind)
 
@@ -132,7 +133,14 @@ class ResidentScheduler:
 
     def _answer(self, request: Any) -> tuple[Hit, int] | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit and how many blocks."""
-        hit = self.residency.answer(request.request_id)
+        rid = request.request_id
+        if rid in self.asked:
+            return None
+        self.asked.add(rid)
+        hit = self.residency.answer(rid)
+        if hit is None:  # it arrived without word to the connector (no arrival hook): ask now, once
+            self.arrive(request)
+            hit = self.residency.answer(rid)
         if hit is None or not hit.ids:
             return None
         prompt = request.prompt_token_ids
@@ -157,6 +165,7 @@ class ResidentScheduler:
         """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
         decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
         self.claims.pop(request.request_id, None)
+        self.asked.discard(request.request_id)
         self._leave(self.residency.finished(request.request_id))
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}
@@ -174,6 +183,7 @@ class ResidentScheduler:
 
     def finished_uncached(self, request: Any) -> None:
         """A request whose KV the pool does not share (LoRA, images, a salt) left: only its pins go."""
+        self.asked.discard(request.request_id)
         self._leave(self.residency.finished(request.request_id))
 
     def _leave(self, blocks: list[int]) -> None:

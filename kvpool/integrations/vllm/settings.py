@@ -28,6 +28,8 @@ class ConnectorSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    url: str | None = Field(None, description="the pool (unix:///path or http://host:port); default $KVPOOL_URL")
+    token: str | None = Field(None, description="the pool's bearer token; default $KVPOOL_TOKEN")
     mode: Literal["copy", "resident"] = Field(
         "copy",
         description="resident: the engine's KV cache is the pool's arena and blocks move by id, never copied (needs a "
@@ -42,8 +44,6 @@ class ConnectorSettings(BaseModel):
         description="resident mode: arena blocks the engine keeps idle in its slab, so that "
         "allocating them never waits on the pool",
     )
-    url: str | None = Field(None, description="the pool (unix:///path or http://host:port); default $KVPOOL_URL")
-    token: str | None = Field(None, description="the pool's bearer token; default $KVPOOL_TOKEN")
     load: bool = Field(True, description="load prompt prefixes that the pool holds")
     save: bool = Field(True, description="copy the prompt's full blocks into the pool and commit them")
     claim_timeout_s: float = Field(
