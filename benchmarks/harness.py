@@ -238,6 +238,9 @@ class Report:
         except ImportError:
             print(f"Saved {json_path} (no PNG: matplotlib is not installed; pip install 'kvpool[bench]')")
             return json_path, None
+        if figure is None:  # a run whose figures a table says best
+            print(f"Saved {json_path}")
+            return json_path, None
         figure.savefig(png_path, dpi=110, bbox_inches="tight")
         import matplotlib.pyplot as plt
 

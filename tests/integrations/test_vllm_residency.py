@@ -232,3 +232,32 @@ def test_the_arena_a_resident_engine_writes_is_what_vllm_reads() -> None:
     arena = Arena(desc, raw)
     assert torch.equal(arena.k(1), vllm.permute(0, 2, 1, 3)[..., :8])
     assert torch.equal(arena.v(1), vllm.permute(0, 2, 1, 3)[..., 8:])
+
+
+def test_calls_that_come_while_one_is_under_way_go_together_in_the_next() -> None:
+    import threading
+
+    from kvpool.integrations.vllm.residency import Batcher
+
+    gate, sizes = threading.Event(), []
+
+    def run(items: list[int]) -> list[int]:
+        sizes.append(len(items))
+        if len(sizes) == 1:
+            assert gate.wait(5)
+        if 13 in items:
+            raise RuntimeError("the pool is gone")
+        return [i * 2 for i in items]
+
+    batcher = Batcher("t", run, lambda exc: -1)
+    try:
+        first = batcher.submit(1)
+        while not sizes:
+            time.sleep(0.001)
+        rest = [batcher.submit(i) for i in (2, 3, 4, 5)]
+        gate.set()
+        assert first.result(5) == 2 and [f.result(5) for f in rest] == [4, 6, 8, 10]
+        assert sizes == [1, 4], "a burst that came during a call is one call, not four"
+        assert batcher.submit(13).result(5) == -1, "a call that failed still answers every caller"
+    finally:
+        batcher.close()

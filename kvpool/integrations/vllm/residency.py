@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable
 from kvpool.ids import BLOCK_MASK
@@ -51,9 +51,11 @@ class ResidentPool(Protocol):
 
     def lookup(self, token_ids: Sequence[int]) -> Any: ...
 
+    def lookup_many(self, prompts: Sequence[Sequence[int]]) -> list[Any]: ...
+
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
 
-    def handoff(self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any]) -> Any: ...
+    def handoff_many(self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]]) -> list[Any]: ...
 
 
 @dataclass
@@ -67,6 +69,49 @@ class Hit:
 
 
 NO_HIT = Hit([], 0)
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class Batcher(Generic[T, R]):
+    """Calls of one kind that come while one is under way go together in the next, on a thread of their own: a
+    burst of 32 arrivals costs one round trip and one wait for the GIL (an engine's threads hold it while they
+    compute, so each return from a socket wait can cost a switch interval), where one call each cost 32."""
+
+    def __init__(self, name: str, run: Callable[[list[T]], list[R]], failed: Callable[[Exception], R]) -> None:
+        self._run = run
+        self._failed = failed
+        self._pending: list[tuple[T, Future[R]]] = []
+        self._lock = threading.Lock()
+        self._lane = ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def submit(self, item: T) -> Future[R]:
+        future: Future[R] = Future()
+        with self._lock:
+            self._pending.append((item, future))
+            first = len(self._pending) == 1
+        if first:  # else the batch it joined has not been sent yet
+            self._lane.submit(self._send)
+        return future
+
+    def _send(self) -> None:
+        with self._lock:
+            batch, self._pending = self._pending, []
+        if not batch:
+            return
+        try:
+            results = self._run([item for item, _ in batch])
+        except Exception as exc:  # every caller gets an answer, whatever happened to the call
+            results = [self._failed(exc)] * len(batch)
+        for (_, future), result in zip(batch, results, strict=True):
+            future.set_result(result)
+
+    def drain(self) -> None:
+        self._lane.submit(lambda: None).result()
+
+    def close(self) -> None:
+        self._lane.shutdown(wait=True)
 
 
 class PoolGone(KvpoolError):
@@ -96,17 +141,37 @@ class Handovers:
 
     claim_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     install_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    #: how long the scheduler waited for any answer (lookup or claim) not back when it took the request in
+    wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     def summary(self) -> dict[str, int]:
+        waits = (
+            {"answer_wait_p50_us": int(statistics.median(self.wait_us)), "answer_wait_max_us": int(max(self.wait_us))}
+            if self.wait_us
+            else {}
+        )
         if not self.install_us:
-            return {}
+            return waits
         both = sorted(c + i for c, i in zip(self.claim_us, self.install_us, strict=False))
         return {
             "handovers": len(self.install_us),
             "handover_claim_p50_us": int(statistics.median(self.claim_us)) if self.claim_us else 0,
             "handover_install_p50_us": int(statistics.median(self.install_us)),
             "handover_p50_us": int(statistics.median(both)) if both else 0,
+            **waits,
         }
+
+
+@dataclass
+class Write:
+    """One thing the engine tells the pool (a release, a commit, a park), sent in order with those around it."""
+
+    kind: str
+    ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    start: int = 0
+    key: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 class Residency:
@@ -147,8 +212,9 @@ class Residency:
         self.handovers = Handovers()
         self._claimed: dict[str, float] = {}  # request -> its claim's round trip (us), until it is installed
         self.gone: Exception | None = None
-        self._answers = ThreadPoolExecutor(1, thread_name_prefix="kvpool-answers")
-        self._writes = ThreadPoolExecutor(1, thread_name_prefix="kvpool-writes")
+        self._lookups: Batcher[list[int], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
+        self._claims: Batcher[str, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
+        self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
         self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
 
     # -- the pool's health --------------------------------------------------------------------------------
@@ -230,33 +296,34 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                future = self._answers.submit(self._claim, claim)
+                future = self._claims.submit(claim)
                 arrived = time.perf_counter()
                 future.add_done_callback(
                     lambda _: self._claimed.__setitem__(req_id, (time.perf_counter() - arrived) * 1e6)
                 )
             else:
-                future = self._answers.submit(self._lookup, tokens[:loadable])
+                future = self._lookups.submit(tokens[:loadable])
             self.ahead[req_id] = future
 
-    def _lookup(self, tokens: list[int]) -> Hit:
-        try:
-            hit = self.pool.lookup(tokens)
-        except KvpoolError as exc:
-            log.debug("kvpool: lookup failed: %s", exc)
-            return NO_HIT
-        return Hit(list(hit.block_ids), hit.num_tokens)
+    def _no_hit(self, exc: Exception) -> Hit:
+        if isinstance(exc, PoolUnavailable):
+            self._lose(exc)
+        log.warning("kvpool: the pool's answer failed (%s: %s); those requests compute their prompts",
+                    type(exc).__name__, exc)  # fmt: skip
+        return NO_HIT
 
-    def _claim(self, key: str) -> Hit:
-        try:
-            (got,) = self.pool.claim_many([key], self.claim_timeout_s)
-        except KvpoolError as exc:
-            log.warning("kvpool: claim of handoff %s failed (%s); the engine computes the prompt", key, exc)
-            return NO_HIT
-        if got is None:
-            log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
-            return NO_HIT
-        return Hit(list(got.block_ids), got.num_tokens, dict(got.meta))
+    def _lookup_many(self, prompts: list[list[int]]) -> list[Hit]:
+        return [Hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts)]
+
+    def _claim_many(self, keys: list[str]) -> list[Hit]:
+        out = []
+        for key, got in zip(keys, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
+            if got is None:
+                log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+                out.append(NO_HIT)
+            else:
+                out.append(Hit(list(got.block_ids), got.num_tokens, dict(got.meta)))
+        return out
 
     def answer(self, req_id: str) -> Hit | None:
         """The pool's answer for a request (waiting for it if it is on its way), taken: None if none was asked."""
@@ -264,12 +331,15 @@ class Residency:
             future = self.ahead.pop(req_id, None)
         if future is None:
             return None
+        began = time.perf_counter()
         try:
             return future.result(self.answer_timeout_s)
         except FutureTimeout:
             log.warning("kvpool: no answer from the pool for %s in %.0f s; computing it", req_id, self.answer_timeout_s)
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
             return NO_HIT
+        finally:
+            self.handovers.wait_us.append((time.perf_counter() - began) * 1e6)
 
     def install(self, req_id: str, hit: Hit, usable: int) -> list[int]:
         """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
@@ -350,7 +420,29 @@ class Residency:
 
     def _release_ids(self, ids: list[int]) -> None:
         if ids and self.gone is None:
-            self._writes.submit(self._quietly, "release", self.pool.free, ids)
+            self._writes.submit(Write("free", ids))
+
+    def _write_many(self, writes: list[Write]) -> list[None]:
+        """What the engine tells the pool, in order, in as few calls as keep the order: releases that come one after
+        another go in one call; parks go last, their lookups (refs of the handoff's own) in one call."""
+        frees: list[int] = []
+        parks: list[Write] = []
+        for w in writes:
+            if w.kind == "free":
+                frees += w.ids
+                continue
+            if frees:
+                self._quietly("release", self.pool.free, frees)
+                frees = []
+            if w.kind == "commit":
+                self._quietly("commit", functools.partial(self.pool.commit, start=w.start), w.ids, w.tokens)
+            else:
+                parks.append(w)
+        if frees:
+            self._quietly("release", self.pool.free, frees)
+        if parks:
+            self._park_many(parks)
+        return [None] * len(writes)
 
     def _quietly(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
@@ -387,38 +479,43 @@ class Residency:
             raise AssertionError(f"commit of block {exc} that this engine does not hold") from None
         self.committed.update(blocks[start:n])
         self.counters.committed_blocks += n - start
-        commit = functools.partial(self.pool.commit, start=start)
-        self._writes.submit(self._quietly, "commit", commit, fenced, tokens[: n * self.block_size])
+        self._writes.submit(Write("commit", fenced, tokens[: n * self.block_size], start))
         return n - start
 
     def park(self, key: str, blocks: Sequence[int], tokens: list[int], meta: dict[str, Any]) -> None:
         """Hand a prefilled request's full blocks to its decode engine under ``key``, without copying them: commit
         them, take refs of the handoff's own through a lookup (the engine keeps its refs while vLLM may still use
-        the blocks), and park those. Runs on the writes thread, after this request's commit."""
+        the blocks), and park those. All on the writes thread, after this request's commit."""
         self.commit(blocks, tokens)
         full = len(tokens) // self.block_size * self.block_size
         if full == 0:
             return
         self.counters.parked_requests += 1
-        self._writes.submit(self._park, key, tokens[:full], meta)
+        self._writes.submit(Write("park", [], tokens[:full], key=key, meta=meta))
 
-    def _park(self, key: str, tokens: list[int], meta: dict[str, Any]) -> None:
-        hit = self._quietly("lookup for a park", self.pool.lookup, tokens)
-        if hit is None:
+    def _park_many(self, parks: list[Write]) -> None:
+        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in parks])
+        if hits is None:
             return
-        ids = list(hit.block_ids)
-        if not ids:
-            log.warning("kvpool: nothing to park for %s: its blocks were not committed", key)
-            return
-        if self._quietly("park", self.pool.handoff, key, ids, hit.num_tokens, meta) is None:
-            self._quietly("release", self.pool.free, ids)
+        handoffs, unused = [], []
+        for w, hit in zip(parks, hits, strict=True):
+            if hit.block_ids:
+                handoffs.append((w.key, list(hit.block_ids), hit.num_tokens, w.meta))
+            else:
+                log.warning("kvpool: nothing to park for %s: its blocks were not committed", w.key)
+        answers = self._quietly("parks", self.pool.handoff_many, handoffs) if handoffs else []
+        for (_, ids, _, _), answer in zip(handoffs, answers or [None] * len(handoffs), strict=True):
+            if answer is None:
+                unused += ids
+        if unused:
+            self._quietly("release", self.pool.free, unused)
 
     # -- shutting down --------------------------------------------------------------------------------------
 
     def drain(self) -> None:
         """Wait until every call sent so far reached the pool (tests, benchmarks, shutdown)."""
-        for lane in (self._answers, self._writes):
-            lane.submit(lambda: None).result()
+        for lane in (self._lookups, self._claims, self._writes):
+            lane.drain()
 
     def close(self) -> None:
         with self._lock:
@@ -426,5 +523,5 @@ class Residency:
             self.ahead.clear()
         for future in pending:
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
-        self._answers.shutdown(wait=True)
-        self._writes.shutdown(wait=True)
+        for lane in (self._lookups, self._claims, self._writes):
+            lane.close()
