@@ -103,6 +103,26 @@ class ArenaKV:
                 )
 
 
+def allocation_points() -> list[str]:
+    """The model runners of this vLLM whose KV cache allocation :func:`install` can point at the arena."""
+    found = []
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        if hasattr(GPUModelRunner, "_allocate_kv_cache_tensors"):
+            found.append("v1")
+    except ImportError:
+        pass
+    try:
+        from vllm.v1.worker.gpu import attn_utils
+
+        if hasattr(attn_utils, "_allocate_kv_cache"):
+            found.append("v2")
+    except ImportError:
+        pass
+    return found
+
+
 def install(arena: ArenaKV, layer_index: Callable[[str], int]) -> list[str]:
     """Make both model runners of this vLLM take their KV cache from ``arena``; returns the runners patched."""
     patched = []

@@ -78,6 +78,13 @@ def missing_hooks() -> str | None:
     for name in ("_insert_block_hash", "_remove_cached_block_hashes", "_emit_block_removed_events"):
         if not hasattr(block_pool.BlockPool, name):
             return f"BlockPool.{name}"
+    from kvpool.integrations.vllm import kvmemory
+
+    if not kvmemory.allocation_points():
+        return (
+            "KV cache allocation point kvpool knows (GPUModelRunner._allocate_kv_cache_tensors, attn_utils."
+            "_allocate_kv_cache)"
+        )
     return None
 
 
