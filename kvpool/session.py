@@ -49,6 +49,8 @@ class Session:
         self.epoch = ""
         self.lease_ttl_s = 0.0
         self.lost: KvpoolError | None = None
+        #: why the last heartbeat did not reach the pool (None once one does): a pool that stopped answering
+        self.unreachable: Exception | None = None
         self.lock = threading.Lock()  # orders a reopen against the heartbeat marking a session lost
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -77,6 +79,7 @@ class Session:
             session_id = self.session_id
             try:
                 self.transport.fetch("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
+                self.unreachable = None
                 if self.on_beat is not None:
                     self.on_beat()
             except UnknownSession as exc:
@@ -92,6 +95,7 @@ class Session:
                         self.lost = restarted
                 log.warning("kvpool session lost: %s", self.lost)
             except (KvpoolError, httpx.HTTPError) as exc:
+                self.unreachable = exc
                 log.warning("kvpool heartbeat failed: %s", exc)
 
     def guard(self, fn: Callable[[], T]) -> T:

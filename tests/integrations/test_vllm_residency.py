@@ -34,7 +34,7 @@ class Engine:
         slab = self.client.slabs.slab
         assert slab is not None, "the pool serves slabs"
         self.res = Residency(self.client, BS, N, free_count=slab.idle_count, grow=slab.ensure_idle,
-                             alive=lambda: self.client.session.lost)  # fmt: skip
+                             alive=lambda: self.client.session.lost or self.client.session.unreachable)  # fmt: skip
         self.arena = self.client.arena()
 
     def compute(self, blocks: list[int], tokens: list[int]) -> None:
@@ -173,6 +173,20 @@ def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_an_engine_learns_its_pool_stopped_from_its_heartbeat_with_no_call_of_its_own(pool: PoolProcess) -> None:
+    a = Engine(pool.url, "a")
+    try:
+        a.res.check()
+        pool.stop()
+        stopped = time.monotonic()
+        with pytest.raises(PoolGone, match="the pool that owns this engine's KV memory is gone"):
+            while time.monotonic() - stopped < 5.0:  # heartbeats every third of the 2 s lease
+                a.res.check()
+                time.sleep(0.05)
+    finally:
+        a.close()
 
 
 def test_an_engine_whose_pool_stopped_takes_no_new_work(pool: PoolProcess) -> None:

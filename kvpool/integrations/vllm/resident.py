@@ -115,7 +115,7 @@ class ResidentScheduler:
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
             free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s,
-            alive=lambda: client.session.lost,
+            alive=lambda: client.session.lost or client.session.unreachable,
         )  # fmt: skip
         self.claims: dict[str, str] = {}  # request -> the handoff it claims, whose digest it must match
         self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
