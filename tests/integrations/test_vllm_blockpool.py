@@ -67,14 +67,18 @@ class FakeClientEngine:
         req.num_computed_tokens = hit_tokens
         return list(self.manager.get_block_ids(req.request_id)[0]), hit_tokens
 
+    def compute(self, blocks: list[int], prompt: list[int], first: int = 0) -> None:
+        """The forward: each full block's KV is a function of its whole prefix, as real KV is."""
+        for i in range(first, len(prompt) // BS):
+            for layer in range(LAYOUT.num_layers):
+                self.arena.k(layer)[blocks[i]].fill_(stamp(prompt, i))
+                self.arena.v(layer)[blocks[i]].fill_(-stamp(prompt, i))
+
     def run(self, req: Request) -> list[int]:
         """Schedule, 'compute' what was not a hit, finish, free: the request's whole life in one engine."""
         blocks, hit = self.schedule(req)
         prompt = list(req.prompt_token_ids)
-        for i in range(hit // BS, len(prompt) // BS):
-            for layer in range(LAYOUT.num_layers):
-                self.arena.k(layer)[blocks[i]].fill_(stamp(prompt, i))
-                self.arena.v(layer)[blocks[i]].fill_(-stamp(prompt, i))
+        self.compute(blocks, prompt, hit // BS)
         req.num_computed_tokens = len(prompt)
         params = self.sched.finished(req, blocks)
         self.manager.free(req)
@@ -132,10 +136,7 @@ def test_a_prefill_is_parked_and_the_decode_engine_s_manager_takes_its_blocks(po
         prompt = list(range(500, 500 + 4 * BS + 2))
         req = p.request("r1", prompt, {"do_remote_decode": True})
         blocks, _ = p.schedule(req)
-        for i in range(4):
-            for layer in range(LAYOUT.num_layers):
-                p.arena.k(layer)[blocks[i]].fill_(stamp(prompt, i))
-                p.arena.v(layer)[blocks[i]].fill_(-stamp(prompt, i))
+        p.compute(blocks, prompt)
         req.num_computed_tokens = len(prompt)
         params = p.sched.finished(req, blocks)
         p.manager.free(req)

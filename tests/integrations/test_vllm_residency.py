@@ -44,6 +44,15 @@ class Engine:
                 self.arena.k(layer)[b].fill_(stamp(tokens, i))
                 self.arena.v(layer)[b].fill_(-stamp(tokens, i))
 
+    def publish(self, prompt: list[int], n: int) -> list[int]:
+        """A request's life in this engine: ``n`` blocks taken, computed, committed, and freed by vLLM."""
+        blocks = self.res.take(n)
+        self.compute(blocks, prompt)
+        self.res.commit(blocks, prompt[: n * BS])
+        self.res.leave(blocks)
+        self.res.drain()
+        return blocks
+
     def close(self) -> None:
         self.res.close()
         self.client.close()
@@ -102,11 +111,7 @@ def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: Po
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:
         prompt = list(range(7, 7 + 4 * BS + 1))
-        blocks = a.res.take(4)
-        a.compute(blocks, prompt)
-        a.res.commit(blocks, prompt[: 4 * BS])
-        a.res.leave(blocks)
-        a.res.drain()
+        blocks = a.publish(prompt, 4)
         for req in ("r1", "r2"):
             b.res.prefetch(req, prompt)
             b.res.install(req, b.res.answer(req), 4)
@@ -158,11 +163,7 @@ def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:
         prompt = list(range(50, 50 + 2 * BS + 1))
-        blocks = a.res.take(2)
-        a.compute(blocks, prompt)
-        a.res.commit(blocks, prompt[: 2 * BS])
-        a.res.leave(blocks)
-        a.res.drain()
+        a.publish(prompt, 2)
         b.res.prefetch("gone", prompt)
         assert b.res.finished("gone") == []
         b.res.drain()
