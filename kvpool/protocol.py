@@ -243,6 +243,11 @@ class HandoffRequest(_Request):
         max_length=128,
         description="the name of the one live session that may claim it (default: any session)",
     )
+    keep: bool = Field(
+        False,
+        description="the handoff takes refs of its own on the blocks and the session keeps its refs (default: the "
+        "session's refs move to the handoff)",
+    )
 
 
 class HandoffResponse(BaseModel):

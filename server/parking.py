@@ -62,8 +62,11 @@ class Parking:
         meta: dict[str, Any] | None = None,
         ttl_s: float | None = None,
         to: str | None = None,
+        keep: bool = False,
     ) -> Handoff:
-        """Park the blocks under ``request_id``, moving the session's refs to the handoff.
+        """Park the blocks under ``request_id``, moving the session's refs to the handoff (``keep``: the handoff
+        takes refs of its own on blocks the session holds, and the session keeps its refs: a producer that still uses
+        the blocks, as a resident engine does while other requests share them).
 
         ``to`` names the one session that may claim it: the one live session of that name now. The pool may deliver
         it the ids at once (to its inbox), and it may read them before its claim reaches the pool, so an addressed
@@ -125,7 +128,17 @@ class Parking:
                 meta_json=meta_json,
                 blocks=blocks,
             )
-            self.allocator.transfer(session.holder, handoff.holder, blocks)
+            if keep:
+                self.allocator.check_held(session.holder, blocks)
+                loose = [b for b in blocks if not self.allocator.committed[b]]
+                if loose:  # a block two parties hold must be one neither writes again
+                    raise InvalidRequest(
+                        f"keep shares committed blocks only, and blocks {loose[:8]} are not committed (or were "
+                        "duplicates of blocks the index held): commit them first, or hand them off without keep"
+                    )
+                self.allocator.acquire(handoff.holder, blocks)
+            else:
+                self.allocator.transfer(session.holder, handoff.holder, blocks)
         except KvpoolError as exc:
             if to is not None and session is not None and not isinstance(exc, (HandoffExists, HandoffRefused)):
                 self.refuse(request_id, f"{type(exc).__name__}: {exc}", session_id)

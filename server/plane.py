@@ -276,7 +276,8 @@ class ControlPlane:
         delivery is numbered in its addressee's sequence, so that its inbox refuses a replay of an older one.
         """
         pool = self.pool
-        h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to)
+        h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to,
+                         req.keep)  # fmt: skip
         addressee = pool.addressee(h)
         if addressee is None or addressee.inbox is None:
             return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))

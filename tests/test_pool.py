@@ -479,3 +479,23 @@ def test_a_session_is_told_the_blocks_it_holds_once_per_ref_and_asking_is_no_hea
     clock.now += 1.0
     with pytest.raises(UnknownSession):
         pool.held(a)
+
+
+def test_a_handoff_that_keeps_the_producer_s_refs_takes_its_own_on_committed_blocks_only():
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("p", "prefill").session_id
+    d = pool.open_session("d", "decode").session_id
+    ids = pool.alloc(p, 3)
+    pool.commit(p, ids[:2], list(range(8)))
+    with pytest.raises(InvalidRequest, match="committed blocks only"):
+        pool.handoff(p, "r1", ids, 12, {}, keep=True)
+    assert "r1" not in pool.handoffs and balanced(pool)  # refused: nothing changed
+    pool.handoff(p, "r1", ids[:2], 8, {}, keep=True)
+    assert sorted(pool.held(p)) == sorted(ids)  # the producer still holds all three
+    claim = pool.claim(d, "r1")
+    assert claim.block_ids == ids[:2]
+    pool.free(p, ids)  # the producer lets go: the decode engine's refs keep the blocks in use
+    assert pool.stats()["in_use"] == 2 and balanced(pool)
+    pool.free(d, claim.block_ids)
+    assert pool.stats()["in_use"] == 0 and pool.stats()["cached"] == 2 and balanced(pool)
