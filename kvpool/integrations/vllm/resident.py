@@ -99,9 +99,9 @@ class ResidentScheduler:
                  load: bool = True, save: bool = True) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool
 
-        slab = client.slabs.slab
+        slab = client.slab
         if slab is None:
-            raise LayoutMismatch("the pool gave this engine no slab (all lease regions taken?): raise --lease-regions")
+            raise LayoutMismatch("the pool gave this engine no slab (all slab regions taken?): raise --slab-regions")
         self.client = client
         self.block_size = block_size
         self.load, self.save = load, save
