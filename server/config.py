@@ -355,7 +355,7 @@ def add_settings_arguments(
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         shown = extra.get("shown_default") or _shown(default)
         help_text = f"{info.description} [{shown}; {prefix}{name.upper()}]"
-        if info.annotation is bool:
+        if info.annotation is bool or set(typing.get_args(info.annotation)) == {bool, type(None)}:
             kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction}
         else:
             choices = _choices(name, info.annotation)

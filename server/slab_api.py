@@ -31,8 +31,8 @@ from kvpool.slab_protocol import (
 log = logging.getLogger(__name__)
 
 #: each endpoint's path, and the deprecated one it answers at too
-PATHS = {"/slabs": "/leases", "/slabs/blocks": "/slabs/blocks", "/slabs/pair": "/slabs/pair",
-         "/slabs/settle": "/slabs/settle"}  # fmt: skip
+PATHS = {"/slabs": "/leases", "/slabs/blocks": "/leases/slab", "/slabs/pair": "/leases/pair",
+         "/slabs/settle": "/leases/settle"}  # fmt: skip
 
 
 def _books(plane: ControlPlane) -> SlabBooks:

@@ -181,7 +181,7 @@ def test_kv_events_keep_a_router_exact_while_prefixes_move_to_the_host_and_leave
     pytest.importorskip("msgspec")
     from kvpool.server.feed import media_of
     from kvpool.server.kvevents import IndexEvents
-    from tests.server.test_kv_events_wire import Recorder, assert_mirrors
+    from tests.server.test_kvevents import Recorder, assert_mirrors
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype="float32", order="layer_major")
     _, arena, tier = make(gpu_blocks=4, host_blocks=6)

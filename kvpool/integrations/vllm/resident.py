@@ -55,7 +55,7 @@ def why_not(descriptor: ArenaDescriptor, gpu_uuid: str | None, kv_groups: int) -
     if descriptor.layout.order != "kv_packed":
         return f"the pool's arena is {descriptor.layout.order}: start it with --order kv_packed, vLLM's own layout"
     if descriptor.slab_slots <= 0:
-        return "the pool serves no reservation slabs: start it with --leases"
+        return "the pool serves no reservation slabs: start it with --slabs"
     if kv_groups != 1:
         return f"this model has {kv_groups} KV cache groups (hybrid or sliding-window layers); resident mode holds one"
     missing = missing_hooks()
