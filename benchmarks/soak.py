@@ -225,7 +225,7 @@ def slab_handoff(client: PoolClient, request_id: str, ids: list[int], to: str) -
 
 def read_by(client: PoolClient, to: str, within_s: float) -> bool:
     """Whether ``to`` reads this client's ring (it took a handoff from it), waiting up to ``within_s``."""
-    slab, sender = client.slab, client.slab_sender
+    slab, sender = client.slab, getattr(client, "slab_sender", None)  # a client made with a slab has one
     peer = sender.peers.get(to) if sender is not None else None
     if slab is None or peer is None:
         return False

@@ -167,7 +167,7 @@ class Client:
         blocks and those it handed that the pool has not settled yet, and the handoffs its slab box took for a
         later claim. Called between two operations (under ``lock``, and the slab's lock if it has one)."""
         held = collections.Counter(block_of(r.block) for r in self.refs)
-        slab, box = self.pool.slab, self.pool.slab_box
+        slab, box = self.pool.slab, getattr(self.pool, "slab_box", None)  # a client made with a slab has one
         if slab is not None:
             mine = (slab.state == IDLE) | ((slab.state == HANDED) & (slab.settled != slab.seq))
             held.update((slab.block[mine] & BLOCK_MASK).tolist())
