@@ -128,6 +128,8 @@ class PoolClient:
     slab: Slab | None = None
 
     def __new__(cls, *args: Any, slab: SlabConfig | bool | None = None, **kwargs: Any) -> PoolClient:
+        """A client asked for a slab is made with the slab's calls mixed in (:func:`kvpool.slabclient.with_slab`),
+        so that the calls of every other client carry no slab branch and import no slab code."""
         if not slab_asked(slab):
             return super().__new__(cls)
         from kvpool.slabclient import with_slab
