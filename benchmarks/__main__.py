@@ -23,10 +23,12 @@ SUITES: dict[str, tuple[str, str]] = {
     "prefix": ("kvpool.benchmarks.prefix", "lookup and commit of a 32k-token prompt, in process and via the pool"),
     "copy": ("kvpool.benchmarks.copy", "KV moved between two GPUs' arenas by block ids against a plain peer copy"),
     "host-tier": ("kvpool.benchmarks.hosttier", "the host tier's offloads and restores against a plain pinned copy"),
-    "lease": ("kvpool.benchmarks.lease", "slab alloc/free and slab-to-slab handoffs against the datagram floor"),
+    "slab": ("kvpool.benchmarks.slab", "slab alloc/free and slab-to-slab handoffs against the datagram floor"),
     "decode": ("kvpool.benchmarks.decode", "the workers' decode step against its memory-bandwidth floor"),
     "vllm": ("kvpool.benchmarks.vllm", "vLLM engines with the kvpool connector against vLLM alone (GPU, vLLM)"),
 }
+#: suites renamed, old name -> new name: the old one still runs the suite, and says it is deprecated
+RENAMED = {"lease": "slab"}
 # Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
 DELEGATED: dict[str, tuple[str, str]] = {"soak": ("kvpool.benchmarks.soak", "long-running load on a pool")}
 
@@ -69,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
+    if name in RENAMED:
+        print(f"kvpool bench: the suite {name!r} is now {RENAMED[name]!r} ({name!r} is deprecated)", file=sys.stderr)
+        name = argv[0] = RENAMED[name]
     if name not in suites:
         known = ", ".join(suites)
         print(f"kvpool bench: no suite {name!r}: one of {known}\nkvpool bench --help says what each measures",

@@ -44,8 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from kvpool.server.arenas import create_host_arena, describe
-    from kvpool.server.hostarena import HostTierMemory
+    from kvpool.server.arenas import create_owned_arena, describe
+    from kvpool.server.tiermemory import HostTierMemory
 
     device = machine.resolve_device(args)
     layout = LAYOUTS[args.layout]
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         report.notes.append("ran without a GPU: the figures are memory copies, not PCIe")
     epoch = secrets.token_hex(8)
     backend = "cuda" if device.is_cuda else "cpu"
-    arena = create_host_arena(backend, num_blocks * per_block, device=args.gpu, shm_dir=args.shm_dir, epoch=epoch)
+    arena = create_owned_arena(backend, num_blocks * per_block, device=args.gpu, shm_dir=args.shm_dir, epoch=epoch)
     memory = None
     try:
         descriptor = describe(epoch, [args.gpu], [arena], [num_blocks], layout, "", None)

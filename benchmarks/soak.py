@@ -27,7 +27,7 @@ What it checks, and exits non-zero on:
   it); the client claims each by its request id;
 * the books while the clients run, not only at the end: every ``--books-interval`` seconds each client in turn is
   paused between two operations and says what it holds (its refs, its slab's idle and unsettled handed blocks, the
-  handoffs its lease box took for later), and every block the pool's books say its session holds
+  handoffs its slab box took for later), and every block the pool's books say its session holds
   (``GET /sessions/{id}/blocks``) must be among them: a block held by a live session that does not know of it is
   *stranded* (it would stay held until the session ends), a violation once it is still there half a second later
   with the client still paused;
@@ -96,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--slabs",
         action="store_true",
-        help="start the pool with --leases and give the fast-channel "
+        help="start the pool with --slabs and give the fast-channel "
         "clients and the killed workers a small slab each (alloc, free, handoffs between them local)",
     )
 
@@ -140,7 +140,7 @@ def check_books(url: str, token: str | None, clients: list[Client], tally: Tally
                 if not client.lock.acquire(timeout=2.0):
                     continue
                 try:
-                    slab = client.pool.slabs.slab
+                    slab = client.pool.slab
                     with slab.lock if slab is not None else contextlib.nullcontext():
                         if client.closed:
                             continue
@@ -194,7 +194,7 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = 
     With ``to`` (a client with a slab), it also hands blocks from its own slab straight to that client, each
     announced on a line ``handed REQUEST_ID`` so that the soak has ``to`` claim it: first one as a datagram, then,
     once ``to`` read it (it reads this worker's ring from then on), two through its ring. Once this worker is
-    killed, what ``to`` took is its own, what it had not read is parked for it (the ring's) or left in its lease box
+    killed, what ``to`` took is its own, what it had not read is parked for it (the ring's) or left in its slab box
     (the datagram), and all of it comes back if ``to`` is gone too."""
     client = None
     with contextlib.suppress(KvpoolError):
@@ -225,7 +225,7 @@ def slab_handoff(client: PoolClient, request_id: str, ids: list[int], to: str) -
 
 def read_by(client: PoolClient, to: str, within_s: float) -> bool:
     """Whether ``to`` reads this client's ring (it took a handoff from it), waiting up to ``within_s``."""
-    slab, sender = client.slabs.slab, client.slabs.sender
+    slab, sender = client.slab, getattr(client, "slab_sender", None)  # a client made with a slab has one
     peer = sender.peers.get(to) if sender is not None else None
     if slab is None or peer is None:
         return False
@@ -294,7 +294,7 @@ def pool_under_test(args: argparse.Namespace) -> Iterator[tuple[str, str | None,
         return
     argv = ["kvpool", "serve", "--backend", "cpu", "--log-level", "warning", "--num-blocks", str(args.num_blocks),
             "--lease-ttl-s", str(args.lease_ttl_s), "--handoff-ttl-s", str(args.handoff_ttl_s),
-            *SMALL_LAYOUT, *(["--leases", "--slab-max-blocks", "16"] if args.slabs else [])]  # fmt: skip
+            *SMALL_LAYOUT, *(["--slabs", "--slab-max-blocks", "16"] if args.slabs else [])]  # fmt: skip
     if args.host_blocks:
         argv += ["--host-blocks", str(args.host_blocks)]
     server = harness.start_server("pool", argv, timeout_s=120)

@@ -23,7 +23,7 @@ from typing import Any
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, KvpoolError, NotOwner, PoolExhausted, StaleBlock
 from kvpool.ids import BLOCK_MASK, block_of
-from kvpool.leases import HANDED, IDLE
+from kvpool.slabtable import HANDED, IDLE
 
 OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim", "stale")
 WEIGHTS = (24, 20, 12, 18, 12, 14, 6)
@@ -164,10 +164,10 @@ class Client:
 
     def known(self) -> collections.Counter[int]:
         """The blocks this client knows its session holds, by block number, once per ref: its refs, its slab's idle
-        blocks and those it handed that the pool has not settled yet, and the handoffs its lease box took for a
+        blocks and those it handed that the pool has not settled yet, and the handoffs its slab box took for a
         later claim. Called between two operations (under ``lock``, and the slab's lock if it has one)."""
         held = collections.Counter(block_of(r.block) for r in self.refs)
-        slab, box = self.pool.slabs.slab, self.pool.slabs.box
+        slab, box = self.pool.slab, getattr(self.pool, "slab_box", None)  # a client made with a slab has one
         if slab is not None:
             mine = (slab.state == IDLE) | ((slab.state == HANDED) & (slab.settled != slab.seq))
             held.update((slab.block[mine] & BLOCK_MASK).tolist())

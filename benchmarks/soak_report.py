@@ -32,7 +32,7 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
         "violation_messages": tally.violations,
         "verify_data": not args.no_verify_data,
         "host_tier": {k: v for k, v in end.get("tiers", {}).get("host", {}).items() if k.endswith("blocks")},
-        "slabs": {k: v for k, v in end.get("leases", {}).get("counters", {}).items() if k.startswith("handed")},
+        "slabs": {k: v for k, v in end.get("slabs", {}).get("counters", {}).items() if k.startswith("handed")},
     }
 
 

@@ -1,4 +1,5 @@
-"""Framing of the fast channel (see ``server/fastpath.py``) and its blocking client connection.
+"""Framing of the fast channel (see ``server/fastpath.py``), its blocking client connection, and the reply that
+carries a file descriptor (:func:`recv_frame_with_fd`; the pool sends it: ``server/fdpass.py``).
 
 A frame is ``len || head \\n body``: head is an op name in requests and a status code in replies. The body is
 the request or reply model as JSON; for a model with ``block_ids`` the ids may instead follow the JSON packed as
@@ -10,6 +11,7 @@ for an array that is packed already), so a request's thousands of ids stay cheap
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -134,8 +136,6 @@ class FastConnection:
         frames in order, and the request only once the hello was accepted); a refused hello is returned as the
         answer, and closes the connection. ``meanwhile`` runs once the request is sent, while the pool answers.
         """
-        from kvpool.fdpass import recv_frame_with_fd
-
         self.settle()
         try:
             self._send(frame(op, body) if hello is None else frame(b"hello", hello) + frame(op, body))
@@ -263,6 +263,32 @@ def _set_timeout(sock: socket.socket, option: int, seconds: float) -> None:
     if whole == micro == 0:  # zero is no time-out at all
         micro = 1
     sock.setsockopt(socket.SOL_SOCKET, option, struct.pack("ll", whole, micro))
+
+
+def recv_frame_with_fd(sock: socket.socket) -> tuple[bytes, int | None]:
+    """Read one frame's payload from a blocking socket, and the fd that came with it, if any."""
+    fds: list[int] = []
+    try:
+        buf = b""
+        while len(buf) < HEADER.size:
+            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
+            fds.extend(got)
+            if not data:
+                raise ConnectionError("the pool closed the fast channel")
+            buf += data
+        (size,) = HEADER.unpack(buf[: HEADER.size])
+        while len(buf) < HEADER.size + size:
+            data = sock.recv(HEADER.size + size - len(buf))
+            if not data:
+                raise ConnectionError("the pool closed the fast channel")
+            buf += data
+        if len(buf) > HEADER.size + size or len(fds) > 1:
+            raise ConnectionError("the pool sent more than one reply and one fd: the fast channel is out of step")
+    except BaseException:  # a time-out or an interruption half way, too: an fd that came is not leaked
+        for fd in fds:
+            os.close(fd)
+        raise
+    return buf[HEADER.size :], fds[0] if fds else None
 
 
 class PipelinedRefusal(Exception):

@@ -6,11 +6,14 @@ reaches the pool over HTTP or, for the hot calls (alloc, free, commit, lookup, h
 
 Block ids are fenced (each carries its block's generation, see :mod:`kvpool.ids`) and go over the fast channel
 packed as int64: hand them over as an ``array('q')``, an int64 numpy array or CPU tensor, and no id is converted
-on the way. :class:`DeviceSession` gives workers plain arena indices instead, and fences them again on the way
-back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it (``handoff(..., to=name)``)
-in its inbox, sent and sealed by the pool as soon as it parked them (:mod:`kvpool.handoffs`). A client given a
-``slab`` (where the pool serves them, ``--leases``) allocates and frees uncommitted blocks locally and hands them to
-other slab sessions with no round trip (:mod:`kvpool.slab`, :mod:`kvpool.slabsend`, :mod:`kvpool.slabbox`).
+on the way. :class:`kvpool.devices.DeviceSession` gives workers plain arena indices instead, and fences them again
+on the way back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it
+(``handoff(..., to=name)``) in its inbox, sent and sealed by the pool as soon as it parked them
+(:mod:`kvpool.handoffs`).
+
+A client asked for a reservation slab (``slab``, or ``KVPOOL_SLAB_BLOCKS`` in its environment) is made with the
+slab's calls mixed in (:mod:`kvpool.slabclient`): it allocates and frees uncommitted blocks locally and hands them to
+other slab sessions with no round trip. Every other client is this class alone, and its calls never reach slab code.
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ from __future__ import annotations
 import os
 from array import array
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from kvpool.address import default_url
 from kvpool.arena import Arena, forget_mappings
 from kvpool.attach import ArenaMapper
-from kvpool.devices import DeviceSession
 from kvpool.errors import InvalidRequest, raise_for
 from kvpool.handoffs import Claim, DirectHandoffs, granted
 from kvpool.ids import pack_ids
@@ -54,12 +56,13 @@ from kvpool.protocol import (
     SessionSummary,
 )
 from kvpool.session import Session
-from kvpool.slab import SlabConfig
-from kvpool.slabs import Slabs
 from kvpool.tokens import pack_tokens
 from kvpool.transport import Transport, http_client, reply_spin
 
-__all__ = ["Claim", "DeviceSession", "PoolClient", "http_client", "raise_for"]
+if TYPE_CHECKING:
+    from kvpool.slab import Slab, SlabConfig
+
+__all__ = ["Claim", "PoolClient", "http_client", "raise_for"]
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -77,6 +80,14 @@ def _tokens(token_ids: Sequence[int] | Any) -> dict[str, Any]:
     tokens = _as_list(token_ids)
     packed = pack_tokens(tokens)
     return {"tokens": packed} if packed is not None else {"token_ids": tokens}
+
+
+def slab_asked(slab: SlabConfig | bool | None) -> bool:
+    """Whether a client's ``slab`` argument asks for a slab: a config or True, or None with ``KVPOOL_SLAB_BLOCKS`` set
+    (:meth:`kvpool.slab.SlabConfig.from_env` reads it, and refuses a value that is no number)."""
+    if slab is None:
+        return os.environ.get("KVPOOL_SLAB_BLOCKS", "").strip() not in ("", "0")
+    return bool(slab)
 
 
 def _req(model: type[R], **fields: Any) -> R:
@@ -104,13 +115,26 @@ class PoolClient:
             soon as the pool parked them (needs the fast channel; give the session a name no other live session has).
         spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
-        slab: keep a reservation slab (a :class:`SlabConfig`, or True for the defaults; default from
-            ``KVPOOL_SLAB_BLOCKS``): alloc, free and handoffs to other slab sessions then skip the round trip.
+        slab: keep a reservation slab (a :class:`kvpool.slab.SlabConfig`, or True for the defaults; default from
+            ``KVPOOL_SLAB_BLOCKS``), where the pool serves them (``kvpool serve --slabs``): alloc, free and handoffs
+            to other slab sessions then skip the round trip (:mod:`kvpool.slabclient`).
         reply_spin_s: how long a call over the fast channel polls for the pool's answer before it sleeps (default
             ``KVPOOL_REPLY_SPIN_US``, else 0). An answer that comes meanwhile spares this thread a wake-up, about half
             a round trip on a VM; the polling holds a core and the GIL, so leave it 0 where other threads of the
             process must run meanwhile (an inference engine's scheduler).
     """
+
+    #: this session's reservation slab, if it has one (a client made with ``slab``: see :mod:`kvpool.slabclient`)
+    slab: Slab | None = None
+
+    def __new__(cls, *args: Any, slab: SlabConfig | bool | None = None, **kwargs: Any) -> PoolClient:
+        """A client asked for a slab is made with the slab's calls mixed in (:func:`kvpool.slabclient.with_slab`),
+        so that the calls of every other client carry no slab branch and import no slab code."""
+        if not slab_asked(slab):
+            return super().__new__(cls)
+        from kvpool.slabclient import with_slab
+
+        return super().__new__(with_slab(cls))
 
     def __init__(
         self,
@@ -144,8 +168,6 @@ class PoolClient:
         self.session = Session(self.transport, name, role, layout, on_restart=self._arenas.clear, name_key=key)
         self.mapper = ArenaMapper(self.transport, self.session, self._arenas)
         self.direct = DirectHandoffs(self.transport, self.session, spin_s)
-        self.slabs = Slabs(self.transport, SlabConfig.resolve(slab), spin_s)
-        self.session.on_beat = self.slabs.answer_want
         self._open_session()
         if heartbeat:
             self.session.start_heartbeat()
@@ -172,7 +194,6 @@ class PoolClient:
         self.mapper.fd_path = path if info.arena_fd and path and os.path.exists(path) else None
         if info.inbox is not None and fast is not None:
             self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
-        self.slabs.open(self.session_id, self.epoch, os.stat(fast).st_mode & 0o777 if fast else 0o600)
 
     def reconnect(self) -> None:
         """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand.
@@ -184,7 +205,6 @@ class PoolClient:
             old_epoch = self.epoch
             self.transport.reset()
             self.direct.close_inbox()
-            self.slabs.close()
             self._arenas.clear()
             self._open_session()
             if self.epoch != old_epoch:
@@ -194,7 +214,6 @@ class PoolClient:
         if self._closed:
             return
         self._closed = True
-        self.slabs.close()
         self.session.close()
         self.direct.close()
         self.transport.close()
@@ -220,16 +239,10 @@ class PoolClient:
     # -- blocks -----------------------------------------------------------------------------------------
 
     def alloc(self, num_blocks: int, device: int | None = None) -> list[int]:
-        got = self.slabs.alloc(num_blocks) if device is None and self.session.lost is None else None
-        if got is not None:
-            return got
         req = _req(AllocRequest, session_id=self.session_id, num_blocks=num_blocks, device=device)
         return self._call(b"alloc", "/alloc", req, AllocResponse)[0].block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
-        return self.slabs.free(block_ids, self._free_in_pool)
-
-    def _free_in_pool(self, block_ids: Sequence[int]) -> int:
         req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
         return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
 
@@ -243,8 +256,7 @@ class PoolClient:
         refs on ``block_ids`` too (commit and free in one call)."""
         fields = {"session_id": self.session_id, **_tokens(token_ids), "salt": salt, "start": start, "release": release}
         req, ids = self._with_ids(CommitRequest, block_ids, **fields)
-        call = self._call
-        return self.slabs.through_pool(block_ids, lambda: call(b"commit", "/commit", req, CommitResponse, ids=ids)[0])
+        return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
 
     def commit_many(
         self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False
@@ -252,8 +264,6 @@ class PoolClient:
         """``commit(block_ids, token_ids, start=start, release=release)`` of each ``(block_ids, token_ids, start)``,
         in order: over the fast channel all in one write (a step's saves in one round trip). ``None`` for each the
         pool refused, whose blocks stay yours; an error about the session itself raises."""
-        if self.slabs.slab is not None:  # a slab's blocks leave it commit by commit
-            return self.direct.one_by_one(commits, lambda c: self.commit(c[0], c[1], start=c[2], release=release))
         reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), **_tokens(tokens),
                      start=start, release=release) for ids, tokens, start in commits]  # fmt: skip
         return self._many(b"commit", "/commit", reqs, CommitResponse)
@@ -288,12 +298,13 @@ class PoolClient:
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         From a slab to a session with a slab, the ids go straight to it and the pool settles the refs later.
         """
-        if to is not None and to != self.name:  # to itself, the refs must wait for the claim in the pool
-            done = self.slabs.handoff(request_id, block_ids, num_tokens, meta, to)
-            if done is not None:
-                return done
-        return self.slabs.through_pool(block_ids, lambda: self._handoff_in_pool(request_id, block_ids, num_tokens,
-                                                                                meta, ttl_s, to))  # fmt: skip
+        if self.transport.fast_path is not None and to is not None:
+            ids = pack_ids(block_ids)
+            if ids is not None:
+                return self.direct.send(request_id, ids, num_tokens, meta or {}, ttl_s, to)
+        fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
+        req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
+        return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
 
     def handoff_many(
         self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]], ttl_s: float | None = None
@@ -301,23 +312,9 @@ class PoolClient:
         """``handoff(request_id, block_ids, num_tokens, meta, ttl_s)`` of each, parked in the pool for any consumer, in
         order: over the fast channel all in one write. ``None`` for each the pool refused, whose blocks stay yours;
         an error about the session itself raises."""
-        if self.slabs.slab is not None:  # a slab's blocks leave it handoff by handoff
-            return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s))
         reqs = [_req(HandoffRequest, session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
                      meta=meta or {}, ttl_s=ttl_s) for r, ids, n, meta in handoffs]  # fmt: skip
         return self._many(b"handoff", "/handoff", reqs, HandoffResponse)
-
-    def _handoff_in_pool(
-        self, request_id: str, block_ids: Sequence[int], num_tokens: int, meta: dict[str, Any] | None,
-        ttl_s: float | None, to: str | None,
-    ) -> HandoffResponse:  # fmt: skip
-        if self.transport.fast_path is not None and to is not None:
-            ids = pack_ids(block_ids)
-            if ids is not None:
-                return self.direct.handoff(request_id, ids, num_tokens, meta or {}, ttl_s, to)
-        fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
-        req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
-        return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
@@ -326,13 +323,8 @@ class PoolClient:
         on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
         known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
         first, the ids in the inbox or the pool's answer, ends the wait. With a slab, a handoff from another slab
-        comes to its lease box, which the claim watches first (and between short looks at the pool).
+        comes to its slab box, which the claim watches first (and between short looks at the pool).
         """
-        if self.slabs.receiving:
-            return self.slabs.claim(request_id, timeout_s, self._claim_usual)
-        return self._claim_usual(request_id, timeout_s)
-
-    def _claim_usual(self, request_id: str | None, timeout_s: float) -> Claim:
         if self.direct.inbox is None:
             return self._claim_from_pool(request_id, timeout_s)
         if request_id is not None:
@@ -348,7 +340,7 @@ class PoolClient:
         (not parked within ``timeout_s``, not yours to claim). Over the fast channel they go in one write: a burst
         of claims costs about one round trip, and a claim that waits holds back the answers after it. Errors about
         the session itself (unknown, the pool restarted or unreachable) raise."""
-        if self.slabs.receiving or self.direct.inbox is not None:
+        if self.direct.inbox is not None:
             return self.direct.one_by_one(request_ids, lambda r: self.claim(r, timeout_s))
         reqs = [_req(ClaimRequest, session_id=self.session_id, request_id=r, timeout_s=timeout_s) for r in request_ids]
         return self.direct.claim_many_in_pool(reqs, timeout_s)
@@ -364,11 +356,27 @@ class PoolClient:
         return SessionList.model_validate(listing).sessions
 
     def move(self, block_ids: Sequence[int], device: int) -> list[int]:
-        """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals (in this
-        process: see :func:`kvpool.transfer.move_blocks`)."""
-        from kvpool.transfer import move_blocks
+        """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.
 
-        return move_blocks(self, block_ids, device)
+        The copy runs in this process, on its current streams (:func:`kvpool.transfer.copy_blocks`), so kernels
+        launched next on ``device`` see the KV; the originals are freed only once the copy has read them.
+        """
+        from kvpool.transfer import copy_blocks
+
+        if not block_ids:
+            return []
+        src = self.arena(device=self.arena().descriptor.device_of(block_ids[0]))
+        dst = self.arena(device=device)
+        new = self.alloc(len(block_ids), device=device)
+        try:
+            done = copy_blocks(src, block_ids, dst, new)
+            if done is not None:
+                done.synchronize()
+        except BaseException:
+            self.free(new)
+            raise
+        self.free(block_ids)
+        return new
 
     def heartbeat(self) -> None:
         req = _req(SessionRef, session_id=self.session_id)

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvpool.client import PoolClient
 from kvpool.handoffs import Claim
 from kvpool.ids import Fences
 from kvpool.layout import KVLayout
 from kvpool.protocol import CommitResponse, HandoffResponse, LookupResponse
-
-if TYPE_CHECKING:
-    from kvpool.client import PoolClient
 
 
 class DeviceSession:

@@ -148,7 +148,7 @@ class DirectHandoffs:
         except PipelinedRefusal as exc:
             raise refused_error(exc.refused) from None
 
-    def handoff(
+    def send(
         self,
         request_id: str,
         ids: memoryview,

@@ -2,7 +2,7 @@
 
 Fenced: every id the pool hands out is ``generation << 32 | block``. The pool bumps a block's generation each time
 the block goes back to its free list or is evicted from the prefix cache, and refuses an id whose generation is
-not the block's current one (:class:`kvpool.errors.StaleBlock`): an id that outlived its lease (a delayed or
+not the block's current one (:class:`kvpool.errors.StaleBlock`): an id that outlived its grant (a delayed or
 replayed message, a worker paused past its TTL) names nothing any more instead of whatever block now sits there.
 The generation keeps 31 bits and wraps, so an id is a non-negative int64; a fresh pool's ids (generation 0) are
 plain block numbers. A stale id passes again only if its block went through exactly a multiple of 2**31 frees and

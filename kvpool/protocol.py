@@ -256,7 +256,7 @@ class HandoffResponse(BaseModel):
     inbox: str | None = Field(None, description="the addressee's inbox, if it has one (see `to`)")
     slab: bool = Field(
         False,
-        description="sent from the producer's slab to the addressee's lease box, no pool on "
+        description="sent from the producer's slab to the addressee's slab box, no pool on "
         "the way (the pool moves the refs afterwards)",
     )
 

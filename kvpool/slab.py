@@ -1,8 +1,8 @@
 """A session's reservation slab, the client's side: alloc and free of uncommitted blocks without a round trip.
 
 The pool grants the slab blocks in bulk (they are this session's in its books); ``alloc`` takes idle ones and
-``free`` puts them back, each writing the slots' states into the session's region of the lease table
-(:mod:`kvpool.leases`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
+``free`` puts them back, each writing the slots' states into the session's region of the slab table
+(:mod:`kvpool.slabtable`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
 drains back to ``blocks`` when it grows past ``high``, one call each; when the pool raises the region's ``want``
 flag, the next alloc or free returns every idle block first. Blocks that leave the slab through the pool (commit,
 a handoff through the pool) are forgotten here first, and then are plain session blocks.
@@ -26,8 +26,8 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.ids import BLOCK_MASK, GEN_STEP, MAX_ID
-from kvpool.lease_protocol import LeaseInfo, LeaseOpen, SettleRequest, SettleResponse, SlabRequest, SlabResponse
-from kvpool.leases import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
+from kvpool.slab_protocol import RegionInfo, RegionRequest, SettleRequest, SettleResponse, SlabRequest, SlabResponse
+from kvpool.slabtable import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def as_ids(ids: Sequence[int] | Any) -> np.ndarray:
 class Slab:
     """This session's slab and its region; ``lock`` orders alloc, free and handoffs across threads."""
 
-    def __init__(self, transport: Transport, session_id: str, epoch: str, config: SlabConfig, info: LeaseInfo) -> None:
+    def __init__(self, transport: Transport, session_id: str, epoch: str, config: SlabConfig, info: RegionInfo) -> None:
         self.transport = transport
         self.session_id = session_id
         self.config = config
@@ -101,7 +101,7 @@ class Slab:
         self.block, self.state = slots["block"], slots["state"]
         self.seq = slots["seq"]
         self.settled = self.mine["settled"]
-        #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.leases)
+        #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.slabtable)
         self.words = np.frombuffer(self.mine["slots"].data, "<u8").reshape(-1, 4)
         self.capacity = info.slots
         self.slot_of = np.full(info.num_blocks, -1, np.int32)
@@ -117,7 +117,7 @@ class Slab:
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
-        info = transport.fetch("POST", "/leases", LeaseOpen(session_id=session_id), LeaseInfo)
+        info = transport.fetch("POST", "/slabs", RegionRequest(session_id=session_id), RegionInfo)
         return cls(transport, session_id, epoch, config, info)
 
     @property
@@ -341,7 +341,7 @@ class Slab:
         if take <= 0:
             return
         req = SlabRequest(session_id=self.session_id, take=take)
-        ids = np.asarray(self.transport.fetch("POST", "/leases/slab", req, SlabResponse).block_ids, np.int64)
+        ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
         # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
         # another: a request's blocks then sit in one run of slots, which a handoff checks at once
         slots = np.sort(np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32))[::-1]
@@ -357,7 +357,7 @@ class Slab:
             return
         slots = self.idle[keep : self.top].copy()
         ids = self.block[slots]
-        self.transport.fetch("POST", "/leases/slab", SlabRequest(session_id=self.session_id, give=ids.tolist()),
+        self.transport.fetch("POST", "/slabs/blocks", SlabRequest(session_id=self.session_id, give=ids.tolist()),
                              SlabResponse)  # fmt: skip
         self.top = keep
         self.state[slots] = EMPTY
@@ -372,7 +372,7 @@ class Slab:
         req = SettleRequest(
             session_id=self.session_id, regions=list(regions), holds=list(holds), took=list(took) if took else None
         )
-        return self.transport.fetch("POST", "/leases/settle", req, SettleResponse).holds
+        return self.transport.fetch("POST", "/slabs/settle", req, SettleResponse).holds
 
     def close(self) -> None:
         with self.lock:

@@ -1,7 +1,7 @@
-"""Handoffs from another live session's slab to this one's, the consumer's side: its lease box and its producers'
+"""Handoffs from another live session's slab to this one's, the consumer's side: its slab box and its producers'
 rings.
 
-A producer marks the blocks it hands in its region of the lease table and tells this session (:mod:`kvpool.slabsend`).
+A producer marks the blocks it hands in its region of the slab table and tells this session (:mod:`kvpool.slabsend`).
 Its first handoff here comes as one datagram to this session's box, sealed with their pair's key
 (:mod:`kvpool.slabwire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from
 that producer (a replay is dropped), and the producer's region, mapped read-only, says the same: those blocks,
@@ -41,9 +41,9 @@ import numpy as np
 from kvpool import slabwire
 from kvpool.errors import InvalidRequest, KvpoolError, UnknownSession
 from kvpool.handoffs import Claim
-from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
 from kvpool.slab import Slab
+from kvpool.slab_protocol import PairRequest, PairResponse
+from kvpool.slabtable import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class SlabBox:
                 box.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * slabwire.MAX_DATAGRAM)
             except OSError as exc:
                 box.close()
-                log.warning("no lease box at %s (%s): handoffs to this session go through the pool", slab.info.box, exc)
+                log.warning("no slab box at %s (%s): handoffs to this session go through the pool", slab.info.box, exc)
             else:
                 self.sock = box
                 self._poll.register(box, select.POLLIN)
@@ -173,7 +173,7 @@ class SlabBox:
         if everyone[watched.base + NONCE] != watched.nonce:
             return None
         self._took(watched, (watched.region, watched.nonce), seq)
-        fence()  # then whether the producer is still there (see LeaseBooks.release): if so, the pool sees the took
+        fence()  # then whether the producer is still there (see SlabBooks.release): if so, the pool sees the took
         if everyone[watched.base + NONCE] != watched.nonce:
             h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, payload[2], num_tokens, payload[3], payload[1],
                                      payload[0], run)  # fmt: skip
@@ -296,7 +296,7 @@ class SlabBox:
         if key is None:
             try:
                 req = PairRequest(session_id=self.slab.session_id, from_region=pair[0], from_nonce=pair[1])
-                got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
+                got = self.transport.fetch("POST", "/slabs/pair", req, PairResponse)
                 key = self.keys[pair] = slabwire.sealer(bytes.fromhex(got.key))
             except (UnknownSession, InvalidRequest) as exc:
                 log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)
@@ -326,7 +326,7 @@ class SlabBox:
             if watched is None:
                 watched = self._watch(*pair, h.seq)
             self._took(watched, pair, h.seq)
-            fence()  # then whether the producer is still there (see LeaseBooks.release): if so, the pool sees the took
+            fence()  # then whether the producer is still there (see SlabBooks.release): if so, the pool sees the took
             if self.slab.view.all_words[watched.base + NONCE] == h.from_nonce:
                 self.to_settle.add(h.from_region)
                 return self._claim(h)

@@ -1,9 +1,9 @@
 """Handoffs from this session's slab to another live session's, the producer's side: no round trip to the pool.
 
 The producer checks that the ids name blocks its slab holds allocated at their generations, marks them handed in
-its region of the lease table (to the consumer's region and nonce, under its next sequence: each slot's other
+its region of the slab table (to the consumer's region and nonce, under its next sequence: each slot's other
 words first, its state last), and tells the consumer. The first time, and whenever the consumer does not read its
-ring, that is one datagram to the consumer's lease box sealed with their pair's key (:mod:`kvpool.slabwire`). Once
+ring, that is one datagram to the consumer's slab box sealed with their pair's key (:mod:`kvpool.slabwire`). Once
 the consumer has taken a handoff from it, the consumer watches this producer's region: the producer then writes the
 handoff into its ring and rings the consumer's bell there, with no system call (a wake-up datagram only if the
 consumer sleeps); the consumer's side is :mod:`kvpool.slabbox`. The blocks of one alloc sit in consecutive slots,
@@ -32,8 +32,9 @@ import numpy as np
 from kvpool import slabwire
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
-from kvpool.lease_protocol import PairRequest, PairResponse
-from kvpool.leases import (
+from kvpool.slab import Slab, as_ids
+from kvpool.slab_protocol import PairRequest, PairResponse
+from kvpool.slabtable import (
     ALLOCATED,
     EMPTY,
     ENTRY,
@@ -47,14 +48,13 @@ from kvpool.leases import (
     column,
     fence,
 )
-from kvpool.slab import Slab, as_ids
 
 log = logging.getLogger(__name__)
 
 #: how often a producer tries again to send handoffs a consumer had no room for
 FLUSH_S = 0.0005
 FLUSH_MAX_S = 0.05
-#: how long a producer remembers that a consumer has no lease box before it asks the pool again
+#: how long a producer remembers that a consumer has no slab box before it asks the pool again
 NO_BOX_S = 1.0
 #: up to this many ids a handoff is checked and marked one id at a time (numpy's per-call cost is a microsecond)
 FEW = 128
@@ -102,8 +102,8 @@ class SlabSender:
             return None
         try:
             req = PairRequest(session_id=self.slab.session_id, to=to)
-            got = self.transport.fetch("POST", "/leases/pair", req, PairResponse)
-        except InvalidRequest:  # no such session, or one with no lease box: through the pool
+            got = self.transport.fetch("POST", "/slabs/pair", req, PairResponse)
+        except InvalidRequest:  # no such session, or one with no slab box: through the pool
             self.no_box[to] = time.monotonic() + NO_BOX_S
             return None
         assert got.region is not None and got.nonce is not None and got.box is not None
@@ -114,7 +114,7 @@ class SlabSender:
             sock.connect(got.box)
         except OSError as exc:
             sock.close()
-            log.debug("no lease box to send to at %s (%s): handoffs to %s go through the pool", got.box, exc, to)
+            log.debug("no slab box to send to at %s (%s): handoffs to %s go through the pool", got.box, exc, to)
             self.no_box[to] = time.monotonic() + NO_BOX_S
             return None
         tag, capacity, me = HANDED | got.region << 32, self.slab.capacity, self.slab.info.region
@@ -131,9 +131,9 @@ class SlabSender:
         if peer is not None:
             peer.sock.close()
 
-    def handoff(self, request_id: str, ids: object, num_tokens: int, meta: bytes, to: str) -> int | None:
+    def send(self, request_id: str, ids: object, num_tokens: int, meta: bytes, to: str) -> int | None:
         """Hand the slab's allocated blocks ``ids`` to the session called ``to``; how many, or None when this path
-        does not apply (not all slab blocks, or no lease box there): then the caller goes through the pool."""
+        does not apply (not all slab blocks, or no slab box there): then the caller goes through the pool."""
         slab = self.slab
         listed = ids if type(ids) is list else as_ids(ids).tolist()
         n = len(listed)

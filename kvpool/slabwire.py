@@ -1,8 +1,8 @@
 """The datagram of a handoff between two live sessions' slabs: the producer sends it, the pool is not on the way.
 
-The producer first marks the blocks handed in its region of the lease table (to the consumer's region and nonce,
+The producer first marks the blocks handed in its region of the slab table (to the consumer's region and nonce,
 under the next sequence number), then sends the ids, their slots (the first slot alone when they sit in a run of
-consecutive slots, as a slab hands them out) and that sequence to the consumer's lease box,
+consecutive slots, as a slab hands them out) and that sequence to the consumer's slab box,
 sealed with the key the pool issued for this producer-consumer pair (a keyed BLAKE2b MAC, issued once per pair,
 never per handoff). The consumer takes the ids only if the seal holds, the sequence is newer than every one it took
 from that producer, and the producer's region (mapped read-only) says the same thing as the datagram.

@@ -1,4 +1,4 @@
-"""Moving blocks between two arenas (two GPUs of one node) by block ids.
+"""Moving blocks between two arenas (two GPUs of one node) by block ids (:meth:`kvpool.client.PoolClient.move`).
 
 The copy runs in the worker that needs the KV, on its current CUDA streams, not in the pool: that orders it
 before the worker's own kernels that read the copied blocks, and keeps the pool out of the data path. Both
@@ -10,37 +10,11 @@ once (see :meth:`Arena.blocks_view`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
 from kvpool.arena import Arena
 from kvpool.errors import InvalidRequest
-
-if TYPE_CHECKING:
-    from kvpool.client import PoolClient
-
-
-def move_blocks(client: PoolClient, block_ids: Sequence[int], device: int) -> list[int]:
-    """Copy blocks ``client`` holds into new blocks on ``device``'s arena and drop its refs on the originals.
-
-    The copy runs here, on this process's current streams, so kernels launched next on ``device`` see the KV; the
-    originals are freed only once the copy has read them.
-    """
-    if not block_ids:
-        return []
-    src = client.arena(device=client.arena().descriptor.device_of(block_ids[0]))
-    dst = client.arena(device=device)
-    new = client.alloc(len(block_ids), device=device)
-    try:
-        done = copy_blocks(src, block_ids, dst, new)
-        if done is not None:
-            done.synchronize()
-    except BaseException:
-        client.free(new)
-        raise
-    client.free(block_ids)
-    return new
 
 
 def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequence[int]) -> torch.Tensor | None:

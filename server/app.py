@@ -40,9 +40,9 @@ from kvpool.protocol import (
 )
 from kvpool.server.gates import BodyLimit, Receive, RequireToken
 from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
-from kvpool.server.lease_api import lease_router
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
+from kvpool.server.slab_api import slab_router
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return Response(encoder(registry), media_type=content_type)
 
     app.include_router(api)
-    app.include_router(lease_router(plane))
+    app.include_router(slab_router(plane))
     return app
 
 

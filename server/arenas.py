@@ -64,7 +64,7 @@ def size_in_blocks(
     return n
 
 
-class HostArena:
+class OwnedArena:
     """The pool's side of the arena: owns the allocation and describes it; never builds views."""
 
     backend: Literal["cuda", "cpu"]
@@ -79,7 +79,7 @@ class HostArena:
         raise NotImplementedError
 
 
-class CpuHostArena(HostArena):
+class CpuOwnedArena(OwnedArena):
     backend = "cpu"
     handle_kind = "shm"
 
@@ -123,7 +123,7 @@ def remove_stale_arenas(shm_dir: Path) -> None:
                 path.unlink(missing_ok=True)
 
 
-class CudaHostArena(HostArena):
+class CudaOwnedArena(OwnedArena):
     backend = "cuda"
     handle_kind = "cuda_ipc"
 
@@ -152,17 +152,94 @@ class CudaHostArena(HostArena):
             self.ptr = 0
 
 
-def create_host_arena(
+def resolve_handle(setting: ArenaHandle, device: int, fd_passing: bool) -> Literal["vmm", "legacy"]:
+    """The handle kind the arena on ``device`` gets: ``auto`` prefers VMM where the GPU and the pool allow it."""
+    if setting == "legacy":
+        return "legacy"
+    if not fd_passing:
+        if setting == "vmm":
+            raise InvalidRequest(
+                "--arena-handle vmm hands the arena's fd over the fast channel's Unix socket, and this pool serves "
+                "none: give --socket and keep --fast-channel on, or use --arena-handle legacy (or auto)"
+            )
+        log.info("arena handle: legacy CUDA IPC (no fast channel on a Unix socket to pass a VMM fd over)")
+        return "legacy"
+    from kvpool import vmm
+
+    why = vmm.supported(device)
+    if why is not None:
+        if setting == "vmm":
+            raise InvalidRequest(f"--arena-handle vmm: {why}; use --arena-handle legacy (or auto)")
+        log.info("arena handle: legacy CUDA IPC (%s)", why)
+        return "legacy"
+    return "vmm"
+
+
+class VmmOwnedArena(OwnedArena):
+    backend = "cuda"
+    handle_kind = "vmm"
+
+    def __init__(self, nbytes: int, device: int) -> None:
+        import torch
+
+        from kvpool import cuda, vmm
+
+        cuda.set_device(device)
+        self.nbytes = vmm.round_up(nbytes, device)
+        self.alloc = vmm.create(self.nbytes, device)
+        try:
+            self.fd = vmm.export_fd(self.alloc)
+        except BaseException:
+            vmm.release(self.alloc)
+            raise
+        os.set_inheritable(self.fd, False)
+        self.handle = f"vmm:{device}"
+        self.ptr = 0  # mapped in the pool only for its own copies (the host tier's), see :meth:`mapped`
+        try:
+            ptr = vmm.import_map(os.dup(self.fd), self.nbytes, device)
+            try:
+                cuda.zero(ptr, self.nbytes)
+            finally:
+                vmm.unmap(ptr, self.nbytes)
+        except BaseException:
+            self.close()
+            raise
+        props = torch.cuda.get_device_properties(device)
+        self.device = DeviceInfo(index=device, uuid=str(props.uuid), name=props.name)
+
+    def mapped(self) -> int:
+        """The arena's address in the pool itself, mapped on first use: only a pool that copies blocks (to and
+        from its host tier) needs one."""
+        from kvpool import vmm
+
+        if not self.ptr:
+            assert self.fd is not None and self.device is not None
+            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index)
+        return self.ptr
+
+    def close(self) -> None:
+        from kvpool import vmm
+
+        if self.ptr:
+            vmm.unmap(self.ptr, self.nbytes)
+            self.ptr = 0
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.alloc:
+            vmm.release(self.alloc)
+            self.alloc = 0
+
+
+def create_owned_arena(
     backend: Literal["cuda", "cpu"], nbytes: int, *, device: int, shm_dir: Path, epoch: str,
     arena_handle: ArenaHandle = "legacy", fd_passing: bool = False,
-) -> HostArena:  # fmt: skip
+) -> OwnedArena:  # fmt: skip
     if backend == "cuda":
-        from kvpool.server.vmm_arena import VmmHostArena, resolve_handle
-
         if resolve_handle(arena_handle, device, fd_passing) == "vmm":
-            return VmmHostArena(nbytes, device)
-        return CudaHostArena(nbytes, device)
-    return CpuHostArena(nbytes, shm_dir, epoch)
+            return VmmOwnedArena(nbytes, device)
+        return CudaOwnedArena(nbytes, device)
+    return CpuOwnedArena(nbytes, shm_dir, epoch)
 
 
 def create_arenas(
@@ -177,9 +254,9 @@ def create_arenas(
     shm_dir: Path,
     arena_handle: ArenaHandle = "legacy",
     fd_passing: bool = False,
-) -> tuple[list[HostArena], list[int]]:
+) -> tuple[list[OwnedArena], list[int]]:
     """One arena per device, each sized one way, and their sizes in blocks; on a failure none is left behind."""
-    arenas: list[HostArena] = []
+    arenas: list[OwnedArena] = []
     sizes: list[int] = []
     try:
         for d in devices:
@@ -198,7 +275,7 @@ def create_arenas(
             )
             part_epoch = epoch if len(devices) == 1 else f"{epoch}-{d}"
             nbytes = n * layout.block_nbytes
-            arenas.append(create_host_arena(backend, nbytes, device=d, shm_dir=shm_dir, epoch=part_epoch,
+            arenas.append(create_owned_arena(backend, nbytes, device=d, shm_dir=shm_dir, epoch=part_epoch,
                                             arena_handle=arena_handle, fd_passing=fd_passing))  # fmt: skip
             sizes.append(n)
     except BaseException:
@@ -211,7 +288,7 @@ def create_arenas(
 def describe(
     epoch: str,
     devices: list[int],
-    arenas: list[HostArena],
+    arenas: list[OwnedArena],
     sizes: list[int],
     layout: KVLayout,
     model: str,

@@ -27,7 +27,7 @@ from kvpool.errors import LimitExceeded, body_for, error_body
 
 log = logging.getLogger("kvpool")
 
-#: descriptors kept for what is not a client connection (the arena and host tier, inbox and lease sockets, CUDA's
+#: descriptors kept for what is not a client connection (the arena and host tier, inbox and slab box sockets, CUDA's
 #: device files, the listeners, the event loop's own): at most half the limit, on a process allowed very few
 RESERVED_FDS = 256
 #: how often the refusals are logged at most (each line counts those since the last)

@@ -29,7 +29,6 @@ from pydantic import BaseModel, ValidationError
 
 from kvpool.channel import HEADER, decode, encode, frame
 from kvpool.errors import KvpoolError, LimitExceeded, PayloadTooLarge, Unauthorized, body_for, error_body
-from kvpool.fdpass import send_with_fd
 from kvpool.ids import pack_ids
 from kvpool.protocol import (
     AllocRequest,
@@ -44,6 +43,7 @@ from kvpool.protocol import (
     SessionRef,
 )
 from kvpool.server.connections import RefusalLog
+from kvpool.server.fdpass import send_with_fd
 from kvpool.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)

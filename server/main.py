@@ -116,6 +116,8 @@ class PoolServer(uvicorn.Server):
 
 def serve(settings: PoolSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for line in settings.deprecations:
+        log.warning(line)
     plane = ControlPlane(settings)
     app = create_app(plane)
     sockets = []

@@ -80,14 +80,15 @@ class PoolCollector(Collector):
             for field, (name, doc) in KV_EVENTS.items():
                 yield CounterMetricFamily(name, doc, value=events[field])
             yield GaugeMetricFamily("kvpool_kv_events_pending", "KV events not sent yet", value=events["pending"])
-        leases = s.get("leases")
-        if leases is not None:
+        slabs = s.get("slabs")
+        if slabs is not None:
             slab = GaugeMetricFamily("kvpool_slab_blocks", "blocks in reservation slabs, by state", labels=["state"])
             for state in ("idle", "allocated", "handed", "in_flight"):
-                slab.add_metric([state], leases[f"slab_{state}"])
+                slab.add_metric([state], slabs[f"slab_{state}"])
             yield slab
-            yield GaugeMetricFamily("kvpool_lease_regions", "sessions holding a slab", value=leases["regions"])
-            c = leases["counters"]
+            yield GaugeMetricFamily("kvpool_slab_regions", "sessions holding a slab", value=slabs["regions"])
+            yield GaugeMetricFamily("kvpool_lease_regions", "deprecated: kvpool_slab_regions", value=slabs["regions"])
+            c = slabs["counters"]
             yield CounterMetricFamily("kvpool_slab_handed_settled", "handed slab blocks moved to their consumer",
                                       value=c["handed_settled"])  # fmt: skip
             yield CounterMetricFamily("kvpool_slab_wants_raised", "slabs asked for their idle blocks back",

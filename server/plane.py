@@ -41,15 +41,15 @@ from kvpool.protocol import (
     SessionList,
     SessionSummary,
 )
-from kvpool.server.arenas import HostArena, create_arenas, describe, resolve_backend
+from kvpool.server.arenas import OwnedArena, create_arenas, describe, resolve_backend
 from kvpool.server.claims import ClaimWaits, Watch
 from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
-from kvpool.server.hostarena import HostTierMemory, open_host_tier
-from kvpool.server.leases import LeaseBooks, open_leases
 from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS, token_bytes
 from kvpool.server.records import Limits, Session
+from kvpool.server.slabs import SlabBooks, open_slab_table
+from kvpool.server.tiermemory import HostTierMemory, open_host_tier
 
 log = logging.getLogger(__name__)
 
@@ -60,14 +60,14 @@ class ControlPlane:
         self.epoch = epoch or secrets.token_hex(8)
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
-        self.host_arenas: list[HostArena] = []
+        self.owned_arenas: list[OwnedArena] = []
         self.host_tier: HostTierMemory | None = None
         self.arena_of: dict[int, int] = {}
         self.startup_error: str | None = None
         self.claims = ClaimWaits()
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
-        self.leases: LeaseBooks | None = None
+        self.slabs: SlabBooks | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -82,12 +82,12 @@ class ControlPlane:
                 num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
                 shm_dir=s.shm_dir, arena_handle=s.arena_handle, fd_passing=s.fast_socket is not None,
             )  # fmt: skip
-            self.host_arenas = arenas
+            self.owned_arenas = arenas
             if s.kv_events_endpoint is not None:
                 self.kv_events = KVEventsFeed(s, sizes, arenas[0].backend)
         except Exception as exc:
             self.startup_error = f"{type(exc).__name__}: {exc}"
-            log.error("%s failed: %s", "KV events" if self.host_arenas else "arena allocation", self.startup_error)
+            log.error("%s failed: %s", "KV events" if self.owned_arenas else "arena allocation", self.startup_error)
             raise
         self.arena_of = {d: i for i, d in enumerate(devices)}
         fast = str(s.fast_socket) if s.fast_socket is not None else None
@@ -116,9 +116,9 @@ class ControlPlane:
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
         )
-        self.leases = open_leases(s, self._pool)
-        if self.leases is not None:
-            self._descriptor = self._descriptor.model_copy(update={"slab_slots": self.leases.slots})
+        self.slabs = open_slab_table(s, self._pool)
+        if self.slabs is not None:
+            self._descriptor = self._descriptor.model_copy(update={"slab_slots": self.slabs.slots})
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
@@ -142,13 +142,13 @@ class ControlPlane:
         if self.host_tier is not None:
             self.host_tier.close()
             self.host_tier = None
-        for arena in self.host_arenas:
+        for arena in self.owned_arenas:
             arena.close()
-        self.host_arenas = []
+        self.owned_arenas = []
         if self.kv_events is not None:
             self.kv_events.close()
-        if self.leases is not None:
-            self.leases.close()
+        if self.slabs is not None:
+            self.slabs.close()
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
@@ -171,8 +171,8 @@ class ControlPlane:
         return self._descriptor
 
     def expire(self) -> None:
-        if self.leases is not None:
-            self.leases.settle_all()
+        if self.slabs is not None:
+            self.slabs.settle_all()
         if self._pool is not None:
             sessions, handoffs = self._pool.expire()
             if sessions or handoffs:
@@ -191,7 +191,7 @@ class ControlPlane:
             lease_ttl_s=self.pool.lease_ttl_s,
             epoch=self.epoch,
             fast_socket=fast,
-            arena_fd=fast is not None and self.host_arenas[0].fd is not None,
+            arena_fd=fast is not None and self.owned_arenas[0].fd is not None,
             inbox=inbox,
             inbox_key=session.inbox_key.hex() if inbox else None,
         )
@@ -214,15 +214,15 @@ class ControlPlane:
         return SessionInfo(session_id=session_id, lease_ttl_s=self.pool.lease_ttl_s, epoch=self.epoch)
 
     def held(self, session_id: str) -> HeldBlocks:
-        if self.leases is not None:  # what its slab handed moves on first, as before any call that names blocks
-            self.leases.settle_session(session_id)
+        if self.slabs is not None:  # what its slab handed moves on first, as before any call that names blocks
+            self.slabs.settle_session(session_id)
         return HeldBlocks.model_construct(block_ids=self.pool.held(session_id))
 
     def arena_fd(self, req: ArenaFdRequest) -> tuple[ArenaFdResponse, int]:
         """A VMM arena's fd, for a live session only: the fast channel attaches it to the reply."""
         self.pool.heartbeat(req.session_id)
         i = self.arena_index(req.device)
-        arena = self.host_arenas[i]
+        arena = self.owned_arenas[i]
         if arena.fd is None:
             raise InvalidRequest(
                 f"this pool's arena is shared by {arena.handle_kind}, not by file descriptor: map it from the "
@@ -314,8 +314,10 @@ class ControlPlane:
 
     def stats(self) -> dict[str, Any]:
         events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
-        leases = {"leases": self.leases.stats()} if self.leases is not None else {}
-        return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **leases}
+        slabs = self.slabs.stats() if self.slabs is not None else None
+        # "leases": the same, under its name from before the slab table was called so (deprecated)
+        tables = {"slabs": slabs, "leases": slabs} if slabs is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **tables}
 
     def prefix_blocks(self, limit: int) -> dict[str, Any]:
         d = self.descriptor

@@ -12,13 +12,13 @@ from kvpool.arena import FetchedFd, open_arena
 from kvpool.errors import InvalidRequest, LayoutMismatch
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
-from kvpool.server.arenas import CpuHostArena, size_in_blocks
+from kvpool.server.arenas import CpuOwnedArena, size_in_blocks
 
 
 @pytest.fixture
 def cpu_arena(tmp_path):
     def make(layout: KVLayout, num_blocks: int = 6):
-        host = CpuHostArena(num_blocks * layout.block_nbytes, tmp_path, epoch=os.urandom(4).hex())
+        host = CpuOwnedArena(num_blocks * layout.block_nbytes, tmp_path, epoch=os.urandom(4).hex())
         descriptor = ArenaDescriptor(
             epoch="e-" + host.path.name, backend="cpu", device=None, handle=host.handle, nbytes=host.nbytes,
             num_blocks=num_blocks, block_nbytes=layout.block_nbytes, layout=layout, owner_pid=os.getpid(),

@@ -499,3 +499,48 @@ def test_every_call_ends_within_its_time_out_when_the_pool_stops_answering(fast)
                 c.claim("nobody", timeout_s=0)
     finally:
         pool.stop()
+
+
+PLAIN = """
+import os, sys
+from kvpool.client import PoolClient
+for blocks in (None, "0"):  # no KVPOOL_SLAB_BLOCKS, then 0: no slab either way
+    if blocks is not None:
+        os.environ["KVPOOL_SLAB_BLOCKS"] = blocks
+    with PoolClient(sys.argv[1], name="plain", inbox=True) as c:
+        ids = c.alloc(2)
+        c.commit(ids, list(range(8)))
+        c.handoff("req-plain", ids, 8, to="plain")
+        c.free(c.claim("req-plain", timeout_s=5).block_ids)
+        c.free(c.lookup(list(range(8))).block_ids)
+        assert type(c) is PoolClient and c.slab is None
+print(sorted(m for m in sys.modules if m.startswith("kvpool.slab")))
+"""
+
+
+def test_a_client_without_a_slab_never_imports_the_slab_code(pool_server):
+    """Slabs stand beside the client: a client not asked for one is a plain PoolClient, whose calls reach no slab
+    module (none is even imported)."""
+    env = child_env()
+    env.pop("KVPOOL_SLAB_BLOCKS", None)
+    proc = subprocess.run([sys.executable, "-c", PLAIN, pool_server.url], capture_output=True, text=True, env=env,
+                          timeout=60)  # fmt: skip
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+def test_a_client_asked_for_a_slab_has_the_slab_calls_and_works_without_one(pool_server, monkeypatch):
+    """``slab=True`` (or ``KVPOOL_SLAB_BLOCKS``) makes the client a PoolClient with the slab's calls mixed in; where
+    the pool serves no slabs it has none, and every call goes through the pool as a plain client's would."""
+    from kvpool.slabclient import SlabCalls
+
+    with PoolClient(pool_server.url, name="asked", slab=True) as c:
+        assert isinstance(c, PoolClient) and isinstance(c, SlabCalls) and type(c).__name__ == "SlabPoolClient"
+        assert c.slab is None  # this pool serves none
+        ids = c.alloc(3)
+        c.handoff("req-asked", ids, 12, to="asked")
+        assert c.claim("req-asked", timeout_s=5).block_ids == ids
+        assert c.free(ids) == 3
+    monkeypatch.setenv("KVPOOL_SLAB_BLOCKS", "8")
+    with PoolClient(pool_server.url, name="from-env") as c, PoolClient(pool_server.url, slab=False) as d:
+        assert isinstance(c, SlabCalls) and type(d) is PoolClient
+    assert pool_server.stats()["in_use"] == 0

@@ -55,11 +55,11 @@ def test_every_model_has_its_validator_built_at_import():
     arena_fd answer did, most of a millisecond): every wire model is ready once kvpool.protocol is imported."""
     from pydantic import BaseModel
 
-    from kvpool import lease_protocol, protocol
+    from kvpool import protocol, slab_protocol
 
     models = [
         m
-        for module in (protocol, lease_protocol)
+        for module in (protocol, slab_protocol)
         for m in vars(module).values()
         if isinstance(m, type) and issubclass(m, BaseModel) and m.__module__ == module.__name__
     ]

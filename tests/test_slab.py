@@ -1,4 +1,4 @@
-"""Slabs as a client sees them, against a real pool started with ``--leases``: alloc and free with no round trip,
+"""Slabs as a client sees them, against a real pool started with ``--slabs``: alloc and free with no round trip,
 refills and drains in bulk, handoffs from slab to slab (and the forged or replayed ones refused), the pool's flag
 that drains a slab, and a killed session's slab and handed blocks coming back."""
 
@@ -33,8 +33,8 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import GEN_STEP, block_of, generation_of
-from kvpool.leases import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from kvpool.slab import SlabConfig
+from kvpool.slabtable import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
 
 SMALL = SlabConfig(blocks=8, low=2, high=16)
@@ -42,7 +42,7 @@ SMALL = SlabConfig(blocks=8, low=2, high=16)
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolProcess]:
-    server = start_pool(*SMALL_POOL, "--leases", "--slab-max-blocks", "48", "--lease-ttl-s", "1")
+    server = start_pool(*SMALL_POOL, "--slabs", "--slab-max-blocks", "48", "--lease-ttl-s", "1")
     yield server
     server.stop()
 
@@ -83,8 +83,8 @@ def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProces
         after = stats(pool)
         assert after["counters"]["alloc_requests"] == before["counters"]["alloc_requests"]
         assert after["counters"]["free_requests"] == before["counters"]["free_requests"]
-        assert after["leases"]["counters"]["grants"] == before["leases"]["counters"]["grants"]
-        assert after["leases"]["slab_allocated"] == 4 and after["in_use"] == before["in_use"]
+        assert after["slabs"]["counters"]["grants"] == before["slabs"]["counters"]["grants"]
+        assert after["slabs"]["slab_allocated"] == 4 and after["in_use"] == before["in_use"]
         assert a.free([*ids, *first]) == 4
     assert wait_idle(pool)["in_use"] == 0
 
@@ -92,12 +92,12 @@ def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProces
 def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-b", slab=SMALL) as b:
         held = [b.alloc(1)[0] for _ in range(20)]  # runs below `low` now and then: a refill of several blocks each
-        s = stats(pool)["leases"]["counters"]
+        s = stats(pool)["slabs"]["counters"]
         assert s["grants"] > 1 and s["blocks_granted"] >= 20
         grants = s["grants"]
         b.free(held)  # past `high`: back down to `blocks`, in one call
         s = stats(pool)
-        assert s["leases"]["counters"]["grants"] == grants + 1 and s["leases"]["slab_idle"] == SMALL.blocks
+        assert s["slabs"]["counters"]["grants"] == grants + 1 and s["slabs"]["slab_idle"] == SMALL.blocks
     wait_idle(pool)
 
 
@@ -109,8 +109,8 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
         c.free(ids[:1])
         with pytest.raises(StaleBlock):
             c.free(ids)  # the first was freed already (into the slab: a new generation, as in the pool)
-        assert stats(pool)["leases"]["slab_allocated"] == 1
-        c.slabs.slab._drain(0)  # type: ignore[union-attr]  # the idle one goes back to the pool
+        assert stats(pool)["slabs"]["slab_allocated"] == 1
+        c.slab._drain(0)  # type: ignore[union-attr]  # the idle one goes back to the pool
         with pytest.raises(StaleBlock):
             c.free(ids[:1])
         assert c.free(ids[1:]) == 1
@@ -118,7 +118,7 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
         c.free(plain)
         with pytest.raises(StaleBlock):
             c.free([*mine, plain[0]])  # the pool refuses its share: the slab's share stays allocated too
-        assert stats(pool)["leases"]["slab_allocated"] == 1
+        assert stats(pool)["slabs"]["slab_allocated"] == 1
         assert c.free(mine) == 1
     wait_idle(pool)
 
@@ -136,7 +136,7 @@ def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_
             c.commit(old, list(range(4)))
         r = c.transport.http.post("/free", json={"session_id": c.session_id, "block_ids": old})  # past the slab
         assert r.status_code == 409 and r.json()["stale_ids"] == old
-        assert stats(pool)["leases"]["slab_allocated"] == 1  # refused whole: still the slab's, allocated
+        assert stats(pool)["slabs"]["slab_allocated"] == 1  # refused whole: still the slab's, allocated
         c.commit(new, list(range(4)))  # the pool took the new generation in: it accepts the new id
         assert c.free(new) == 1
     assert wait_idle(pool)["in_use"] == 0
@@ -163,7 +163,7 @@ def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess)
         held = c.alloc(4)
         with pytest.raises(NotOwner):
             c.free([held[0], held[1], held[1]])  # not a run: each slot named once, or refused
-        assert stats(pool)["leases"]["slab_allocated"] == 4
+        assert stats(pool)["slabs"]["slab_allocated"] == 4
         assert c.free(held) == 4
     assert wait_idle(pool)["in_use"] == 0
 
@@ -191,7 +191,7 @@ def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, s
                     rnd.shuffle(give)
             assert c.free(give) == len(give)
             held = [i for i in held if i not in set(give)]
-            assert stats(pool)["leases"]["slab_allocated"] == len(held)
+            assert stats(pool)["slabs"]["slab_allocated"] == len(held)
         c.free(held)
     assert wait_idle(pool)["in_use"] == 0
 
@@ -201,11 +201,11 @@ def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) 
         ids = d.alloc(2)
         with pytest.raises(InvalidRequest):
             d.commit(ids[:1], list(range(8)))  # tokens for two blocks, one id: refused, and both stay in the slab
-        assert stats(pool)["leases"]["slab_allocated"] == 2
+        assert stats(pool)["slabs"]["slab_allocated"] == 2
         d.commit(ids, list(range(8)))
         assert d.free(ids) == 2
         s = stats(pool)
-        assert s["cached"] >= 2 and s["leases"]["slab_allocated"] == 0
+        assert s["cached"] >= 2 and s["slabs"]["slab_allocated"] == 0
     wait_idle(pool)
 
 
@@ -219,7 +219,7 @@ def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(po
         with pytest.raises(NotOwner):
             p.free(ids)  # handed: no longer the producer's
         assert q.free(got.ids) == 3  # settled first, then freed through the pool
-        assert stats(pool)["leases"]["counters"]["handed_settled"] >= 3
+        assert stats(pool)["slabs"]["counters"]["handed_settled"] >= 3
     assert wait_idle(pool)["in_use"] == 0
 
 
@@ -239,20 +239,20 @@ def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -
 
 
 def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess) -> None:
-    """The consumer's lease box is gone: the producer takes its slots back before the pool settles them, and the
+    """The consumer's slab box is gone: the producer takes its slots back before the pool settles them, and the
     refusal says which blocks are still its own (all of them, unless the pool's sweep settled some in between)."""
     with PoolClient(pool.url, name="slab-s", slab=SMALL) as p, PoolClient(pool.url, name="slab-t", slab=SMALL) as q:
         p.handoff("req-warm", p.alloc(1), 1, to="slab-t")  # p knows the way to q's box now
         q.free(q.claim("req-warm", timeout_s=5).ids)
-        assert q.slabs.box is not None and q.slabs.box.sock is not None and q.slabs.slab is not None
-        q.slabs.box.close()  # it reads no ring, its box is gone: p's socket, connected to it, is refused
+        assert q.slab_box is not None and q.slab_box.sock is not None and q.slab is not None
+        q.slab_box.close()  # it reads no ring, its box is gone: p's socket, connected to it, is refused
         ids = p.alloc(3)
         with pytest.raises(HandoffRefused, match="could not reach") as refused:
             p.handoff("req-lost", ids, 4, to="slab-t")
         kept = list(refused.value.kept)  # type: ignore[attr-defined]
         assert set(kept) <= set(ids) and ("nothing was handed" in str(refused.value)) == (kept == ids)
         assert p.free(kept) == len(kept)  # the few the pool's sweep settled in between wait for q, which ends
-        assert stats(pool)["leases"]["slab_handed"] == 0
+        assert stats(pool)["slabs"]["slab_handed"] == 0
     assert wait_idle(pool)["in_use"] == 0
 
 
@@ -273,8 +273,8 @@ class Recorder:
 
 
 def recorded(producer: PoolClient, to: str) -> tuple[Recorder, str]:
-    """What the producer sends to ``to`` from now on, and the path of ``to``'s lease box."""
-    sender = producer.slabs.sender
+    """What the producer sends to ``to`` from now on, and the path of ``to``'s slab box."""
+    sender = producer.slab_sender
     assert sender is not None
     peer = sender._peer(to)
     assert peer is not None
@@ -289,23 +289,23 @@ def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: 
     and sent as one run; ids in another order are checked and sent one by one. The consumer takes both on its
     producer's word (no round trip to the pool), from the producer's ring once it watches it, else from datagrams."""
     with PoolClient(pool.url, name="slab-r", slab=SMALL) as p, PoolClient(pool.url, name="slab-u", slab=SMALL) as q:
-        assert p.slabs.slab is not None and q.slabs.box is not None and p.slabs.sender is not None
-        p.slabs.sender.use_ring = ring
+        assert p.slab is not None and q.slab_box is not None and p.slab_sender is not None
+        p.slab_sender.use_ring = ring
         recorder, _ = recorded(p, "slab-u")
         first = p.alloc(1)
         p.handoff("req-pairing", first, 1, to="slab-u")  # the first to a consumer goes as a datagram either way
         assert q.claim("req-pairing", timeout_s=5).block_ids == first
         ids = p.alloc(2) + p.alloc(1) + p.alloc(1) + p.alloc(2)
-        view, runs = p.slabs.slab.view, []
+        view, runs = p.slab.view, []
         for request_id, handed in (("req-run", ids[:4]), ("req-listed", [ids[5], ids[4]])):
             p.handoff(request_id, handed, 2, to="slab-u", meta={"n": len(handed)})
             entry = ENTRY_HEAD.unpack_from(view.rw, view.ring + view.words[HSEQ] % RING * ENTRY)
             if ring:
                 runs.append(entry[7])
-                assert entry[0] == view.words[HSEQ] and entry[5] == q.slabs.slab.info.region  # type: ignore[union-attr]
+                assert entry[0] == view.words[HSEQ] and entry[5] == q.slab.info.region  # type: ignore[union-attr]
             got = q.claim(request_id, timeout_s=5)
             assert got.block_ids == handed and got.meta == {"n": len(handed)}
-            assert p.slabs.slab.info.region in q.slabs.box.to_settle
+            assert p.slab.info.region in q.slab_box.to_settle
         sent = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
         assert len(sent) == (1 if ring else 3)
         runs = runs if ring else sent[1:]
@@ -343,10 +343,10 @@ def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: Pool
         first = p.alloc(1)
         p.handoff("req-pairing", first, 1, to="slab-n")
         assert q.claim("req-pairing", timeout_s=5).block_ids == first
-        assert p.slabs.slab is not None and q.slabs.slab is not None and p.slabs.sender is not None
-        view, kept = p.slabs.slab.view, p.alloc(2)
-        run = int(p.slabs.slab.slot_of[block_of(kept[0])])
-        peer, capacity = p.slabs.sender.peers["slab-n"], p.slabs.slab.capacity
+        assert p.slab is not None and q.slab is not None and p.slab_sender is not None
+        view, kept = p.slab.view, p.alloc(2)
+        run = int(p.slab.slot_of[block_of(kept[0])])
+        peer, capacity = p.slab_sender.peers["slab-n"], p.slab.capacity
         for request_id, slot in (("req-not-handed", run), ("req-past", capacity - 1)):
             seq = view.words[HSEQ] = view.words[HSEQ] + 1
             payload = array("q", kept).tobytes() + request_id.encode()
@@ -361,7 +361,7 @@ def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: Pool
         view.words[peer.bell] = seq  # a bell with no entry behind it: dropped once, not read again and again
         with pytest.raises(HandoffNotFound):
             q.claim(None, timeout_s=0.2)
-        assert q.slabs.box is not None and q.slabs.box.watched[p.slabs.slab.info.region, info_nonce(p)].last == seq
+        assert q.slab_box is not None and q.slab_box.watched[p.slab.info.region, info_nonce(p)].last == seq
         ids = p.alloc(1)
         p.handoff("req-true", ids, 1, to="slab-n")  # and the next true one still arrives
         assert q.claim("req-true", timeout_s=5).block_ids == ids
@@ -370,8 +370,8 @@ def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: Pool
 
 
 def info_nonce(client: PoolClient) -> int:
-    assert client.slabs.slab is not None
-    return client.slabs.slab.info.nonce
+    assert client.slab is not None
+    return client.slab.info.nonce
 
 
 def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: PoolProcess) -> None:
@@ -385,8 +385,8 @@ def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: 
         first = p.alloc(1)
         p.handoff("req-pairing", first, 1, to="slab-b")
         assert q.claim("req-pairing", timeout_s=5).block_ids == first
-        assert q.slabs.slab is not None
-        words = q.slabs.slab.view.words
+        assert q.slab is not None
+        words = q.slab.view.words
         ids = p.alloc(2)
         words[WAITING] = 1  # as a claim does before it blocks
         p.handoff("req-awake", ids, 1, to="slab-b")
@@ -419,19 +419,19 @@ def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProc
     region does not show handed to this consumer under this sequence (allocated still, or in other slots), or
     slots past the slab, is dropped."""
     with PoolClient(pool.url, name="slab-x", slab=SMALL) as p, PoolClient(pool.url, name="slab-y", slab=SMALL) as q:
-        assert q.slabs.box is not None and q.slabs.slab is not None
+        assert q.slab_box is not None and q.slab is not None
         recorder, path = recorded(p, "slab-y")
         ids = p.alloc(2)
         p.handoff("req-true", ids, 2, to="slab-y")
         assert q.claim("req-true", timeout_s=5).block_ids == ids
         datagram = memoryview(recorder.sent[0])
-        key = q.slabs.box.keys[slabwire.peek(datagram)]  # type: ignore[index]
+        key = q.slab_box.keys[slabwire.peek(datagram)]  # type: ignore[index]
         h = slabwire.decode(datagram, key)
         assert h is not None and h.run >= 0
         kept = p.alloc(2)
-        assert p.slabs.slab is not None
-        first = int(p.slabs.slab.slot_of[block_of(kept[0])])  # the run they sit in, allocated, not handed
-        out, capacity = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), q.slabs.slab.capacity
+        assert p.slab is not None
+        first = int(p.slab.slot_of[block_of(kept[0])])  # the run they sit in, allocated, not handed
+        out, capacity = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), q.slab.capacity
         lies = (("req-not-handed", first), ("req-other-slots", h.run), ("req-past", capacity - 1))
         for n, (request_id, run) in enumerate(lies):
             lie = slabwire.encode(key, h.from_region, h.from_nonce, h.seq + 1 + n, request_id, 2, b"", b"",
@@ -449,8 +449,8 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
     sequence of a handoff whose own datagram has not arrived yet. The ids' column differs, so it is dropped, and
     the real one is taken after it."""
     with PoolClient(pool.url, name="slab-l", slab=SMALL) as p, PoolClient(pool.url, name="slab-m", slab=SMALL) as q:
-        assert q.slabs.box is not None and p.slabs.sender is not None
-        p.slabs.sender.use_ring = False  # the datagrams' case: a ring is read where it lies, no copy can be held back
+        assert q.slab_box is not None and p.slab_sender is not None
+        p.slab_sender.use_ring = False  # the datagrams' case: a ring is read where it lies, no copy can be held back
         recorder, path = recorded(p, "slab-m")
         p.handoff("req-pairing", p.alloc(1), 1, to="slab-m")
         q.free(q.claim("req-pairing", timeout_s=5).ids)
@@ -458,7 +458,7 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
         recorder.hold = True
         p.handoff("req-real", ids, 2, to="slab-m")
         real = memoryview(recorder.sent[-1])
-        key = q.slabs.box.keys[slabwire.peek(real)]  # type: ignore[index]
+        key = q.slab_box.keys[slabwire.peek(real)]  # type: ignore[index]
         h = slabwire.decode(real, key)
         assert h is not None and h.run >= 0
         other_ids = array("q", other).tobytes()
@@ -478,10 +478,10 @@ def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
     """Ids that name blocks idle in the slab, at their current generations (never returned by an alloc, or freed
     and read back from the slab's region), in consecutive slots: refused, and the slab as it was."""
     with PoolClient(pool.url, name="slab-i", slab=SMALL) as p, PoolClient(pool.url, name="slab-j", slab=SMALL) as q:
-        assert p.slabs.slab is not None and p.slabs.sender is not None
-        slab = p.slabs.slab
+        assert p.slab is not None and p.slab_sender is not None
+        slab = p.slab
         p.free(p.alloc(1))
-        p.slabs.sender._peer("slab-j")
+        p.slab_sender._peer("slab-j")
         top = slab.num_idle
         slots = [int(s) for s in slab.idle[top - 2 : top][::-1]]  # the next alloc's, ascending
         assert slots[1] == slots[0] + 1
@@ -507,7 +507,7 @@ def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProces
         tampered = bytearray(datagram)
         tampered[slabwire.HEAD.size + 8] ^= 1  # another block id, under the pair's seal
         out.sendto(bytes(tampered), path)
-        h = slabwire.decode(memoryview(datagram), q.slabs.box.keys[slabwire.peek(memoryview(datagram))])
+        h = slabwire.decode(memoryview(datagram), q.slab_box.keys[slabwire.peek(memoryview(datagram))])
         assert h is not None
         forged = slabwire.encode(secrets.token_bytes(32), h.from_region, h.from_nonce, h.seq + 1, "req-forged", 4, b"",
                                  h.slots.tobytes(), h.packed.tobytes(), h.run)  # fmt: skip
@@ -527,7 +527,7 @@ def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -
         assert stats(pool)["in_use"] >= 41
         with pytest.raises(PoolExhausted):
             b.alloc(30)  # 507: the hoarder's slab holds most of the pool, and is asked for its idle blocks back
-        region = hoarder.slabs.slab
+        region = hoarder.slab
         assert region is not None and region.view.words[WANT] > region.view.words[DONE]
         hoarder.free(mine)  # its next call answers the flag: every idle block goes back
         assert region.num_idle == 1 and region.view.words[WANT] == region.view.words[DONE]
@@ -538,7 +538,7 @@ def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -
 DOOMED = """
 import sys, time
 from kvpool.client import PoolClient
-from kvpool.leases import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
+from kvpool.slabtable import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from kvpool.slab import SlabConfig
 c = PoolClient(sys.argv[1], name="slab-doomed", slab=SlabConfig(8, 2, 16), heartbeat=False)
 ids = c.alloc(5)
@@ -600,9 +600,9 @@ def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(
             proc.stdin.write("go\n")
             proc.stdin.flush()
             assert proc.stdout.readline().strip() == "handed"
-            assert heir.slabs.box is not None and heir.slabs.slab is not None
-            (watched,) = heir.slabs.box.watching
-            assert heir.slabs.slab.view.all_words[watched.bell] == watched.last + 10  # all ten in its ring, unread
+            assert heir.slab_box is not None and heir.slab is not None
+            (watched,) = heir.slab_box.watching
+            assert heir.slab.view.all_words[watched.bell] == watched.last + 10  # all ten in its ring, unread
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
@@ -626,7 +626,7 @@ def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> 
         with pytest.raises(PoolExhausted):
             b.alloc(30)
         deadline = time.monotonic() + 10
-        while stats(pool)["leases"]["slab_idle"] and time.monotonic() < deadline:
+        while stats(pool)["slabs"]["slab_idle"] and time.monotonic() < deadline:
             time.sleep(0.05)
         b.free(b.alloc(30))
     wait_idle(pool)
@@ -637,9 +637,9 @@ def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(p
     released under the beat's feet raised in that thread)."""
     with PoolClient(pool.url, name="slab-closing", slab=SMALL) as c:
         c.free(c.alloc(1))
-        slab = c.slabs.slab
+        slab = c.slab
         assert slab is not None
-        c.slabs.close()
+        c._close_slab()
         slab.answer_want()  # what the beat does if it read the slab before close took it away
     wait_idle(pool)
 
@@ -693,8 +693,8 @@ def test_a_ring_entry_whose_chain_does_not_go_down_cannot_hang_its_consumer(pool
             first = p.alloc(1)
             p.handoff("req-pairing", first, 1, to="slab-lied-to")
             assert consumer.stdout.readline().strip() == "paired"  # it watches p's ring from now on
-            assert p.slabs.slab is not None and p.slabs.sender is not None
-            view, peer = p.slabs.slab.view, p.slabs.sender.peers["slab-lied-to"]
+            assert p.slab is not None and p.slab_sender is not None
+            view, peer = p.slab.view, p.slab_sender.peers["slab-lied-to"]
             top = view.words[HSEQ] + 3
             prevs = {"prev-is-itself": {top: top}, "prev-goes-up": {top: top + 5, top + 5: top},
                      "a-cycle": {top: top - 1, top - 1: top}}[lie]  # fmt: skip

@@ -34,7 +34,7 @@ class Hit(Protocol):
 
 
 class PrefixBlocks(Protocol):
-    """A block source with a prefix cache: :class:`kvpool.client.DeviceSession` or a private one."""
+    """A block source with a prefix cache: :class:`kvpool.devices.DeviceSession` or a private one."""
 
     def alloc(self, num_blocks: int) -> list[int]: ...
 

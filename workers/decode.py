@@ -33,7 +33,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.client import DeviceSession
+from kvpool.devices import DeviceSession
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
 from kvpool.protocol import LookupResponse
 from kvpool.workers.cli import (

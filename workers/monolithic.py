@@ -91,7 +91,7 @@ def greedy_generate(
 class PrivateBlocks:
     """A private cache's blocks with a prefix cache: the pool's books in this process, one session, no HTTP.
 
-    Block ids here are indices into the private cache, as :class:`kvpool.client.DeviceSession` gives them.
+    Block ids here are indices into the private cache, as :class:`kvpool.devices.DeviceSession` gives them.
     """
 
     def __init__(self, num_blocks: int, layout: KVLayout, model_name: str = "") -> None:

@@ -28,7 +28,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 
-from kvpool.client import DeviceSession, PoolClient
+from kvpool.client import PoolClient
+from kvpool.devices import DeviceSession
 from kvpool.errors import KvpoolError
 from kvpool.workers.batching import PrefillBatcher, Prefilling
 from kvpool.workers.cli import (

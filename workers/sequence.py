@@ -9,15 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from kvpool.errors import PoolExhausted
 from kvpool.workers.model import KVCaches, LlamaModel
-
-if TYPE_CHECKING:
-    from kvpool.workers.engine import DecodeEngine
 
 
 class BlockSource(Protocol):
@@ -26,6 +23,12 @@ class BlockSource(Protocol):
     def alloc(self, num_blocks: int) -> list[int]: ...
 
     def free(self, block_ids: list[int]) -> object: ...
+
+
+class Stepper(Protocol):
+    """A decode step that replays a captured graph: :class:`kvpool.workers.engine.DecodeEngine`."""
+
+    def step(self, seqs: Seq[Sequence]) -> list[int]: ...
 
 
 @dataclass
@@ -95,7 +98,7 @@ def decode_step(
     seqs: Seq[Sequence],
     blocks: BlockSource,
     block_size: int,
-    engine: DecodeEngine | None = None,
+    engine: Stepper | None = None,
 ) -> None:
     """Feed each sequence's last token, write its K/V, and append the greedy next token (one host sync).
 

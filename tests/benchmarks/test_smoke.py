@@ -25,7 +25,7 @@ TINY: dict[str, list[str]] = {
     "e2e": [*E2E, "--host-factor", "2", "--host-passes", "2", "--host-rates", "40"],
     "copy": ["--sizes", "2MiB", "--rounds", "1"],
     "host-tier": ["--sizes", "2MiB", "--rounds", "1", "--layout", "1b"],
-    "lease": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
+    "slab": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
     "decode": ["--batch", "2", "--context", "32", "--steps", "2"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}

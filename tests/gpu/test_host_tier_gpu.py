@@ -13,8 +13,8 @@ import torch
 
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
-from kvpool.server.arenas import create_host_arena, describe
-from kvpool.server.hostarena import HostTierMemory
+from kvpool.server.arenas import create_owned_arena, describe
+from kvpool.server.tiermemory import HostTierMemory
 from tests.conftest import start_pool
 
 pytestmark = pytest.mark.gpu
@@ -32,7 +32,7 @@ def shm_dir() -> Iterator[Path]:
 def test_blocks_cross_to_page_locked_host_memory_and_back_unchanged(order: str, shm_dir: Path) -> None:
     layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16", order=order)
     epoch, n = secrets.token_hex(8), 64
-    arena = create_host_arena("cuda", n * layout.block_nbytes, device=0, shm_dir=shm_dir, epoch=epoch)
+    arena = create_owned_arena("cuda", n * layout.block_nbytes, device=0, shm_dir=shm_dir, epoch=epoch)
     memory = HostTierMemory(n, layout, shm_dir, epoch, describe(epoch, [0], [arena], [n], layout, "", None), [arena])
     try:
         assert memory.registered, "the host tier must be page-locked on CUDA"

@@ -82,7 +82,7 @@ def setup(request, tmp_path_factory) -> Iterator[tuple[Path, PoolProcess, int]]:
     pool = start_pool(
         "--backend", "cuda", "--num-layers", "4", "--num-kv-heads", "8", "--head-dim", "64", "--block-size",
         str(block_size), "--dtype", str(dtype).removeprefix("torch."), "--order", "kv_packed", "--num-blocks",
-        str(NUM_BLOCKS), "--leases", "--lease-regions", "8", "--slab-max-blocks", str(NUM_BLOCKS),
+        str(NUM_BLOCKS), "--slabs", "--slab-regions", "8", "--slab-max-blocks", str(NUM_BLOCKS),
     )  # fmt: skip
     yield model, pool, block_size
     pool.stop()

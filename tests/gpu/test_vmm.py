@@ -59,7 +59,7 @@ def worker(*args: str, namespaced: bool = False, token: str | None = None) -> di
 def test_the_pool_side_releases_what_it_created_and_the_fd_maps_the_same_memory():
     from kvpool import vmm
     from kvpool.cuda import DeviceBuffer
-    from kvpool.server.vmm_arena import VmmHostArena
+    from kvpool.server.arenas import VmmOwnedArena
 
     torch.cuda.init()
     warm = torch.empty(16, dtype=torch.uint8, device="cuda:0")  # kernels load lazily and take device memory
@@ -68,7 +68,7 @@ def test_the_pool_side_releases_what_it_created_and_the_fd_maps_the_same_memory(
     del warm
     torch.cuda.synchronize()
     before, _ = torch.cuda.mem_get_info(0)
-    arena = VmmHostArena(4 * GIB + 1, 0)
+    arena = VmmOwnedArena(4 * GIB + 1, 0)
     try:
         assert arena.nbytes % vmm.granularity(0) == 0 and arena.nbytes >= 4 * GIB + 1
         assert torch.cuda.mem_get_info(0)[0] <= before - 4 * GIB

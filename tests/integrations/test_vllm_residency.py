@@ -23,7 +23,7 @@ from tests.conftest import SMALL_POOL, PoolProcess, start_pool
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order="kv_packed")
 BS = LAYOUT.block_size
 N = 64
-RESIDENT_POOL = (*SMALL_POOL, "--order", "kv_packed", "--leases", "--slab-max-blocks", "64", "--lease-ttl-s", "2")
+RESIDENT_POOL = (*SMALL_POOL, "--order", "kv_packed", "--slabs", "--slab-max-blocks", "64", "--lease-ttl-s", "2")
 
 
 class Engine:
@@ -31,7 +31,7 @@ class Engine:
 
     def __init__(self, url: str, name: str) -> None:
         self.client = PoolClient(url, name=name, layout=LAYOUT, slab=SlabConfig(blocks=8, low=2, high=48))
-        slab = self.client.slabs.slab
+        slab = self.client.slab
         assert slab is not None, "the pool serves slabs"
         self.res = Residency(self.client, BS, N, free_count=slab.idle_count, grow=slab.ensure_idle,
                              alive=lambda: self.client.session.lost or self.client.session.unreachable)  # fmt: skip

@@ -12,8 +12,8 @@ from kvpool.arena import Arena
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 from kvpool.server.hosttier import HostTier
-from kvpool.server.leases import LeaseBooks
 from kvpool.server.pool import Pool
+from kvpool.server.slabs import SlabBooks
 from kvpool.server.tiercopy import TierCopier, runs
 
 BS = 4
@@ -181,7 +181,7 @@ def test_kv_events_keep_a_router_exact_while_prefixes_move_to_the_host_and_leave
     pytest.importorskip("msgspec")
     from kvpool.server.feed import media_of
     from kvpool.server.kvevents import IndexEvents
-    from tests.server.test_kv_events_wire import Recorder, assert_mirrors
+    from tests.server.test_kvevents import Recorder, assert_mirrors
 
     layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype="float32", order="layer_major")
     _, arena, tier = make(gpu_blocks=4, host_blocks=6)
@@ -204,7 +204,7 @@ def test_every_taker_of_blocks_copies_what_it_evicted_before_the_blocks_reach_an
     """An alloc, a slab's refill and a restore all take blocks through the allocator, which flushes what they
     evicted before it returns them: the taker's writes can never reach the host as the evicted prefix's KV."""
     pool, arena, tier = make(gpu_blocks=8, host_blocks=16)
-    books = LeaseBooks(pool, tmp_path, regions=2, slots=8, box_dir=None)
+    books = SlabBooks(pool, tmp_path, regions=2, slots=8, box_dir=None)
     try:
         a = pool.open_session("a", "other").session_id
         b = pool.open_session("b", "other").session_id

@@ -61,7 +61,7 @@ def test_a_prefix_evicted_to_the_host_comes_back_with_the_kv_the_worker_wrote() 
 def test_a_slab_that_evicts_a_prefix_never_hands_its_own_kv_to_the_prefixs_next_hit() -> None:
     """A slab's refill evicts cached prefix blocks like any alloc: their KV must reach the host before the slab's
     owner writes into them, or the next lookup restores the owner's bytes as the prefix (another tenant's KV)."""
-    pool = start_pool(*FLAGS, "--num-blocks", "16", "--host-blocks", "24", "--leases", "--slab-max-blocks", "16")
+    pool = start_pool(*FLAGS, "--num-blocks", "16", "--host-blocks", "24", "--slabs", "--slab-max-blocks", "16")
     try:
         with PoolClient(pool.url, name="a", layout=LAYOUT, slab=False) as a:
             arena = a.arena()
@@ -74,7 +74,7 @@ def test_a_slab_that_evicts_a_prefix_never_hands_its_own_kv_to_the_prefixs_next_
             a.free(ids)
             with PoolClient(pool.url, name="b", layout=LAYOUT, slab=SlabConfig(blocks=16, low=0, high=16)) as b:
                 theirs = [b.alloc(1)[0] for _ in range(16)]  # one refill of the whole arena: the prefix is evicted
-                assert b.slabs.slab is not None and pool.stats()["cached"] == 0
+                assert b.slab is not None and pool.stats()["cached"] == 0
                 for block in theirs:
                     for t in b.arena().block(block):
                         t.fill_(9.0)

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.client import DeviceSession, PoolClient
+from kvpool.client import PoolClient
+from kvpool.devices import DeviceSession
 from kvpool.errors import HandoffNotFound, HandoffRefused, StaleBlock, UnknownSession
 from kvpool.ids import block_of, pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, decode_delivery, encode_delivery, seal_delivery

@@ -55,7 +55,7 @@ def why_not(descriptor: ArenaDescriptor, gpu_uuid: str | None, kv_groups: int) -
     if descriptor.layout.order != "kv_packed":
         return f"the pool's arena is {descriptor.layout.order}: start it with --order kv_packed, vLLM's own layout"
     if descriptor.slab_slots <= 0:
-        return "the pool serves no reservation slabs: start it with --leases"
+        return "the pool serves no reservation slabs: start it with --slabs"
     if kv_groups != 1:
         return f"this model has {kv_groups} KV cache groups (hybrid or sliding-window layers); resident mode holds one"
     missing = missing_hooks()
@@ -106,9 +106,9 @@ class ResidentScheduler:
                  load: bool = True, save: bool = True) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool
 
-        slab = client.slabs.slab
+        slab = client.slab
         if slab is None:
-            raise LayoutMismatch("the pool gave this engine no slab (all lease regions taken?): raise --lease-regions")
+            raise LayoutMismatch("the pool gave this engine no slab (all slab regions taken?): raise --slab-regions")
         self.client = client
         self.block_size = block_size
         self.load, self.save = load, save

@@ -33,7 +33,7 @@ class ConnectorSettings(BaseModel):
     mode: Literal["copy", "resident"] = Field(
         "copy",
         description="resident: the engine's KV cache is the pool's arena and blocks move by id, never copied (needs a "
-        "pool started with --order kv_packed --leases on this GPU, and vLLM with --num-gpu-blocks-override set to the "
+        "pool started with --order kv_packed --slabs on this GPU, and vLLM with --num-gpu-blocks-override set to the "
         "arena's blocks); copy: the engine keeps its own KV cache and hits and saves are copied (any pool, any GPU). "
         "An engine that cannot be resident falls back to copy and says why",
     )

@@ -1,6 +1,6 @@
-"""lease: alloc, free and handoffs with reservation slabs, against the one-way Unix datagram floor of the same run.
+"""slab: alloc, free and handoffs with reservation slabs, against the one-way Unix datagram floor of the same run.
 
-Two client processes of one pool started with ``--leases``, a producer and a consumer, each with a slab. Per
+Two client processes of one pool started with ``--slabs``, a producer and a consumer, each with a slab. Per
 round, interleaved:
 
   floor        one-way latency of a small Unix datagram from the producer's process to the consumer's, which spins
@@ -44,7 +44,7 @@ from kvpool.layout import KVLayout
 POOL_LAYOUT = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float16")
 TARGET_FLOOR_RATIO = 3.0
 TARGET_BLOCKS_PER_S = 10e6
-CONSUMER = "bench-lease-consumer"
+CONSUMER = "bench-slab-consumer"
 FLOORS = ("floor", "floor-connected")
 HANDOFFS = ("handoff", "handoff-chunks", "handoff-scattered", "handoff-datagram")
 CHUNKS = 4
@@ -112,10 +112,10 @@ def _consumer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int)
 def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int, blocks: int) -> None:
     from kvpool.client import PoolClient
 
-    pool = PoolClient(url, name="bench-lease-producer", slab=_slab(batch), heartbeat=False)
-    plain = PoolClient(url, name="bench-lease-plain", slab=False, heartbeat=False)
-    batcher = PoolClient(url, name="bench-lease-batcher", slab=_slab(batch), heartbeat=False)
-    sealed = PoolClient(url, name="bench-lease-datagrams", slab=_slab(batch, ring=False), heartbeat=False)
+    pool = PoolClient(url, name="bench-slab-producer", slab=_slab(batch), heartbeat=False)
+    plain = PoolClient(url, name="bench-slab-plain", slab=False, heartbeat=False)
+    batcher = PoolClient(url, name="bench-slab-batcher", slab=_slab(batch), heartbeat=False)
+    sealed = PoolClient(url, name="bench-slab-datagrams", slab=_slab(batch, ring=False), heartbeat=False)
     ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ready.bind(ready_path)
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -168,10 +168,10 @@ def run(args: argparse.Namespace) -> int:
     num_blocks = 10 * batch + 4096
     config = {"rounds": rounds, "count": count, "batch": batch, "handoff_blocks": blocks, "pool_blocks": num_blocks,
               "pool_layout": POOL_LAYOUT.model_dump(), "warmup_rounds": 1}  # fmt: skip
-    report = harness.Report("lease", args, device, config)
-    flags = [*harness.layout_flags(POOL_LAYOUT), "--num-blocks", str(num_blocks), "--leases",
+    report = harness.Report("slab", args, device, config)
+    flags = [*harness.layout_flags(POOL_LAYOUT), "--num-blocks", str(num_blocks), "--slabs",
              "--slab-max-blocks", str(8 * batch)]  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="kvb-lease-"))
+    tmp = Path(tempfile.mkdtemp(prefix="kvb-slab-"))
     floor_path, ready_path = str(tmp / "floor.sock"), str(tmp / "ready.sock")
     samples: dict[str, list[int]] = {v: [] for v in (*VARIANTS, *BATCHES)}
     with harness.servers(lambda: harness.start_pool(device, *flags)) as (pool,):
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             raise RuntimeError("the producer process did not start")
         try:
             plan = [(r, v) for r in range(rounds + 1) for v in timings.rotated((*VARIANTS, *BATCHES), r)]
-            with harness.progress(len(plan), "lease", args.no_progress) as bar:
+            with harness.progress(len(plan), "slab", args.no_progress) as bar:
                 for r, variant in plan:
                     n = count if r else max(10, count // 10)
                     if variant in (*FLOORS, *HANDOFFS):
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
                     conn.send(None)
             harness.wait_children([prod, cons])
     _summarize(report, samples, batch, blocks)
-    report.print_block("lease", _body(report))
+    report.print_block("slab", _body(report))
     report.save(lambda: _plot(report))
     return 0
 
@@ -257,5 +257,5 @@ def _plot(report: harness.Report) -> Any:
     ax.axhline(TARGET_FLOOR_RATIO * floor, color="grey", lw=0.8, ls="--", label=f"{TARGET_FLOOR_RATIO:.0f}x floor")
     ax.set(ylabel="us", yscale="log", title="slab alloc/free and handoff against the datagram floor")
     ax.legend(fontsize=8)
-    fig.suptitle(f"kvpool leases ({machine.describe_device(machine.device_info(report.device))})")
+    fig.suptitle(f"kvpool slabs ({machine.describe_device(machine.device_info(report.device))})")
     return fig

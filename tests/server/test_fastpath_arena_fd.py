@@ -18,7 +18,7 @@ import pytest
 from kvpool.channel import FastConnection, frame
 from kvpool.errors import InvalidRequest, Unauthorized, UnknownSession
 from kvpool.protocol import AllocRequest, AllocResponse, ArenaFdRequest, SessionCreate
-from kvpool.server.arenas import HostArena
+from kvpool.server.arenas import OwnedArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
@@ -27,7 +27,7 @@ from kvpool.transport import Transport
 SECRET = b"the arena's bytes, as the pool exported them"
 
 
-class MemfdArena(HostArena):
+class MemfdArena(OwnedArena):
     """Stands in for a VMM arena: what matters to the channel is the fd it exported."""
 
     backend = "cuda"
@@ -47,8 +47,8 @@ class MemfdArena(HostArena):
 
 @pytest.fixture
 def vmm_plane(plane: ControlPlane) -> ControlPlane:
-    plane.host_arenas[0].close()
-    plane.host_arenas[0] = MemfdArena()
+    plane.owned_arenas[0].close()
+    plane.owned_arenas[0] = MemfdArena()
     return plane
 
 

@@ -18,11 +18,10 @@ from kvpool.errors import InvalidRequest
 from kvpool.hosttier import page_lock
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, HostTierPart
-from kvpool.server.arenas import CpuHostArena, CudaHostArena, HostArena
+from kvpool.server.arenas import CpuOwnedArena, CudaOwnedArena, OwnedArena, VmmOwnedArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.hosttier import HostTier
 from kvpool.server.tiercopy import TierCopier
-from kvpool.server.vmm_arena import VmmHostArena
 
 if TYPE_CHECKING:
     import torch
@@ -45,7 +44,7 @@ def host_tier_blocks(layout: KVLayout, host_blocks: int | None, host_bytes: int 
 
 
 def open_host_tier(
-    settings: PoolSettings, layout: KVLayout, epoch: str, descriptor: ArenaDescriptor, arenas: list[HostArena]
+    settings: PoolSettings, layout: KVLayout, epoch: str, descriptor: ArenaDescriptor, arenas: list[OwnedArena]
 ) -> HostTierMemory | None:
     """The host tier the settings ask for (None if they ask for none)."""
     n = host_tier_blocks(layout, settings.host_blocks, settings.host_bytes)
@@ -57,15 +56,15 @@ class HostTierMemory:
 
     def __init__(
         self, num_blocks: int, layout: KVLayout, shm_dir: Path, epoch: str, descriptor: ArenaDescriptor,
-        arenas: list[HostArena],
+        arenas: list[OwnedArena],
     ) -> None:  # fmt: skip
         import torch
 
-        self.file = CpuHostArena(num_blocks * layout.block_nbytes, shm_dir, f"{epoch}-host")
+        self.file = CpuOwnedArena(num_blocks * layout.block_nbytes, shm_dir, f"{epoch}-host")
         self.registered = 0
         try:
             raw = torch.from_file(self.file.handle, shared=True, size=self.file.nbytes, dtype=torch.uint8)
-            if any(isinstance(a, CudaHostArena) for a in arenas):
+            if any(isinstance(a, CudaOwnedArena) for a in arenas):
                 page_lock(raw.data_ptr(), raw.numel(), "the host tier (--host-blocks)")
                 self.registered = raw.data_ptr()
             typed = raw.view(torch_dtype(layout.dtype))
@@ -98,10 +97,10 @@ class HostTierMemory:
         self.file.close()
 
 
-def _blocks_view(part: ArenaDescriptor, arena: HostArena) -> tuple[torch.Tensor, int]:
+def _blocks_view(part: ArenaDescriptor, arena: OwnedArena) -> tuple[torch.Tensor, int]:
     import torch
 
-    if isinstance(arena, CudaHostArena | VmmHostArena):
+    if isinstance(arena, CudaOwnedArena | VmmOwnedArena):
         from kvpool import cuda
 
         assert arena.device is not None

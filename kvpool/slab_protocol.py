@@ -1,4 +1,4 @@
-"""Request and response models of the lease endpoints (``/leases/...``): slabs and the lease table.
+"""Request and response models of the slab endpoints (``/slabs/...``): slabs and the slab table.
 
 These are control calls, made once per session, per slab refill or drain, per producer-consumer pair, and by a
 consumer before it names blocks it was handed; the hot path (alloc, free, a handoff between slabs) makes none.
@@ -15,17 +15,17 @@ from kvpool.protocol import MAX_IDS, SessionId, _Request
 Word = Annotated[int, Field(ge=0, lt=1 << 64)]
 
 
-class LeaseOpen(_Request):
+class RegionRequest(_Request):
     session_id: SessionId = Field(max_length=64)
 
 
-class LeaseInfo(BaseModel):
-    table: str = Field(description="path of the lease table (shared memory, mode 0600)")
+class RegionInfo(BaseModel):
+    table: str = Field(description="path of the slab table (shared memory, mode 0600)")
     region: int = Field(description="this session's region of the table: it alone writes the region's slots")
     nonce: int = Field(description="identifies this session in its region; peers check it before trusting it")
     slots: int = Field(description="slots per region: the most blocks a slab and its unsettled handoffs hold")
     num_blocks: int
-    box: str | None = Field(None, description="where to bind this session's lease box (handoffs from slabs)")
+    box: str | None = Field(None, description="where to bind this session's slab box (handoffs from slabs)")
 
 
 class SlabRequest(_Request):

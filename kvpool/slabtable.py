@@ -1,6 +1,6 @@
-"""The lease table: a shared-memory file the pool owns, one region per session that holds a reservation slab.
+"""The slab table: a shared-memory file the pool owns, one region per session that holds a reservation slab.
 
-One file per pool epoch (``kvpool-leases-<epoch>`` in the pool's shm directory, mode 0600). Its first page says
+One file per pool epoch (``kvpool-slabs-<epoch>`` in the pool's shm directory, mode 0600). Its first page says
 what it is; then come ``regions`` regions of equal size, each page-aligned so that a session maps its own region
 read-write and the whole table read-only. Every field has one writer, so nobody needs a cross-process
 compare-and-swap:
@@ -15,7 +15,7 @@ compare-and-swap:
   sequence of its latest handoff in the ring to that region) and one ``sent`` per consumer region (the sequence of
   its latest handoff to that region that left as a datagram), and as a consumer, per producer region, ``watch``
   (the producer's nonce, once it reads that producer's ring) and ``took`` (the last sequence it took from it),
-  plus ``waiting`` while it sleeps on its lease box (a producer then sends it a wake-up).
+  plus ``waiting`` while it sleeps on its slab box (a producer then sends it a wake-up).
 
 The pool trusts none of what a session writes about blocks: it acts on a slot only for a block its own books say
 that session holds in its slab. A writer publishes a slot's other fields before its ``state``, and readers read
@@ -112,7 +112,7 @@ def region_dtype(slots: int, regions: int) -> np.dtype:
 
 
 def table_name(epoch: str) -> str:
-    return f"kvpool-leases-{epoch}"
+    return f"kvpool-slabs-{epoch}"
 
 
 def create_table(directory: Path, epoch: str, regions: int, slots: int) -> tuple[Path, mmap.mmap, np.ndarray]:
@@ -141,11 +141,11 @@ class TableView:
         try:
             st = os.fstat(fd)
             if st.st_uid != os.getuid() or st.st_mode & 0o077:
-                raise InvalidRequest(f"the lease table {path} must be this user's, mode 0600")
+                raise InvalidRequest(f"the slab table {path} must be this user's, mode 0600")
             head = os.pread(fd, FILE_HEAD.size, 0)
             magic, regions, slots, region_bytes, ep = FILE_HEAD.unpack(head)
             if magic != MAGIC or ep.rstrip(b"\0") != epoch[:16].encode() or not 0 <= region < regions:
-                raise InvalidRequest(f"{path} is not the lease table of pool epoch {epoch}")
+                raise InvalidRequest(f"{path} is not the slab table of pool epoch {epoch}")
             self.dtype = region_dtype(slots, regions)
             assert self.dtype.itemsize == region_bytes
             self.ro = mmap.mmap(fd, PAGE + regions * region_bytes, prot=mmap.PROT_READ)  # the whole table

@@ -13,9 +13,8 @@ from kvpool.arena import open_arena
 from kvpool.errors import InvalidRequest
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, DeviceInfo
-from kvpool.server.arenas import HostArena, describe
+from kvpool.server.arenas import OwnedArena, describe, resolve_handle
 from kvpool.server.config import PoolSettings, add_settings_arguments, settings_from_args
-from kvpool.server.vmm_arena import resolve_handle
 
 
 def parse(argv: list[str]) -> PoolSettings:
@@ -71,7 +70,7 @@ def test_vmm_asked_for_where_it_cannot_be_is_an_error_not_a_fallback(monkeypatch
         resolve_handle("vmm", 0, fd_passing=True)
 
 
-class FakeArena(HostArena):
+class FakeArena(OwnedArena):
     backend = "cuda"
 
     def __init__(self, kind: str, device: int) -> None:

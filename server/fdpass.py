@@ -1,9 +1,10 @@
-"""File descriptors over the fast channel's Unix socket (SCM_RIGHTS), beside its ordinary frames.
+"""The pool's side of file descriptors over the fast channel's Unix socket (SCM_RIGHTS), beside its ordinary frames.
 
 The kernel duplicates a passed fd into the receiving process: the receiver holds the object itself, and nobody
 who merely learns a number or a name can. That is what makes a VMM arena's fd safer than a legacy IPC handle,
 which is 64 bytes anyone can copy. asyncio's streams carry no ancillary data, so the pool sends the one reply
-that carries an fd itself, on a duplicate of the connection's socket, once the stream's own queue is empty.
+that carries an fd itself, on a duplicate of the connection's socket, once the stream's own queue is empty. A
+client reads it with :func:`kvpool.channel.recv_frame_with_fd`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-
-from kvpool.channel import HEADER
 
 #: how long a reply waits for the bytes queued before it (a client that stopped reading) before giving up
 QUEUE_WAIT_S = 5.0
@@ -43,33 +42,3 @@ async def send_with_fd(writer: asyncio.StreamWriter, data: bytes, fd: int) -> No
         dup.close()
     if sent < len(data):
         writer.write(data[sent:])
-
-
-def recv_frame_with_fd(sock: socket.socket) -> tuple[bytes, int | None]:
-    """Read one frame's payload from a blocking socket, and the fd that came with it, if any."""
-    fds: list[int] = []
-    try:
-        buf = b""
-        while len(buf) < HEADER.size:
-            data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
-            fds.extend(got)
-            if not data:
-                raise ConnectionError("the pool closed the fast channel")
-            buf += data
-        (size,) = HEADER.unpack(buf[: HEADER.size])
-        while len(buf) < HEADER.size + size:
-            data = sock.recv(HEADER.size + size - len(buf))
-            if not data:
-                raise ConnectionError("the pool closed the fast channel")
-            buf += data
-        if len(buf) > HEADER.size + size or len(fds) > 1:
-            raise ConnectionError("the pool sent more than one reply and one fd: the fast channel is out of step")
-    except BaseException:  # a time-out or an interruption half way, too: an fd that came is not leaked
-        _close(fds)
-        raise
-    return buf[HEADER.size :], fds[0] if fds else None
-
-
-def _close(fds: list[int]) -> None:
-    for fd in fds:
-        os.close(fd)

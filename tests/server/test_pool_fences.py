@@ -11,7 +11,7 @@ from kvpool.errors import HandoffRefused, StaleBlock, UnknownSession
 from kvpool.ids import block_of, generation_of
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
-from tests.test_pool import Clock, balanced
+from tests.server.test_pool import Clock, balanced
 
 BS = 4
 

@@ -1,0 +1,103 @@
+"""A client's session on its own, against a real pool: opened, kept alive, found lost, found restarted, closed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.errors import InvalidRequest, PoolRestarted, UnknownSession
+from kvpool.protocol import SessionInfo
+from kvpool.session import Session
+from kvpool.transport import Transport
+from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+
+LEASE_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def pool_server() -> Iterator[PoolProcess]:
+    pool = start_pool(*SMALL_POOL, "--lease-ttl-s", str(LEASE_S))
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def transport(pool_server: PoolProcess) -> Iterator[Transport]:
+    t = Transport(pool_server.url, None, 10.0)
+    yield t
+    t.close()
+
+
+def listed(pool: PoolProcess, name: str) -> int:
+    with pool.http() as http:
+        return len(http.get("/sessions", params={"name": name}).json()["sessions"])
+
+
+def test_a_session_opens_with_the_pool_s_epoch_and_lease_and_closes(pool_server: PoolProcess, transport) -> None:
+    restarts: list[None] = []
+    s = Session(transport, "sess-a", "decode", None, on_restart=lambda: restarts.append(None))
+    info = s.open(inbox=False)
+    assert (s.session_id, s.epoch, s.lease_ttl_s) == (info.session_id, pool_server.stats()["epoch"], LEASE_S)
+    assert s.lost is None and s.health().epoch == s.epoch and listed(pool_server, "sess-a") == 1
+    assert s.guard(lambda: 42) == 42
+    s.close()
+    assert listed(pool_server, "sess-a") == 0 and restarts == []
+
+
+def test_a_name_the_pool_would_refuse_is_refused_before_any_call(transport) -> None:
+    with pytest.raises(InvalidRequest, match="cannot open a session"):
+        Session(transport, "x" * 1000, "decode", None, on_restart=lambda: None).open(inbox=False)
+
+
+def test_the_heartbeat_finds_a_session_the_pool_ended_and_every_call_then_fails(pool_server, transport) -> None:
+    s = Session(transport, "sess-lost", "other", None, on_restart=lambda: None)
+    s.open(inbox=False)
+    beats: list[None] = []
+    s.on_beat = lambda: beats.append(None)
+    s.start_heartbeat()
+    try:
+        deadline = time.monotonic() + s.lease_ttl_s + 2.0  # a beat every lease / 3
+        while not beats and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert beats, "the heartbeat runs and says so after each beat the pool answered"
+        with pool_server.http() as http:
+            assert http.delete(f"/sessions/{s.session_id}").status_code == 200
+        while s.lost is None and time.monotonic() < deadline + s.lease_ttl_s:
+            time.sleep(0.05)
+        assert isinstance(s.lost, UnknownSession)
+        called: list[None] = []
+        with pytest.raises(UnknownSession):
+            s.guard(lambda: called.append(None))
+        assert called == []  # a lost session makes no call
+        s.open(inbox=False)  # reconnecting opens a new one
+        assert s.lost is None and s.guard(lambda: "again") == "again"
+    finally:
+        s.close()
+    assert not s._beat.is_alive()  # type: ignore[union-attr]
+
+
+def test_a_pool_that_restarted_retires_the_session_and_what_the_client_kept(pool_server, transport) -> None:
+    restarts: list[None] = []
+    s = Session(transport, "sess-restart", "other", None, on_restart=lambda: restarts.append(None))
+    s.open(inbox=False)
+    s.epoch = "an-epoch-before"  # as if the pool had restarted since the session opened
+    with pytest.raises(PoolRestarted, match="the pool restarted") as restarted:
+        s.guard(lambda: transport.fetch("POST", "/sessions/no-such/heartbeat", None, SessionInfo))
+    assert restarts == [None] and s.lost is restarted.value
+    with pytest.raises(PoolRestarted):
+        s.guard(lambda: None)
+    s.epoch = pool_server.stats()["epoch"]
+    s.close()
+
+
+def test_an_unknown_session_in_the_same_epoch_stays_unknown(transport) -> None:
+    s = Session(transport, "sess-same", "other", None, on_restart=lambda: None)
+    s.open(inbox=False)
+    try:
+        with pytest.raises(UnknownSession):
+            s.guard(lambda: transport.fetch("POST", "/sessions/no-such/heartbeat", None, SessionInfo))
+        assert s.lost is None  # one refused call is no lost session
+    finally:
+        s.close()
