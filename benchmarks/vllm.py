@@ -73,7 +73,7 @@ class EngineConfig:
     def pool_args(self, blocks: int) -> list[str]:
         """This configuration's ``kvpool serve`` flags for an arena of ``blocks`` blocks (a resident engine's slab
         may hold all of them, and its vLLM is told the arena's block count)."""
-        extra = ["--order", "kv_packed", "--leases", "--lease-regions", "8", "--slab-max-blocks", str(blocks)]
+        extra = ["--order", "kv_packed", "--slabs", "--slab-regions", "8", "--slab-max-blocks", str(blocks)]
         return ["--num-blocks", str(blocks), *self.pool_flags, *(extra if self.resident else [])]
 
 

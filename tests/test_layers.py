@@ -210,6 +210,7 @@ MIRRORS = {
 #: test files that check what several modules do together, each named for what it checks (see tests/__init__.py)
 SUITES = {
     "tests/test_layers.py": "the tree itself: layers, circles, this layout, the distribution",
+    "tests/test_readme.py": "the README's worker example run from its text, and every link of the docs",
     "tests/server/test_access.py": "who can reach the pool and with what",
     "tests/server/test_attacks.py": "what an attacker on the node tries",
     "tests/server/test_bad_input.py": "bad input over both transports",

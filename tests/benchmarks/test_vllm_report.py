@@ -64,7 +64,7 @@ def test_an_engine_configuration_is_one_entry() -> None:
     assert extra.engines == 2 and extra.prefix_caching and not extra.resident
     assert extra.pool_args(100) == ["--num-blocks", "100", "--order", "block_major"]
     resident = suite.ENGINES["resident"].pool_args(100)
-    assert resident[:2] == ["--num-blocks", "100"] and "kv_packed" in resident and "--leases" in resident
+    assert resident[:2] == ["--num-blocks", "100"] and "kv_packed" in resident and "--slabs" in resident
     assert resident[resident.index("--slab-max-blocks") + 1] == "100", "an engine's slab may hold the whole arena"
 
 

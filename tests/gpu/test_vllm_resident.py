@@ -138,7 +138,7 @@ def test_a_killed_engine_s_blocks_come_back_and_the_other_serves_on(tmp_path_fac
     ttl = 3.0
     pool = start_pool(
         "--backend", "cuda", "--num-layers", "4", "--num-kv-heads", "8", "--head-dim", "64", "--block-size", "16",
-        "--dtype", "bfloat16", "--order", "kv_packed", "--num-blocks", str(NUM_BLOCKS), "--leases", "--lease-regions",
+        "--dtype", "bfloat16", "--order", "kv_packed", "--num-blocks", str(NUM_BLOCKS), "--slabs", "--slab-regions",
         "8", "--slab-max-blocks", str(NUM_BLOCKS), "--lease-ttl-s", str(ttl),
     )  # fmt: skip
     try:

@@ -29,7 +29,7 @@ def pool(**fields: object) -> ArenaDescriptor:
         ({"backend": "cpu", "device": None, "arenas": []}, "GPU-aaaa", 1, "--backend cpu"),
         ({}, "GPU-bbbb", 1, "no arena of the pool is on this engine's GPU"),
         ({"layout": LAYOUT.model_copy(update={"order": "layer_major"})}, "GPU-aaaa", 1, "--order kv_packed"),
-        ({"slab_slots": 0}, "GPU-aaaa", 1, "--leases"),
+        ({"slab_slots": 0}, "GPU-aaaa", 1, "--slabs"),
         ({}, "GPU-aaaa", 2, "2 KV cache groups"),
     ],
 )
