@@ -100,10 +100,12 @@ class SlabCalls:
         except (KvpoolError, OSError) as exc:
             log.warning("no slab for this session, alloc and free go through the pool: %s", exc)
             return
-        fast = self.transport.fast_path
-        self.slab, self.slab_sender = slab, SlabSender(slab)
-        self.slab_box = SlabBox(slab, os.stat(fast).st_mode & 0o777 if fast else 0o600)
+        self.slab = slab
         session.on_beat = slab.answer_want
+        if self.slab_config.handoffs:
+            fast = self.transport.fast_path
+            self.slab_sender = SlabSender(slab)
+            self.slab_box = SlabBox(slab, os.stat(fast).st_mode & 0o777 if fast else 0o600)
 
     def _close_slab(self) -> None:
         self.session.on_beat = None
@@ -152,10 +154,11 @@ class SlabCalls:
     def commit_many(
         self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False
     ) -> list[CommitResponse | None]:
+        commit_many = super().commit_many  # type: ignore[misc]
         if self.slab is None:
-            return super().commit_many(commits, release)  # type: ignore[misc,no-any-return]
-        # a slab's blocks leave it commit by commit
-        return self.direct.one_by_one(commits, lambda c: self.commit(c[0], c[1], start=c[2], release=release))
+            return commit_many(commits, release)  # type: ignore[no-any-return]
+        self._settle()  # all in one write; the slab's blocks of each commit the pool took leave the slab
+        return self.slab.leave_many([c[0] for c in commits], lambda: commit_many(commits, release))
 
     # -- handoffs ---------------------------------------------------------------------------------------
 
@@ -167,20 +170,26 @@ class SlabCalls:
         meta: dict[str, Any] | None = None,
         ttl_s: float | None = None,
         to: str | None = None,
+        keep: bool = False,
     ) -> HandoffResponse:
+        handoff = super().handoff  # type: ignore[misc]
+        if keep:  # the blocks stay this session's: nothing leaves the slab, nothing goes slab to slab
+            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True)  # type: ignore[no-any-return]
         if to is not None and to != self.name and self.slab_sender is not None:  # to itself: through the pool,
             # where the refs wait for its claim
             sent = self._send(request_id, block_ids, num_tokens, meta, to)
             if sent is not None:
                 return sent
-        handoff = super().handoff  # type: ignore[misc]
         return self._through_pool(block_ids, lambda: handoff(request_id, block_ids, num_tokens, meta, ttl_s, to))
 
     def handoff_many(
-        self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]], ttl_s: float | None = None
+        self,
+        handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]],
+        ttl_s: float | None = None,
+        keep: bool = False,
     ) -> list[HandoffResponse | None]:
-        if self.slab is None:
-            return super().handoff_many(handoffs, ttl_s)  # type: ignore[misc,no-any-return]
+        if self.slab is None or keep:  # kept blocks stay in the slab: all in one write
+            return super().handoff_many(handoffs, ttl_s, keep)  # type: ignore[misc,no-any-return]
         # a slab's blocks leave it handoff by handoff
         return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s))
 

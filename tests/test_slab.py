@@ -209,6 +209,50 @@ def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) 
     wait_idle(pool)
 
 
+def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool: PoolProcess) -> None:
+    """A step's commits go in one write; the slab's blocks of each commit the pool took leave the slab, those of a
+    commit it refused stay there (a free then puts them back into the slab, not through the pool)."""
+    with PoolClient(pool.url, name="slab-m", slab=SMALL) as c:
+        ids = c.alloc(5)
+        first, second = list(range(7000, 7008)), list(range(7100, 7108))
+        got = c.commit_many([(ids[:2], first, 0), (ids[2:3], second, 0), (ids[3:], [1], 0)])
+        assert got[0] is not None and got[0].committed == 2 and got[2] is not None
+        assert got[1] is None  # two blocks' tokens, one id: refused
+        assert stats(pool)["slabs"]["slab_allocated"] == 1  # the refused commit's block stays in the slab
+        assert c.free(ids) == 5
+        s = stats(pool)
+        assert s["cached"] >= 2 and s["slabs"]["slab_allocated"] == 0
+    wait_idle(pool)
+
+
+def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(pool: PoolProcess) -> None:
+    config = SlabConfig(blocks=8, low=2, high=32, handoffs=False)
+    with PoolClient(pool.url, name="slab-nh", slab=config) as c, PoolClient(pool.url, name="plain-p") as p:
+        assert c.slab is not None and c.slab_box is None and c.slab_sender is None
+        ids = c.alloc(2)
+        assert stats(pool)["slabs"]["slab_allocated"] == 2  # from the slab, no round trip
+        parked = [p.alloc(1) for _ in range(3)]
+        p.handoff_many([(f"nh-{i}", b, 4, {}) for i, b in enumerate(parked)])
+        got = c.claim_many([f"nh-{i}" for i in range(3)], timeout_s=2)  # pipelined in one write, not one by one
+        assert [g.block_ids for g in got if g is not None] == parked
+        c.free(ids + [i for g in got if g is not None for i in g.ids])
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-c") as q:
+        ids = p.alloc(2)
+        p.commit(ids, list(range(7200, 7208)))
+        (sent,) = p.handoff_many([("req-keep", ids, 8, {})], keep=True)
+        assert sent is not None and not sent.slab
+        got = q.claim("req-keep", timeout_s=5)
+        assert got.block_ids == ids
+        assert p.free(ids) == 2  # the producer's own refs, still its own
+        assert stats(pool)["in_use"] >= 2  # the consumer's keep the blocks
+        q.free(got.ids)
+    assert wait_idle(pool)["in_use"] == 0
+
+
 def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-p", slab=SMALL) as p, PoolClient(pool.url, name="slab-q", slab=SMALL) as q:
         ids = p.alloc(3)

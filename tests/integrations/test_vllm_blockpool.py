@@ -40,7 +40,9 @@ class FakeClientEngine:
         from kvpool.client import PoolClient
         from kvpool.slab import SlabConfig
 
-        self.client = PoolClient(url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48))
+        self.client = PoolClient(
+            url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48, handoffs=False)
+        )
         descriptor = self.client.descriptor()
         self.sched = ResidentScheduler(self.client, descriptor, BS, claim_timeout_s=2.0)
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)

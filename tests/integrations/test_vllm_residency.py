@@ -30,7 +30,9 @@ class Engine:
     """One engine's residency and its view of the arena, as the resident connector's scheduler side has them."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.client = PoolClient(url, name=name, layout=LAYOUT, slab=SlabConfig(blocks=8, low=2, high=48))
+        self.client = PoolClient(
+            url, name=name, layout=LAYOUT, slab=SlabConfig(blocks=8, low=2, high=48, handoffs=False)
+        )
         slab = self.client.slab
         assert slab is not None, "the pool serves slabs"
         self.res = Residency(self.client, BS, N, free_count=slab.idle_count, grow=slab.ensure_idle,

@@ -119,7 +119,7 @@ class KvpoolConnector(KVConnectorBase_V1):
 
         scheduler = role == KVConnectorRole.SCHEDULER
         s = self.settings
-        slab = SlabConfig(blocks=s.slab_blocks, low=max(1, s.slab_blocks // 4), high=1 << 20) if scheduler else False
+        slab = SlabConfig(s.slab_blocks, max(1, s.slab_blocks // 4), 1 << 20, handoffs=False) if scheduler else False
         try:
             client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0)
         except KvpoolError as exc:

@@ -55,7 +55,11 @@ class ResidentPool(Protocol):
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
 
-    def handoff_many(self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]]) -> list[Any]: ...
+    def handoff_many(
+        self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]], keep: bool = False
+    ) -> list[Any]: ...
+
+    def commit_many(self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> list[Any]: ...
 
 
 @dataclass
@@ -423,25 +427,21 @@ class Residency:
             self._writes.submit(Write("free", ids))
 
     def _write_many(self, writes: list[Write]) -> list[None]:
-        """What the engine tells the pool, in order, in as few calls as keep the order: releases that come one after
-        another go in one call; parks go last, their lookups (refs of the handoff's own) in one call."""
-        frees: list[int] = []
-        parks: list[Write] = []
-        for w in writes:
-            if w.kind == "free":
-                frees += w.ids
-                continue
-            if frees:
-                self._quietly("release", self.pool.free, frees)
-                frees = []
-            if w.kind == "commit":
-                self._quietly("commit", functools.partial(self.pool.commit, start=w.start), w.ids, w.tokens)
-            else:
-                parks.append(w)
-        if frees:
-            self._quietly("release", self.pool.free, frees)
+        """What the engine told the pool since the last call, in three calls at most: every commit (one write),
+        then every park (one write), then every release. The order within a kind stays; across kinds it can change
+        only so, because a commit or a park names blocks the engine held when it was queued, which a release queued
+        after it in the same batch cannot have taken: vLLM frees a request's blocks after the connector heard of
+        its end, and a release queued before a commit names blocks no running request uses."""
+        commits = [w for w in writes if w.kind == "commit"]
+        parks = [w for w in writes if w.kind == "park"]
+        frees = [i for w in writes if w.kind == "free" for i in w.ids]
+        if commits:
+            calls = [(w.ids, w.tokens, w.start) for w in commits]
+            self._quietly("commits", self.pool.commit_many, calls)
         if parks:
             self._park_many(parks)
+        if frees:
+            self._quietly("release", self.pool.free, frees)
         return [None] * len(writes)
 
     def _quietly(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -484,29 +484,30 @@ class Residency:
 
     def park(self, key: str, blocks: Sequence[int], tokens: list[int], meta: dict[str, Any]) -> None:
         """Hand a prefilled request's full blocks to its decode engine under ``key``, without copying them: commit
-        them, take refs of the handoff's own through a lookup (the engine keeps its refs while vLLM may still use
-        the blocks), and park those. All on the writes thread, after this request's commit."""
+        them, then park them with refs of the handoff's own (``keep``: the engine keeps its refs while vLLM may
+        still use the blocks). All on the writes thread, after this request's commit."""
         self.commit(blocks, tokens)
-        full = len(tokens) // self.block_size * self.block_size
+        full = min(len(tokens) // self.block_size, len(blocks))
         if full == 0:
             return
         self.counters.parked_requests += 1
-        self._writes.submit(Write("park", [], tokens[:full], key=key, meta=meta))
+        fenced = [self.held[b] for b in blocks[:full]]
+        self._writes.submit(Write("park", fenced, tokens[: full * self.block_size], key=key, meta=meta))
 
     def _park_many(self, parks: list[Write]) -> None:
-        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in parks])
-        if hits is None:
+        """Every park in one write. A park the pool refuses (one of its blocks was a duplicate of a block the
+        index held, so not committed, and a kept handoff shares committed blocks only) is parked instead with the
+        index's blocks for its tokens: a lookup takes refs for the handoff to move."""
+        handoffs = [(w.key, w.ids, len(w.tokens), w.meta) for w in parks]
+        answers = self._quietly("parks", functools.partial(self.pool.handoff_many, keep=True), handoffs)
+        refused = [w for w, a in zip(parks, answers or [None] * len(parks), strict=True) if a is None]
+        if not refused:
             return
-        handoffs, unused = [], []
-        for w, hit in zip(parks, hits, strict=True):
-            if hit.block_ids:
-                handoffs.append((w.key, list(hit.block_ids), hit.num_tokens, w.meta))
-            else:
-                log.warning("kvpool: nothing to park for %s: its blocks were not committed", w.key)
-        answers = self._quietly("parks", self.pool.handoff_many, handoffs) if handoffs else []
-        for (_, ids, _, _), answer in zip(handoffs, answers or [None] * len(handoffs), strict=True):
-            if answer is None:
-                unused += ids
+        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in refused]) or []
+        moved = [(w.key, list(h.block_ids), h.num_tokens, w.meta) for w, h in zip(refused, hits, strict=False)
+                 if h.block_ids]  # fmt: skip
+        answers = self._quietly("parks", self.pool.handoff_many, moved) if moved else []
+        unused = [i for m, a in zip(moved, answers or [None] * len(moved), strict=True) if a is None for i in m[1]]
         if unused:
             self._quietly("release", self.pool.free, unused)
 
