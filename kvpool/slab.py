@@ -47,6 +47,8 @@ class SlabConfig:
     high: int = 1024
     ring: bool = True
     handoffs: bool = True
+    #: the arena its blocks come from, as the pool names the device (a pool with ``--devices``); None: the first
+    device: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.low <= self.blocks <= self.high or self.blocks < 1:
@@ -358,7 +360,7 @@ class Slab:
         take = min(want, len(self.empty))
         if take <= 0:
             return
-        req = SlabRequest(session_id=self.session_id, take=take)
+        req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
         ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
         # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
         # another: a request's blocks then sit in one run of slots, which a handoff checks at once

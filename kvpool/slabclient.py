@@ -125,7 +125,7 @@ class SlabCalls:
 
     def alloc(self, num_blocks: int, device: int | None = None) -> list[int]:
         slab = self.slab
-        if slab is not None and device is None and self.session.lost is None:
+        if slab is not None and device in (None, slab.config.device) and self.session.lost is None:
             got = slab.alloc(num_blocks)
             if got is not None:
                 return got

@@ -278,3 +278,33 @@ def test_calls_that_come_while_one_is_under_way_go_together_in_the_next() -> Non
         assert batcher.submit(13).result(5) == -1, "a call that failed still answers every caller"
     finally:
         batcher.close()
+
+
+def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena() -> None:
+    """A pool of two arenas (one per GPU): an engine resident on the second takes its blocks from the second
+    arena's slab (arena 1's block 0 is that arena's null block) and finds prefixes in that arena's chains."""
+    proc = start_pool(*RESIDENT_POOL, "--devices", "0,1")
+    try:
+        made = []
+        for name in ("a", "b"):
+            client = PoolClient(proc.url, name=name, layout=LAYOUT, slab=SlabConfig(8, 2, 48, handoffs=False, device=1))
+            slab = client.slab
+            assert slab is not None
+            res = Residency(client, BS, N, first_block=N, free_count=slab.idle_count, grow=slab.ensure_idle,
+                            device=1)  # fmt: skip
+            made.append((client, res))
+        (_, a), (_, b) = made
+        prompt = list(range(300, 300 + 3 * BS + 1))
+        blocks = a.take(3)
+        assert all(0 < x < N for x in blocks) and all(f & 0xFFFFFFFF >= N for f in a.held.values())
+        a.commit(blocks, prompt[: 3 * BS])
+        a.leave(blocks)
+        a.drain()
+        b.prefetch("r", prompt)
+        hit = b.answer("r")
+        assert hit is not None and b.install("r", hit, 3) == blocks
+        for client, res in made:
+            res.close()
+            client.close()
+    finally:
+        proc.stop()

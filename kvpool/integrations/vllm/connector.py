@@ -119,9 +119,8 @@ class KvpoolConnector(KVConnectorBase_V1):
 
         scheduler = role == KVConnectorRole.SCHEDULER
         s = self.settings
-        slab = SlabConfig(s.slab_blocks, max(1, s.slab_blocks // 4), 1 << 20, handoffs=False) if scheduler else False
         try:
-            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0)
+            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=False, reply_spin_s=0.0)
         except KvpoolError as exc:
             raise PoolUnavailable(
                 f"kvpool: resident mode keeps this engine's KV in the pool's arena, and the pool cannot be reached "
@@ -139,9 +138,13 @@ class KvpoolConnector(KVConnectorBase_V1):
             part = resident.arena_on(descriptor, uuid)
             assert part is not None
             resident.check_geometry(part, self.layout, kv_cache_config.num_blocks)
-            if scheduler:
+            if scheduler:  # its session draws its blocks from a slab on its GPU's arena
+                device = part.device.index if part.device is not None and len(descriptor.arenas) > 1 else None
+                slab = SlabConfig(s.slab_blocks, max(1, s.slab_blocks // 4), 1 << 20, handoffs=False, device=device)
+                client.close()
+                client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0)
                 self._resident_sched = ResidentScheduler(client, part, self.layout.block_size, s.claim_timeout_s,
-                                                         load=s.load, save=s.save)  # fmt: skip
+                                                         load=s.load, save=s.save, device=device)  # fmt: skip
                 arrivals.install()
             else:
                 self._resident_worker = ResidentWorker(client, part, self.layout)

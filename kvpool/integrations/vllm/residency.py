@@ -43,7 +43,7 @@ log = logging.getLogger("vllm.kvpool")
 class ResidentPool(Protocol):
     """What residency needs of a pool session: :class:`kvpool.client.PoolClient` with a slab."""
 
-    def alloc(self, num_blocks: int) -> list[int]: ...
+    def alloc(self, num_blocks: int, device: int | None = None) -> list[int]: ...
 
     def free(self, block_ids: Sequence[int]) -> int: ...
 
@@ -51,7 +51,7 @@ class ResidentPool(Protocol):
 
     def lookup(self, token_ids: Sequence[int]) -> Any: ...
 
-    def lookup_many(self, prompts: Sequence[Sequence[int]]) -> list[Any]: ...
+    def lookup_many(self, prompts: Sequence[Sequence[int]], device: int | None = None) -> list[Any]: ...
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
 
@@ -197,6 +197,7 @@ class Residency:
         claim_timeout_s: float = 1.0,
         answer_timeout_s: float = 30.0,
         alive: Callable[[], Exception | None] = lambda: None,
+        device: int | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -207,6 +208,7 @@ class Residency:
         self.claim_timeout_s = claim_timeout_s
         self.answer_timeout_s = answer_timeout_s
         self._alive = alive
+        self.device = device  # the arena the engine's blocks and prefix chains are in, as the pool names its device
         self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
         self.committed: set[int] = set()  # held blocks the pool's prefix index holds (so they go back to the pool)
         self.pins: Counter[int] = Counter()  # held blocks waiting requests installed, by how many requests
@@ -274,7 +276,7 @@ class Residency:
         """``n`` blocks for new tokens, as the engine numbers them; the slab's first, the pool's if it is dry."""
         self.check()
         try:
-            ids = self.pool.alloc(n)
+            ids = self.pool.alloc(n) if self.device is None else self.pool.alloc(n, self.device)
         except PoolUnavailable as exc:
             self._lose(exc)
             self.check()
@@ -317,7 +319,7 @@ class Residency:
         return NO_HIT
 
     def _lookup_many(self, prompts: list[list[int]]) -> list[Hit]:
-        return [Hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts)]
+        return [Hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts, self.device)]
 
     def _claim_many(self, keys: list[str]) -> list[Hit]:
         out = []
@@ -503,7 +505,7 @@ class Residency:
         refused = [w for w, a in zip(parks, answers or [None] * len(parks), strict=True) if a is None]
         if not refused:
             return
-        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in refused]) or []
+        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in refused], self.device) or []
         moved = [(w.key, list(h.block_ids), h.num_tokens, w.meta) for w, h in zip(refused, hits, strict=False)
                  if h.block_ids]  # fmt: skip
         answers = self._quietly("parks", self.pool.handoff_many, moved) if moved else []

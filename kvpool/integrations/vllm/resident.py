@@ -103,7 +103,7 @@ class ResidentScheduler:
     """The scheduler side in resident mode: a :class:`Residency` under vLLM's block pool, fed at arrival."""
 
     def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
-                 load: bool = True, save: bool = True) -> None:  # fmt: skip
+                 load: bool = True, save: bool = True, device: int | None = None) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool
 
         slab = client.slab
@@ -114,7 +114,7 @@ class ResidentScheduler:
         self.load, self.save = load, save
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
-            free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s,
+            free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s, device=device,
             alive=lambda: client.session.lost or client.session.unreachable,
         )  # fmt: skip
         self.claims: dict[str, str] = {}  # request -> the handoff it claims, whose digest it must match
