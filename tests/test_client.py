@@ -465,6 +465,7 @@ def bounded(call: Callable[[], object], limit_s: float) -> tuple[float, BaseExce
     return out.get("took", limit_s), out.get("error")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "http"])
 def test_every_call_ends_within_its_time_out_when_the_pool_stops_answering(fast):
     """A pool stopped with SIGSTOP answers nothing: each call raises PoolTimeout within ``timeout_s`` (plus a

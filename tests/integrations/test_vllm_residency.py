@@ -217,6 +217,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_a_killed_engine_s_blocks_come_back_within_its_lease(pool: PoolProcess) -> None:
     before = books(pool.url)["in_use"]
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, pool.url], stdout=subprocess.PIPE, text=True,

@@ -130,6 +130,7 @@ def test_short_soak_with_slabs_balances_and_loses_nothing() -> None:
     assert set(s["errors"]) <= {"alloc PoolExhausted", "claim HandoffNotFound"}, s["errors"]
 
 
+@pytest.mark.slow
 def test_short_soak_with_slabs_and_a_host_tier_serves_no_client_anothers_kv() -> None:
     """A slab's refill evicts prefix blocks into the host tier like any alloc: the owner's writes must never come
     back as a prefix hit (every seed failed with thousands of hits holding another client's stamp)."""
