@@ -6,7 +6,9 @@ per block it touches. A block is in exactly one of three states, and the books a
 * free: ref 0, holds nothing anyone can look up; on the free stack.
 * in use: ref > 0; each ref belongs to a *holder* (a session, or a parked handoff).
 * cached: ref 0 but committed (its KV is findable by hash); on the LRU, evicted oldest-first when the free
-  stack runs dry. Eviction never takes a block with a ref.
+  stack runs dry. Eviction never takes a block with a ref. A cached block marked *spare* (another arena holds a copy
+  of its KV) is evicted before any that is not, oldest first among spares: a prefix one GPU copied from another is
+  lost to the node only when its last copy goes.
 
 A holder can hold several refs on one block (two lookups of one prefix take two refs), so each holder keeps a
 count per block. Every mutating call validates its whole input first and raises before touching any state.
@@ -57,6 +59,8 @@ class BlockAllocator:
             list(range(a + n - 1, a - 1, -1)) for a, n in zip(self.starts, sizes, strict=True)
         ]
         self._lru: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]
+        self._spares: list[OrderedDict[int, None]] = [OrderedDict() for _ in sizes]  # cached blocks copied elsewhere
+        self.spare: list[bool] = [False] * self.num_blocks
         self._holders: dict[str, dict[int, int]] = {}
         self._on_evict = on_evict
         self._after_evict = after_evict
@@ -71,18 +75,18 @@ class BlockAllocator:
     @property
     def num_cached(self) -> int:
         """Committed blocks at ref 0: reusable by lookup, evictable by alloc."""
-        return sum(len(lru) for lru in self._lru)
+        return sum(len(lru) for lru in self._lru) + sum(len(spares) for spares in self._spares)
 
     @property
     def num_in_use(self) -> int:
         return self.num_blocks - self.num_free - self.num_cached
 
     def available(self, arena: int = 0) -> int:
-        return len(self._free[arena]) + len(self._lru[arena])
+        return len(self._free[arena]) + len(self._lru[arena]) + len(self._spares[arena])
 
     def counts(self, arena: int) -> tuple[int, int, int]:
         """(free, in_use, cached) of one arena."""
-        free, cached = len(self._free[arena]), len(self._lru[arena])
+        free, cached = len(self._free[arena]), len(self._lru[arena]) + len(self._spares[arena])
         return free, self.sizes[arena] - free - cached, cached
 
     def refs_of(self, holder: str) -> Mapping[int, int]:
@@ -111,14 +115,15 @@ class BlockAllocator:
                 f"asked for {n} blocks{where} but only {available} of {self.sizes[arena]} are free or "
                 "evictable (the rest are in use): free blocks, wait, or start the pool larger"
             )
-        free, lru = self._free[arena], self._lru[arena]
+        free, lru, spares = self._free[arena], self._lru[arena], self._spares[arena]
         take = min(n, len(free))
         ids = free[len(free) - take :]
         del free[len(free) - take :]
         ids.reverse()
         for _ in range(n - take):
-            block, _ = lru.popitem(last=False)
+            block, _ = (spares or lru).popitem(last=False)
             self.committed[block] = False
+            self.spare[block] = False
             self._recycled(block)
             self.num_evictions += 1
             if self._on_evict is not None:
@@ -160,7 +165,7 @@ class BlockAllocator:
         held = self._holders.setdefault(holder, {})
         for block in ids:
             if self.ref_cnt[block] == 0:
-                del self._lru[self.arena_of[block]][block]
+                del self._cached_list(block)[block]
             self.ref_cnt[block] += 1
             held[block] = held.get(block, 0) + 1
 
@@ -189,7 +194,7 @@ class BlockAllocator:
             ref[block] = left
             if not left:
                 if committed[block]:
-                    self._lru[self.arena_of[block]][block] = None
+                    self._cached_list(block)[block] = None
                     cached += 1
                 else:
                     fenced = fence_of[block] + GEN_STEP  # _recycled(block), inline on this hot path
@@ -204,6 +209,21 @@ class BlockAllocator:
         if not held:
             del self._holders[holder]
         return cached + len(freed)
+
+    def _cached_list(self, block: int) -> OrderedDict[int, None]:
+        return (self._spares if self.spare[block] else self._lru)[self.arena_of[block]]
+
+    def set_spare(self, blocks: Iterable[int], spare: bool) -> None:
+        """Mark blocks whose KV another arena holds a copy of (``spare``: evicted first) or no longer holds."""
+        for block in blocks:
+            if self.spare[block] == spare:
+                continue
+            cached = self.ref_cnt[block] == 0 and self.committed[block]
+            if cached:  # it keeps its place in recency among the others of its kind: the youngest
+                del self._cached_list(block)[block]
+            self.spare[block] = spare
+            if cached:
+                self._cached_list(block)[block] = None
 
     def transfer(self, src: str, dst: str, ids: Sequence[int]) -> None:
         """Move one of ``src``'s refs on each block to ``dst``; ref counts stay as they are."""
@@ -333,10 +353,13 @@ class BlockAllocator:
     def check(self) -> None:
         """Assert every invariant; the tests call this after each step."""
         free = {b for stack in self._free for b in stack}
-        lru = {b for part in self._lru for b in part}
+        lru = {b for part in [*self._lru, *self._spares] for b in part}
         assert len(free) == self.num_free, "a block is on a free stack twice"
-        for p, (stack, part) in enumerate(zip(self._free, self._lru, strict=True)):
-            assert all(self.arena_of[b] == p for b in [*stack, *part]), "a block sits in another arena's lists"
+        assert len(lru) == self.num_cached, "a block is on two LRUs"
+        for p, (stack, part, spares) in enumerate(zip(self._free, self._lru, self._spares, strict=True)):
+            assert all(self.arena_of[b] == p for b in [*stack, *part, *spares]), "a block sits in another arena's lists"
+            assert all(self.spare[b] for b in spares), "a block on the spares' LRU is not spare"
+            assert not any(self.spare[b] for b in part), "a spare block on the LRU of the node's only copies"
         assert not free & lru, "a block is both free and cached"
         holder_refs = Counter[int]()
         for held in self._holders.values():

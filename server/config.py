@@ -66,6 +66,11 @@ class PoolSettings(BaseSettings):
         None, ge=1, description="host tier size in blocks: evicted prefix blocks are kept in host memory (off: none)"
     )
     host_bytes: ByteSize | None = Field(None, ge=1, description="host tier size in bytes (64GiB, ...)")
+    peer_copy: bool = Field(
+        True,
+        description="with several arenas (--devices): a lookup that another GPU's arena serves further gets those "
+        "blocks copied into its own arena (one peer copy) and indexed there",
+    )
 
     # the default layout is the one the workers' default --random-model needs
     num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
@@ -278,7 +283,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "order", "model",
     ),
     "network and security": ("host", "port", "socket", "socket_mode", "fast_channel", "token"),
-    "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes"),
+    "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes", "peer_copy"),
     "sessions and limits": (
         "lease_ttl_s", "handoff_ttl_s", "max_body_bytes", "max_sessions", "max_handoffs", "max_handoffs_per_session",
         "max_meta_bytes", "max_claims_per_session", "max_fast_connections", "hello_timeout_s",

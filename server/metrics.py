@@ -36,6 +36,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "blocks_reclaimed": ("kvpool_blocks_reclaimed", "blocks released from expired sessions and handoffs"),
     "stale_refused": ("kvpool_stale_refused", "calls refused (409) for naming stale block ids"),
     "stale_ids": ("kvpool_stale_ids", "stale block ids named in refused calls"),
+    "peer_copies": ("kvpool_peer_copies", "lookups served in part by copying prefix blocks from another GPU's arena"),
+    "peer_copied_blocks": ("kvpool_peer_copied_blocks", "prefix blocks copied from one GPU's arena to another's"),
 }
 
 #: the KV-event feed's counters (present when --kv-events-endpoint is set)

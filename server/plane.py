@@ -49,7 +49,8 @@ from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS, token_bytes
 from kvpool.server.records import Limits, Session
 from kvpool.server.slabs import SlabBooks, open_slab_table
-from kvpool.server.tiermemory import HostTierMemory, open_host_tier
+from kvpool.server.tiercopy import ArenaCopier
+from kvpool.server.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,10 @@ class ControlPlane:
             raise
         if self.host_tier is not None:
             self._descriptor = self.host_tier.describe(self._descriptor)
+        peer_copy = None
+        if s.peer_copy and len(devices) > 1:
+            views = [blocks_view_of(self._descriptor.part(p.index), a) for p, a in zip(parts, arenas, strict=True)]
+            peer_copy = ArenaCopier(views).copy
         self._pool = Pool(
             sizes,
             layout,
@@ -115,6 +120,7 @@ class ControlPlane:
             limits=Limits(**{name: getattr(s, name) for name in Limits.__dataclass_fields__}),
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
+            peer_copy=peer_copy,
         )
         self.slabs = open_slab_table(s, self._pool)
         if self.slabs is not None:

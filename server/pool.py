@@ -29,6 +29,7 @@ from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.hosttier import HostTier
 from kvpool.server.parking import Parking
+from kvpool.server.peers import PeerCopies, PeerCopy
 from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
 from kvpool.server.records import (
@@ -72,11 +73,14 @@ class Pool(Parking, PoolStats):
     limits: Limits = field(default_factory=Limits)
     index_listener: IndexListener | None = None  # told what the index finds (KV events)
     host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
+    #: copies blocks between the arenas (several GPUs): lookups on one arena are served from the others too
+    peer_copy: PeerCopy | None = None
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.index_listener)
         tier = self.host_tier
-        self.allocator = BlockAllocator(self.num_blocks, on_evict=tier.evicted if tier else self.index.remove_block,
+        self._forget = tier.evicted if tier else self.index.remove_block
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evicted,
                                         after_evict=tier.flush if tier else None)  # fmt: skip
         if tier is not None:
             tier.bind(self.index, self.allocator)
@@ -84,6 +88,8 @@ class Pool(Parking, PoolStats):
             for block in range(start, start + self.layout.reserved_blocks):
                 self.allocator.reserve(RESERVED, block)
         self.arena_sizes = self.allocator.sizes
+        multi = len(self.arena_sizes) > 1
+        self.peers = PeerCopies(self, self.peer_copy) if self.peer_copy is not None and multi else None
         self.total_blocks = self.allocator.num_blocks
         hasher_args = {} if self.digest is None else {"digest": self.digest}
         namespace = self.layout.namespace(self.model)
@@ -315,8 +321,13 @@ class Pool(Parking, PoolStats):
             self.counters.free_blocks += len(held)
         return result
 
+    def _evicted(self, block: int) -> None:
+        self._forget(block)
+        if self.peers is not None:
+            self.peers.evicted(block)
+
     def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int,
-               num_full: int) -> CommitResult:  # fmt: skip
+               num_full: int, count: bool = True) -> CommitResult:  # fmt: skip
         if not blocks:
             return CommitResult(committed=0, duplicates=0, num_blocks=num_full)
         arena = 0
@@ -332,6 +343,8 @@ class Pool(Parking, PoolStats):
         new = self.index.plan(chain, blocks, parent)
         self.allocator.mark_committed([node.block for node in new])
         self.index.apply(new)
+        if not count:
+            return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
         c = self.counters
         c.commit_requests += 1
         c.committed_blocks += len(new)
@@ -352,6 +365,8 @@ class Pool(Parking, PoolStats):
         else:
             ids = self.index.match(blocks)
             self.allocator.acquire(holder, ids)
+        if self.peers is not None and len(ids) < len(token_ids) // self.layout.block_size:
+            ids = ids + self.peers.extend(holder, token_ids, salt, arena, ids)
         c = self.counters
         c.lookup_requests += 1
         c.lookup_blocks += len(token_ids) // self.layout.block_size

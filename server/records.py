@@ -113,6 +113,8 @@ class Counters:
     blocks_reclaimed: int = 0
     stale_refused: int = 0  # calls refused for naming a stale (fenced) block id
     stale_ids: int = 0
+    peer_copies: int = 0  # lookups served in part by copying blocks from another arena (another GPU)
+    peer_copied_blocks: int = 0
 
 
 @dataclass(slots=True)

@@ -145,3 +145,26 @@ class TierCopier:
             t.restored_blocks += len(pairs)
             t.restored_bytes += nbytes
             t.restore_s += took
+
+
+class ArenaCopier:
+    """Copies blocks from one arena into another (one per GPU of the pool), for a lookup that another GPU's arena
+    serves further (:mod:`kvpool.server.peers`): one gather on the source device, one copy of the gathered blocks to
+    the destination device (a peer copy between GPUs), one scatter there; the call returns once the copy is done.
+
+    ``arenas`` holds, per arena, its blocks view and the dim that indexes blocks (:meth:`Arena.blocks_view`)."""
+
+    def __init__(self, arenas: Sequence[tuple[torch.Tensor, int]]) -> None:
+        self.arenas = list(arenas)
+
+    def copy(self, src_arena: int, src_ids: Sequence[int], dst_arena: int, dst_ids: Sequence[int]) -> None:
+        import torch
+
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
+        src, dim = self.arenas[src_arena]
+        dst, _ = self.arenas[dst_arena]
+        gathered = src.index_select(dim, torch.tensor(list(src_ids), device=src.device))
+        dst.index_copy_(dim, torch.tensor(list(dst_ids), device=dst.device), gathered.to(dst.device))
+        if dst.is_cuda:
+            torch.cuda.synchronize(dst.device)

@@ -69,7 +69,7 @@ class HostTierMemory:
                 self.registered = raw.data_ptr()
             typed = raw.view(torch_dtype(layout.dtype))
             self.host = typed.view(num_blocks, 2 * layout.num_layers, layout.block_layer_elems)
-            views = [_blocks_view(descriptor.part(part.index), arena) for part, arena in
+            views = [blocks_view_of(descriptor.part(part.index), arena) for part, arena in
                      zip(descriptor.arenas, arenas, strict=True)]  # fmt: skip
         except BaseException:
             self.close()
@@ -97,7 +97,8 @@ class HostTierMemory:
         self.file.close()
 
 
-def _blocks_view(part: ArenaDescriptor, arena: OwnedArena) -> tuple[torch.Tensor, int]:
+def blocks_view_of(part: ArenaDescriptor, arena: OwnedArena) -> tuple[torch.Tensor, int]:
+    """The pool's own view of an arena it owns, as :meth:`Arena.blocks_view` cuts it, for the copies it makes."""
     import torch
 
     if isinstance(arena, CudaOwnedArena | VmmOwnedArena):
@@ -108,5 +109,5 @@ def _blocks_view(part: ArenaDescriptor, arena: OwnedArena) -> tuple[torch.Tensor
     elif arena.backend == "cpu":
         raw = torch.from_file(arena.handle, shared=True, size=arena.nbytes, dtype=torch.uint8)
     else:
-        raise TypeError(f"the host tier cannot copy blocks of a {type(arena).__name__}")
+        raise TypeError(f"the pool cannot copy blocks of a {type(arena).__name__}")
     return Arena(part, raw).blocks_view()

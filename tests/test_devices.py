@@ -39,7 +39,9 @@ def test_indices_in_are_fenced_pool_ids_out_and_back(two_arenas: PoolProcess) ->
         assert dev.free(local) == 3
         hit = dev.lookup(tokens)
         assert hit.block_ids == local and hit.num_tokens == 12
-        assert pool.lookup(tokens).block_ids == []  # device 0 holds no such prefix
+        copied = pool.lookup(tokens)  # device 0 held no such prefix: it gets a copy of device 1's
+        assert copied.num_tokens == 12 and all(b < N for b in copied.block_ids)
+        pool.free(copied.block_ids)
         dev.free(hit.block_ids)
 
 

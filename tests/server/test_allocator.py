@@ -243,3 +243,18 @@ def test_generations_fence_exactly_the_ids_whose_blocks_were_recycled(seq, sizes
                 a.unfence([stale])
         assert retired <= issued, "a generation moved for a block nobody was handed"
         a.check()
+
+
+def test_spare_blocks_are_evicted_first_oldest_first_and_the_others_after():
+    a = BlockAllocator(6)
+    ids = a.allocate("s", 6)
+    a.mark_committed(ids)
+    a.set_spare([ids[4], ids[1]], True)  # marked while in use: they go to the spares' LRU when freed
+    a.free("s", ids)  # freed in reverse: the LRU's oldest is ids[5]
+    a.check()
+    assert books(a) == (0, 0, 6)
+    assert a.allocate("t", 3) == [ids[4], ids[1], ids[5]]  # the spares first (oldest first), then the LRU's oldest
+    a.set_spare([ids[3]], True)  # a cached block that becomes spare moves to the spares' LRU
+    assert a.allocate("t", 1) == [ids[3]]
+    assert not any(a.spare[b] for b in a.held("t"))  # an evicted block is no one's copy any more
+    a.check()

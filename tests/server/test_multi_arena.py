@@ -28,15 +28,18 @@ def test_each_device_has_its_own_id_range_books_and_prefix_chains(two_arenas, fa
         on0, on1 = pool.alloc(2), pool.alloc(2, device=1)
         assert on0 == [0, 1] and on1 == [16, 17]
         pool.commit(on1, list(range(8)))
-        assert pool.lookup(list(range(8))).block_ids == []  # device 0 has no such prefix
         assert pool.lookup(list(range(8)), device=1).block_ids == on1
         with pytest.raises(InvalidRequest, match="no arena on device 7"):
             pool.alloc(1, device=7)
         with pytest.raises(InvalidRequest, match="span several devices"):
             pool.commit([on0[0], on1[0]], list(range(8)))
+        copied = pool.lookup(list(range(8))).block_ids  # device 0 had no such prefix: it gets a copy of device 1's
+        assert len(copied) == 2 and all(b < 16 for b in copied) and pool.stats()["counters"]["peer_copies"] == 1
+        assert pool.lookup(list(range(8))).block_ids == copied  # and holds it from then on
+        pool.free(copied + copied + on1 + on1)
         stats = pool.stats()
         assert stats["num_blocks"] == 32
-        assert stats["arenas"] == [{"free": 14, "in_use": 2, "cached": 0}, {"free": 14, "in_use": 2, "cached": 0}]
+        assert stats["arenas"] == [{"free": 12, "in_use": 2, "cached": 2}, {"free": 14, "in_use": 0, "cached": 2}]
 
 
 def test_move_copies_every_layer_of_the_blocks_to_the_other_arena(two_arenas):

@@ -1,0 +1,105 @@
+"""Prefixes across the GPUs of one node: a lookup on one arena that another arena can serve further gets those
+blocks copied over, in one batched copy, and indexed in its own arena.
+
+A pool with an arena per GPU (``--devices 0,1``) keeps a prefix chain per arena: the KV of a block is where an
+engine on that GPU can read it. Without this, a system prompt computed on GPU 0 is computed again on GPU 3. Here,
+when a lookup in arena ``j`` stops short and another arena holds the prompt further, the pool allocates the missing
+blocks in ``j`` for the caller (refs taken, as for any hit), copies the KV from the other arena (the pool maps every
+arena it owns; on GPUs one peer copy over NVLink), indexes the copies in ``j``'s chain after the local prefix, and
+records which blocks are copies of which. The node then holds at most one copy of a prefix per GPU that used it,
+and each arena evicts its copies on its own; a block whose KV another arena also holds is *spare* and is evicted
+before blocks that are the node's only copy (:meth:`kvpool.server.allocator.BlockAllocator.set_spare`), so a prefix
+is lost only when its last copy goes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.errors import PoolExhausted
+
+if TYPE_CHECKING:
+    from kvpool.server.pool import Pool
+
+log = logging.getLogger(__name__)
+
+#: the holder of a copy's source blocks while the copy runs
+COPYING = "c:copying"
+
+#: copy blocks of one arena into blocks of another: (source arena, its local ids, destination arena, its local ids)
+PeerCopy = Callable[[int, list[int], int, list[int]], None]
+
+
+class PeerCopies:
+    def __init__(self, pool: Pool, copy: PeerCopy) -> None:
+        self.pool = pool
+        self.copy = copy
+        #: block -> the blocks, in any arena, that hold the same KV (one set shared by all of them)
+        self.copies: dict[int, set[int]] = {}
+
+    def extend(
+        self, holder: str, token_ids: Sequence[int], salt: str | None, arena: int, local: list[int]
+    ) -> list[int]:
+        """Blocks past ``local`` (the prompt's prefix ``arena`` holds) copied from the arena that holds the prompt
+        furthest, indexed in ``arena``, with a ref each for ``holder``; none if no arena holds more or ``arena`` has
+        no room."""
+        pool, bs = self.pool, self.pool.layout.block_size
+        k, full = len(local), len(token_ids) // bs
+        best: list[int] = []
+        source = -1
+        for other, hasher in enumerate(pool.hashers):
+            if other == arena:
+                continue
+            found = pool.index.match(hasher.blocks(token_ids[: full * bs], salt))
+            if len(found) > len(best):
+                best, source = found, other
+        if len(best) <= k:
+            return []
+        src = best[k:]
+        allocator = pool.allocator
+        try:
+            dst = allocator.allocate(holder, len(src), arena)
+        except PoolExhausted:
+            return []
+        allocator.acquire(COPYING, src)  # cached sources stay put while they are read
+        try:
+            self.copy(source, self._local(src), arena, self._local(dst))
+        except Exception:
+            log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
+            allocator.drop(holder, dst)
+            return []
+        finally:
+            allocator.drop(COPYING, src)
+        pool._index(dst, token_ids[: (k + len(dst)) * bs], salt, k, k + len(dst), count=False)
+        for s, d in zip(src, dst, strict=True):
+            self._link(s, d)
+        c = pool.counters
+        c.peer_copies += 1
+        c.peer_copied_blocks += len(dst)
+        return dst
+
+    def _local(self, blocks: list[int]) -> list[int]:
+        starts, arena_of = self.pool.allocator.starts, self.pool.allocator.arena_of
+        return [b - starts[arena_of[b]] for b in blocks]
+
+    def _link(self, a: int, b: int) -> None:
+        group = self.copies.get(a)
+        if group is None:
+            group = self.copies[a] = {a}
+        group.add(b)
+        self.copies[b] = group
+        self.pool.allocator.set_spare(group, True)
+
+    def evicted(self, block: int) -> None:
+        """``block`` no longer holds the KV it shared with others: the last other copy, if one is left alone, is no
+        longer spare."""
+        group = self.copies.pop(block, None)
+        if group is None:
+            return
+        group.discard(block)
+        if len(group) == 1:
+            (last,) = group
+            del self.copies[last]
+            self.pool.allocator.set_spare(group, False)

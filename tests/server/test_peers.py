@@ -1,0 +1,153 @@
+"""Prefixes across the arenas of one pool (one per GPU): a lookup on one arena served from another by one batched
+copy, indexed there, each copy evicted on its own, a prefix's last copy evicted last."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpool.client import PoolClient
+from kvpool.layout import KVLayout
+from kvpool.server.pool import Pool
+from tests.conftest import SMALL_POOL, start_pool
+
+BS = 4
+
+
+class Arenas:
+    """Two arenas' KV as one value a block, and the copies the pool asked for."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.kv: list[list[object]] = [[None] * n for n in sizes]
+        self.calls: list[tuple[int, list[int], int, list[int]]] = []
+        self.fail = False
+
+    def copy(self, src: int, src_ids: list[int], dst: int, dst_ids: list[int]) -> None:
+        if self.fail:
+            raise RuntimeError("the copy failed")
+        self.calls.append((src, list(src_ids), dst, list(dst_ids)))
+        for s, d in zip(src_ids, dst_ids, strict=True):
+            self.kv[dst][d] = self.kv[src][s]
+
+
+def make(sizes: tuple[int, int] = (8, 8)) -> tuple[Pool, Arenas]:
+    arenas = Arenas(list(sizes))
+    return Pool(list(sizes), KVLayout(block_size=BS), peer_copy=arenas.copy), arenas
+
+
+def store(pool: Pool, arenas: Arenas, tokens: list[int], arena: int) -> list[int]:
+    """A prompt's full blocks computed on ``arena`` (each holds what its prefix computes to), committed, freed."""
+    sid = pool.open_session("w", "prefill").session_id
+    blocks = pool.unfence(pool.alloc(sid, len(tokens) // BS, arena=arena))
+    start = pool.allocator.starts[arena]
+    for i, b in enumerate(blocks):
+        arenas.kv[arena][b - start] = tuple(tokens[: (i + 1) * BS])
+    pool.commit(sid, pool.allocator.fenced(blocks), tokens)
+    pool.close_session(sid)
+    return blocks
+
+
+def held_kv(pool: Pool, arenas: Arenas, fenced: list[int]) -> list[object]:
+    blocks = pool.unfence(fenced)
+    return [
+        arenas.kv[pool.allocator.arena_of[b]][b - pool.allocator.starts[pool.allocator.arena_of[b]]] for b in blocks
+    ]
+
+
+def test_a_prefix_on_one_gpu_is_copied_to_another_once_and_found_there_after() -> None:
+    pool, arenas = make()
+    tokens = list(range(12))
+    src = store(pool, arenas, tokens, arena=0)
+    sid = pool.open_session("r", "decode").session_id
+    hit = pool.lookup(sid, tokens, arena=1)
+    copies = pool.unfence(hit.block_ids)
+    assert hit.num_tokens == 12 and all(pool.allocator.arena_of[b] == 1 for b in copies)
+    assert held_kv(pool, arenas, hit.block_ids) == [tuple(tokens[:4]), tuple(tokens[:8]), tuple(tokens)]
+    assert arenas.calls == [(0, [b for b in src], 1, [b - 8 for b in copies])]  # one batched copy
+    again = pool.lookup(sid, tokens, arena=1)
+    assert again.block_ids == hit.block_ids and len(arenas.calls) == 1  # indexed there: a plain hit now
+    assert all(pool.allocator.spare[b] for b in [*src, *copies])
+    c = pool.counters
+    assert (c.peer_copies, c.peer_copied_blocks, c.hit_blocks) == (1, 3, 6)
+    pool.close_session(sid)
+    pool.allocator.check()
+
+
+def test_only_the_blocks_past_the_local_prefix_are_copied() -> None:
+    pool, arenas = make()
+    tokens = list(range(100, 116))
+    store(pool, arenas, tokens, arena=0)
+    local = store(pool, arenas, tokens[:4], arena=1)
+    sid = pool.open_session("r", "decode").session_id
+    hit = pool.lookup(sid, tokens, arena=1)
+    assert pool.unfence(hit.block_ids)[0] == local[0] and hit.num_tokens == 16
+    assert [len(call[1]) for call in arenas.calls] == [3]
+    assert held_kv(pool, arenas, hit.block_ids) == [tuple(tokens[: (i + 1) * BS]) for i in range(4)]
+    pool.allocator.check()
+
+
+def test_an_arena_evicts_its_copies_before_the_node_s_only_copies() -> None:
+    pool, arenas = make()
+    shared, own = list(range(200, 212)), list(range(300, 312))
+    src = store(pool, arenas, shared, arena=0)
+    sole = store(pool, arenas, own, arena=1)
+    sid = pool.open_session("r", "decode").session_id
+    copies = pool.unfence(pool.lookup(sid, shared, arena=1).block_ids)
+    pool.free(sid, pool.allocator.fenced(copies))
+    taken = pool.unfence(pool.alloc(sid, 5, arena=1))  # 2 free blocks of 8, then 3 evicted: the copies
+    assert set(copies) <= set(taken) and not set(sole) & set(taken)
+    assert not any(pool.allocator.spare[b] for b in src), "arena 0's blocks are the node's only copies again"
+    assert pool.lookup(sid, own, arena=1).num_tokens == 12
+    pool.allocator.check()
+
+
+def test_no_room_or_a_failed_copy_gives_the_local_prefix_and_changes_nothing_else() -> None:
+    pool, arenas = make((8, 4))
+    tokens = list(range(400, 416))
+    store(pool, arenas, tokens, arena=0)
+    sid = pool.open_session("r", "decode").session_id
+    hold = pool.alloc(sid, 4, arena=1)  # arena 1 is full of blocks in use
+    assert pool.lookup(sid, tokens, arena=1).num_tokens == 0 and not arenas.calls
+    pool.free(sid, hold)
+    arenas.fail = True
+    assert pool.lookup(sid, tokens, arena=1).num_tokens == 0
+    s = pool.stats()
+    assert s["counters"]["peer_copies"] == 0 and s["free"] + s["in_use"] + s["cached"] == s["num_blocks"]
+    assert s["in_use"] == 0  # the copy's blocks went back, and its sources' pins
+    pool.allocator.check()
+
+
+def test_without_a_copier_a_lookup_stays_in_its_arena() -> None:
+    pool = Pool([8, 8], KVLayout(block_size=BS))
+    sid = pool.open_session("w", "prefill").session_id
+    ids = pool.alloc(sid, 2, arena=0)
+    pool.commit(sid, ids, list(range(8)))
+    assert pool.peers is None and pool.lookup(sid, list(range(8)), arena=1).num_tokens == 0
+
+
+@pytest.mark.parametrize("order", ["layer_major", "kv_packed"])
+def test_a_pool_of_two_arenas_copies_the_kv_itself(order: str) -> None:
+    """A real pool with two arenas (two files without CUDA; two GPUs with it): the KV a writer put in arena 0 is
+    what a reader finds in arena 1's blocks."""
+    proc = start_pool(*SMALL_POOL, "--devices", "0,1", "--order", order)
+    try:
+        layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order=order)
+        with PoolClient(proc.url, name="w", layout=layout) as w, PoolClient(proc.url, name="r", layout=layout) as r:
+            tokens = list(range(500, 512))
+            ids = w.alloc(3, device=0)
+            a0, a1 = w.arena(device=0), r.arena(device=1)
+            for i, local in enumerate(a0.local_ids(ids)):
+                for layer in range(2):
+                    a0.k(layer)[local].fill_(float(i + 1))
+                    a0.v(layer)[local].fill_(-float(i + 1))
+            w.commit(ids, tokens)
+            w.free(ids)
+            hit = r.lookup(tokens, device=1)
+            assert hit.num_tokens == 12
+            for i, local in enumerate(a1.local_ids(hit.block_ids)):
+                for layer in range(2):
+                    assert torch.all(a1.k(layer)[local] == float(i + 1)) and torch.all(a1.v(layer)[local] == -i - 1)
+            assert r.stats()["counters"]["peer_copied_blocks"] == 3
+            r.free(hit.block_ids)
+    finally:
+        proc.stop()
