@@ -49,10 +49,15 @@ class PeerCopies:
         k, full = len(local), len(token_ids) // bs
         best: list[int] = []
         source = -1
+        on_host = pool.host_tier.host_of if pool.host_tier is not None else {}
         for other, hasher in enumerate(pool.hashers):
             if other == arena:
                 continue
-            found = pool.index.match(hasher.blocks(token_ids[: full * bs], salt))
+            found = []
+            for node in pool.index.match_nodes(hasher.blocks(token_ids[: full * bs], salt)):
+                if node in on_host:  # its KV is in host memory now, not in that arena: the copy stops before it
+                    break
+                found.append(node.block)
             if len(found) > len(best):
                 best, source = found, other
         if len(best) <= k:

@@ -151,3 +151,22 @@ def test_a_pool_of_two_arenas_copies_the_kv_itself(order: str) -> None:
             r.free(hit.block_ids)
     finally:
         proc.stop()
+
+
+def test_a_prefix_whose_blocks_went_to_the_host_tier_is_not_copied_from_its_stale_arena_blocks() -> None:
+    """With a host tier, a chain's evicted blocks live on the host: their arena blocks hold another prefix's KV by
+    now, so a copy to another arena stops where the arena's part of the chain stops."""
+    from kvpool.server.hosttier import HostTier
+    from kvpool.server.tiercopy import TierCopier
+
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
+    views = [(torch.zeros(1, 8, 2 * BS * 2), 1), (torch.zeros(1, 8, 2 * BS * 2), 1)]
+    tier = HostTier(8, TierCopier(views, torch.zeros(8, 2, BS * 2)))
+    arenas = Arenas([8, 8])
+    pool = Pool([8, 8], layout, host_tier=tier, peer_copy=arenas.copy)
+    tokens = list(range(600, 612))
+    store(pool, arenas, tokens, arena=0)
+    sid = pool.open_session("x", "other").session_id
+    pool.free(sid, pool.alloc(sid, 8, arena=0))  # evicts the prompt's three blocks to the host tier
+    assert pool.lookup(sid, tokens, arena=1).num_tokens == 0 and not arenas.calls
+    pool.allocator.check()
