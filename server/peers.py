@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from kvpool.errors import PoolExhausted
-
-if TYPE_CHECKING:
-    from kvpool.server.pool import Pool
+from kvpool.layout import KVLayout
+from kvpool.server.allocator import BlockAllocator
+from kvpool.server.prefix import PrefixHasher, PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,22 @@ COPYING = "c:copying"
 PeerCopy = Callable[[int, list[int], int, list[int]], None]
 
 
+class Books(Protocol):
+    """What of the pool's books a peer copy reads and writes (:class:`kvpool.server.pool.Pool`)."""
+
+    layout: KVLayout
+    hashers: list[PrefixHasher]
+    index: PrefixIndex
+    allocator: BlockAllocator
+    host_tier: Any
+    counters: Any
+
+    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int, num_full: int,
+               count: bool = True) -> Any: ...  # fmt: skip
+
+
 class PeerCopies:
-    def __init__(self, pool: Pool, copy: PeerCopy) -> None:
+    def __init__(self, pool: Books, copy: PeerCopy) -> None:
         self.pool = pool
         self.copy = copy
         #: block -> the blocks, in any arena, that hold the same KV (one set shared by all of them)
