@@ -351,7 +351,7 @@ class Residency:
         """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
         ref: a ref the hit took on a block held already goes back) and pinned by the request until it is scheduled
         or finished. Returns the engine's block for each of the prompt's first blocks, in order."""
-        extra = [fenced for fenced in hit.ids[usable:]]
+        extra = list(hit.ids[usable:])
         blocks: list[int] = []
         for fenced in hit.ids[:usable]:
             block = self.local(fenced)
@@ -464,6 +464,7 @@ class Residency:
             future = self.ahead.pop(req_id, None)
         if future is not None:
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+            future.add_done_callback(lambda _: self._claimed.pop(req_id, None))  # a claim's time, never installed
         return self.unpin(req_id)
 
     def commit(self, blocks: Sequence[int], tokens: list[int]) -> int:
