@@ -309,3 +309,39 @@ def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena
             client.close()
     finally:
         proc.stop()
+
+
+def test_a_prefill_parked_in_another_gpu_s_arena_is_computed_by_its_decode_engine_not_installed() -> None:
+    """Prefill on GPU 0, decode on GPU 1: the claimed blocks are not in the decode engine's arena, so it gives them
+    back and computes the prompt (never installs ids that name another GPU's memory); the books balance."""
+    proc = start_pool(*RESIDENT_POOL, "--devices", "0,1")
+    try:
+        made = []
+        for name, device in (("p", 0), ("d", 1)):
+            client = PoolClient(
+                proc.url, name=name, layout=LAYOUT, slab=SlabConfig(8, 2, 48, handoffs=False, device=device)
+            )
+            slab = client.slab
+            assert slab is not None
+            res = Residency(client, BS, N, first_block=N * device, free_count=slab.idle_count, grow=slab.ensure_idle,
+                            device=device)  # fmt: skip
+            made.append((client, res))
+        (_, p), (_, d) = made
+        prompt = list(range(7, 7 + 3 * BS + 2))
+        blocks = p.take(4)
+        p.park("p:r1", blocks, prompt, {})
+        p.leave(blocks)
+        p.drain()
+        d.prefetch("r1", prompt, claim="p:r1")
+        hit = d.answer("r1")
+        assert hit is not None and hit.num_tokens == 0 and not hit.ids
+        assert d.counters.foreign_handoffs == 1 and d.counters.installed_blocks == 0
+        d.drain()
+        for client, res in made:
+            res.close()
+            client.close()
+        s = books(proc.url)
+        assert s["free"] + s["in_use"] + s["cached"] == s["num_blocks"]
+        assert s["in_use"] == 2, "only the two arenas' null blocks stay taken"
+    finally:
+        proc.stop()

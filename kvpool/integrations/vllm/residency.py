@@ -134,6 +134,7 @@ class ResidentCounters:
     left_to_pool: int = 0
     left_to_slab: int = 0
     refills: int = 0
+    foreign_handoffs: int = 0  # claims of prefills parked in another GPU's arena: released, the prompt computed
     copied_blocks: int = 0
 
 
@@ -326,6 +327,12 @@ class Residency:
         for key, got in zip(keys, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
             if got is None:
                 log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+                out.append(NO_HIT)
+            elif not all(0 < self.local(fenced) < self.num_blocks for fenced in got.block_ids):
+                log.warning("kvpool: handoff %s is in another GPU's arena; the decode engine computes the prompt "
+                            "itself (a prefill engine hands over by block id only on its own GPU)", key)  # fmt: skip
+                self.counters.foreign_handoffs += 1
+                self._release_ids(list(got.block_ids))
                 out.append(NO_HIT)
             else:
                 out.append(Hit(list(got.block_ids), got.num_tokens, dict(got.meta)))
