@@ -72,9 +72,10 @@ def greedy(llm: Any, prompts: list[list[int]], max_tokens: int = 16, params: lis
     return outs
 
 
-@pytest.fixture(scope="module", params=[(16, torch.bfloat16), (16, torch.float16), (32, torch.bfloat16), (32, torch.float16)],
-    ids=["bs16-bf16", "bs16-fp16", "bs32-bf16", "bs32-fp16"],
-)
+COMBOS = [(16, torch.bfloat16), (16, torch.float16), (32, torch.bfloat16), (32, torch.float16)]
+
+
+@pytest.fixture(scope="module", params=COMBOS, ids=["bs16-bf16", "bs16-fp16", "bs32-bf16", "bs32-fp16"])
 def setup(request, tmp_path_factory) -> Iterator[tuple[Path, PoolProcess, int]]:
     block_size, dtype = request.param
     torch.cuda.init()  # the LLMs' engine cores start by spawn, not by a fork of a process without CUDA
