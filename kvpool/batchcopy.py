@@ -3,9 +3,10 @@
 A request's blocks are scattered over an arena, and in every layer (:meth:`kvpool.arena.Arena.blocks_view`). Copied
 as a gather on the source, a copy of the gathered bytes and a scatter on the destination, they cross memory twice
 more than a plain copy, through a staging buffer, and the gather and scatter take SM time. Planned as byte ranges
-instead (one per block and layer, a run of consecutive ids on both sides merged into one range), the whole copy is
-one driver call (CUDA 12.8 and later): the copy engines move every range straight from one arena into the other,
-GPU to GPU or within one GPU, with no kernel and no staging bytes.
+instead (one per block and layer, a run of consecutive ids on both sides merged into one range), a request's copy
+is one driver call (CUDA 12.8 and later): the copy engines move every range straight from one arena into the other,
+GPU to GPU or within one GPU, with no kernel and no staging bytes. A copy of gigabytes is cut into calls of
+:data:`MAX_RANGES` ranges, so that the copy engines are busy with the first while Python plans the next.
 
 The planner is pure Python on integers, so CI checks it on CPU tensors (applying a plan with ``memmove``); the
 driver call is reached through ``cuGetProcAddress`` on ``libcuda`` (:func:`kvpool.vmm.proc_address`). Where the
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 #: the CUDA version whose ``cuMemcpyBatchAsync`` is asked for: 12.8's, which takes ``size_t* failIdx``
 BATCH_CUDA_VERSION = 12080
+#: ranges in one call at most: a request (64 blocks of 16 layers: 1,024) is one call; a copy of gigabytes goes in
+#: calls of this many, so that the copy engines start on the first while the rest are planned (30 ns a range)
+MAX_RANGES = 8192
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,49 @@ def _consecutive(ids: Sequence[int]) -> bool:
     return ids[-1] - first == len(ids) - 1 and list(ids) == list(range(first, first + len(ids)))
 
 
+class Planner:
+    """A copy's runs (:func:`runs`), checked once, and the plans of its outer slices, all or some at a time."""
+
+    def __init__(
+        self, src_ids: Sequence[int], dst_ids: Sequence[int], src: Geometry, dst: Geometry, src_base: int = 0,
+        dst_base: int = 0,
+    ) -> None:  # fmt: skip
+        if src.outer != dst.outer or src.block_bytes != dst.block_bytes:
+            raise ValueError(f"views of different block geometries: {src} against {dst}")
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
+        spans = runs(src_ids, dst_ids)
+        if spans:
+            src_span = (spans[0][0], spans[-1][0] + spans[-1][2])  # runs come in the order of their source ids
+            dst_span = (min(d for _, d, _ in spans), max(d + n for _, d, n in spans))
+            for (lo, end), ids, g, side in (
+                (src_span, src_ids, src, "source"),
+                (dst_span, dst_ids, dst, "destination"),
+            ):
+                if lo < 0 or end > g.num_blocks:
+                    raise IndexError(f"{side} blocks outside [0, {g.num_blocks}): {list(ids)[:8]}")
+        bb = src.block_bytes
+        self.outer = src.outer
+        self._src = ([s * bb for s, _, _ in spans], src_base, src.outer_bytes)
+        self._dst = ([d * bb for _, d, _ in spans], dst_base, dst.outer_bytes)
+        self._sizes = array("Q", [n * bb for _, _, n in spans])
+
+    @property
+    def per_slice(self) -> int:
+        """Ranges in each outer slice: one per run."""
+        return len(self._sizes)
+
+    def plan(self, first: int = 0, stop: int | None = None) -> Plan:
+        """The ranges of outer slices ``first`` up to ``stop`` (all of them by default), slice by slice."""
+        stop = self.outer if stop is None else stop
+        (s_off, s_base, s_step), (d_off, d_base, d_step) = self._src, self._dst
+        return Plan(
+            _spread(s_off, range(s_base + first * s_step, s_base + stop * s_step, s_step)),
+            _spread(d_off, range(d_base + first * d_step, d_base + stop * d_step, d_step)),
+            self._sizes * (stop - first),
+        )
+
+
 def plan(
     src_ids: Sequence[int], dst_ids: Sequence[int], src: Geometry, dst: Geometry, src_base: int = 0, dst_base: int = 0
 ) -> Plan:
@@ -111,23 +158,7 @@ def plan(
     blocks ``dst_ids`` of a view shaped like ``dst`` at ``dst_base`` (pairwise), every outer slice: one range per
     run of consecutive ids (:func:`runs`) and slice, in slice order. Ids are local to each view; one outside it is
     refused here, where a wrong address would write over memory that is no block's."""
-    if src.outer != dst.outer or src.block_bytes != dst.block_bytes:
-        raise ValueError(f"views of different block geometries: {src} against {dst}")
-    if len(src_ids) != len(dst_ids):
-        raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
-    if not src_ids:
-        return Plan(array("Q"), array("Q"), array("Q"))
-    for ids, g, side in ((src_ids, src, "source"), (dst_ids, dst, "destination")):
-        if min(ids) < 0 or max(ids) >= g.num_blocks:
-            raise IndexError(f"{side} blocks outside [0, {g.num_blocks}): {list(ids)[:8]}")
-    bb = src.block_bytes
-    spans = runs(src_ids, dst_ids)
-    outer = src.outer
-    return Plan(
-        _spread([s * bb for s, _, _ in spans], range(src_base, src_base + outer * src.outer_bytes, src.outer_bytes)),
-        _spread([d * bb for _, d, _ in spans], range(dst_base, dst_base + outer * dst.outer_bytes, dst.outer_bytes)),
-        array("Q", [n * bb for _, _, n in spans]) * outer,
-    )
+    return Planner(src_ids, dst_ids, src, dst, src_base, dst_base).plan()
 
 
 def _spread(offsets: list[int], bases: range) -> array:
@@ -292,9 +323,12 @@ def copy(
         return False
     if src.data_ptr() == dst.data_ptr() and not set(src_ids).isdisjoint(dst_ids):
         return False
-    p = plan(src_ids, dst_ids, Geometry.of_view(src, dim), Geometry.of_view(dst, dim), src.data_ptr(), dst.data_ptr())
+    planner = Planner(src_ids, dst_ids, Geometry.of_view(src, dim), Geometry.of_view(dst, dim), src.data_ptr(),
+                      dst.data_ptr())  # fmt: skip
+    per_call = max(1, MAX_RANGES // max(1, planner.per_slice))
     try:
-        issue(p, stream.cuda_stream)
+        for first in range(0, planner.outer, per_call):
+            issue(planner.plan(first, min(first + per_call, planner.outer)), stream.cuda_stream)
     except CudaError as exc:
         _disable(str(exc))
         return False

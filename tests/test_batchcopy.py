@@ -237,6 +237,21 @@ def test_the_driver_gets_destinations_sources_sizes_and_one_stream_ordered_attri
     assert fake.contexts == ["push 0xc0", "pop"]  # issued in the stream's context, the thread's left as it was
 
 
+def test_a_large_copy_goes_in_calls_of_whole_layers_that_together_move_it_all(fresh, monkeypatch) -> None:
+    fake = fresh(FakeDriver())
+    monkeypatch.setattr(batchcopy, "MAX_RANGES", 5)  # 2 runs a layer: 2 layers a call
+    src, dst = numbered((5, 10, 6), torch.float32), torch.zeros(5, 9, 6)
+    s, d = [1, 2, 7], [4, 5, 0]
+    want = expected(src, s, dst, d, 1)
+    assert batchcopy.copy(src, s, dst, d, 1, Stream())
+    assert torch.equal(dst, want)
+    assert [c["count"] for c in fake.calls] == [4, 4, 2]
+    planner = batchcopy.Planner(s, d, Geometry.of_view(src, 1), Geometry.of_view(dst, 1), 7, 9)
+    whole, parts = planner.plan(), [planner.plan(0, 2), planner.plan(2, 5)]
+    for field in ("srcs", "dsts", "sizes"):
+        assert getattr(whole, field) == getattr(parts[0], field) + getattr(parts[1], field)
+
+
 def test_the_legacy_default_stream_is_refused_before_the_driver_sees_it(fresh) -> None:
     fake = fresh(FakeDriver())
     g = Geometry(1, 4, 8)
