@@ -316,9 +316,11 @@ def copy(
 ) -> bool:
     """Queue the copy of blocks ``src_ids`` of blocks view ``src`` into blocks ``dst_ids`` of ``dst`` (CUDA views
     as :meth:`kvpool.arena.Arena.blocks_view` cuts them, blocks on ``dim``, local ids) on ``stream``, a stream of
-    the destination's device that is not the legacy default one. False, with nothing queued, where the caller must
-    copy another way: no batch copy in this driver (or one failed before), or blocks of the same arena that are
-    both read and written (a gather reads them all before it writes; a batch of ranges does not promise to)."""
+    the destination's device that is not the legacy default one. False where the caller must copy another way: no
+    batch copy in this driver (or one failed before), or blocks of the same arena that are both read and written
+    (a gather reads them all before it writes; a batch of ranges does not promise to). Nothing is queued then,
+    unless a call failed after earlier calls of the same copy: order what comes next after ``stream`` all the same
+    (those ranges hold the bytes the caller's own copy writes)."""
     if not available():
         return False
     if src.data_ptr() == dst.data_ptr() and not set(src_ids).isdisjoint(dst_ids):

@@ -61,8 +61,8 @@ def _batch(
     src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], dim: int
 ) -> torch.cuda.Event | None:
     """The copy as one batch, after the work queued on both devices' current streams and ahead of what comes next
-    on ``dst``'s; the event recorded after it, or None (nothing queued) where the caller must gather, copy and
-    scatter instead."""
+    on ``dst``'s; the event recorded after it, or None where the caller must gather, copy and scatter instead (on
+    ``dst``'s current stream, after anything a failed call queued)."""
     if not batchcopy.available():
         return None
     src_stream, dst_stream = torch.cuda.current_stream(src.device), torch.cuda.current_stream(dst.device)
@@ -75,6 +75,8 @@ def _batch(
         if src_stream != dst_stream:
             stream.wait_stream(src_stream)
         if not batchcopy.copy(src, src_ids, dst, dst_ids, dim, stream):
+            if stream is not dst_stream:
+                dst_stream.wait_stream(stream)  # a call that failed part way may have queued ranges there
             return None
         done = torch.cuda.Event()
         done.record(stream)
