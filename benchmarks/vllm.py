@@ -1,16 +1,23 @@
-"""vllm: vLLM engines as users run them, with and without the kvpool connector, on one GPU.
+"""vllm: vLLM engines as users run them, with and without the kvpool connector, on one GPU or two.
 
-Engine configurations (--engines; each is one entry of ENGINES in this module):
+Engine configurations (--engines; each is one entry of ENGINES in this module; by default every one whose GPUs this
+process sees, counted from --gpu):
   plain   vLLM with its own prefix cache, no connector
   cold    vLLM with prefix caching off: every prompt computed
   copy    vLLM with the kvpool connector: prefixes and prefilled requests go through one pool, copied between
           vLLM's cache and the arena
   resident  vLLM with the kvpool connector in resident mode: each engine's KV cache is the pool's arena (kv_packed,
           --num-gpu-blocks-override = the arena's blocks), and prefixes and prefills move by block id, never copied
+  peers   two GPUs: resident mode, the writer on the first GPU and the reader on the second, one pool with an arena
+          on each (--devices): a prefix computed on one GPU reaches the other in one batched peer copy
+  offload two GPUs: vLLM's CPU offloading connector on each engine (a CPU cache of --offload-bytes, a GPU cache of
+          --pool-blocks), the writer on the first GPU and the reader on the second, sharing nothing: what a node
+          with an engine per GPU has without kvpool
 
-A configuration with the connector runs two engines on one pool (a writer and a reader); one without runs one
-engine, which is both. All engines start first and stay up; each round runs every configuration once, each round
-starting with the next one, so that no configuration always goes first.
+A configuration with a connector runs two engines (a writer and a reader; with the kvpool connector on one pool);
+one without runs one engine, which is both. Each engine's core process runs on its configuration's GPU (plain,
+cold, copy and resident: the first). All engines start first and stay up; each round runs every configuration once,
+each round starting with the next one, so that no configuration always goes first.
 
 Workload: a random model shaped like Llama-3.2-1B in bf16 (kept in --work), or a local checkpoint (--model);
 token-id prompts, greedy, every request generating --new-tokens, CUDA graphs on (--eager: off). Each round
@@ -20,12 +27,14 @@ prompts P share nothing with anything.
            pool), or one that the same engine computed (vLLM's own cache; nothing with prefix caching off). B is
            sent all at once (a burst) or one request every 1/rate s (--arrivals burst,8 runs both).
   pair     P prefilled on the writer (one token, handed off with do_remote_decode), then decoded on the reader
-           with the prefill's kv_transfer_params; without the connector, P twice on the one engine.
-  singles  --singles requests of B and of P, one at a time, so that no batch composition differs.
+           with the prefill's kv_transfer_params; without the connector, P twice on the one engine. Only where
+           both engines are on one GPU (one arena): not for peers and offload.
+  singles  --singles requests of B and of P (P where the pair runs), one at a time, so that no batch composition
+           differs.
 
 Measures: TTFT p50/p99 and TPOT p50/p99 from vLLM's own timestamps; the share of prompt tokens vLLM did not
-compute (its num_cached_tokens), and with the connector what the pool committed and hit; greedy tokens against
-the plain engine's (what vLLM's own cache gives).
+compute (its num_cached_tokens), and with the kvpool connector what the pool committed, hit and copied between
+GPUs; greedy tokens against the plain engine's (what vLLM's own cache gives).
 
 Needs vLLM (pip install 'kvpool[vllm]') and a CUDA GPU; --help needs neither.
 """
@@ -37,6 +46,7 @@ import contextlib
 import gc
 import itertools
 import json
+import os
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -53,28 +63,58 @@ from kvpool.layout import KVLayout
 @dataclass(frozen=True)
 class EngineConfig:
     """One way of running vLLM. ``connector`` is the kvpool connector's ``kv_connector_extra_config`` (None: no
-    connector, one engine); ``pool_flags`` go to that configuration's ``kvpool serve``, ``engine_args`` to
-    ``vllm.LLM``."""
+    kvpool connector); ``offload``: vLLM's CPU offloading connector on each engine instead; ``gpus``: the GPU of
+    each engine, the writer's first, then the reader's (one entry: one engine that is both; by default one engine
+    without the kvpool connector, two on one GPU with it), counted from the run's ``--gpu``; ``pool_flags`` go to
+    that configuration's ``kvpool serve``, ``engine_args`` to ``vllm.LLM``."""
 
     help: str
     prefix_caching: bool = True
     connector: dict[str, Any] | None = None
+    offload: bool = False
+    gpus: tuple[int, ...] = ()
     pool_flags: tuple[str, ...] = ()
     engine_args: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not self.gpus:
+            object.__setattr__(self, "gpus", (0,) if self.connector is None else (0, 0))
+        if len(self.gpus) not in (1, 2) or min(self.gpus) < 0:
+            raise ValueError(f"gpus: one GPU ordinal per engine, the writer's then the reader's, got {self.gpus}")
+
     @property
     def engines(self) -> int:
-        return 1 if self.connector is None else 2
+        return len(self.gpus)
 
     @property
     def resident(self) -> bool:
         return (self.connector or {}).get("mode") == "resident"
 
-    def pool_args(self, blocks: int) -> list[str]:
-        """This configuration's ``kvpool serve`` flags for an arena of ``blocks`` blocks (a resident engine's slab
-        may hold all of them, and its vLLM is told the arena's block count)."""
+    @property
+    def spans_gpus(self) -> bool:
+        return len(set(self.gpus)) > 1
+
+    @property
+    def pairs(self) -> bool:
+        """Whether the pair workload runs: a prefill's blocks are in the arena of its decode engine only where both
+        engines are on one GPU."""
+        return not self.spans_gpus
+
+    @property
+    def gpus_needed(self) -> int:
+        return max(self.gpus) + 1
+
+    def placed(self, first: int = 0) -> tuple[int, ...]:
+        """The CUDA ordinals (this process's) of the engines, for a run whose first GPU is ``first`` (``--gpu``)."""
+        return tuple(first + g for g in self.gpus)
+
+    def pool_args(self, blocks: int, first: int = 0) -> list[str]:
+        """This configuration's ``kvpool serve`` flags for an arena of ``blocks`` blocks on each of its GPUs (a
+        resident engine's slab may hold all of them, and its vLLM is told the arena's block count)."""
         extra = ["--order", "kv_packed", "--slabs", "--slab-regions", "8", "--slab-max-blocks", str(blocks)]
-        return ["--num-blocks", str(blocks), *self.pool_flags, *(extra if self.resident else [])]
+        on = sorted(set(self.placed(first)))
+        devices = ["--devices", ",".join(map(str, on))] if self.spans_gpus else []
+        return ["--num-blocks", str(blocks), *devices, *self.pool_flags, *(extra if self.resident else [])]
 
 
 ENGINES: dict[str, EngineConfig] = {
@@ -85,9 +125,17 @@ ENGINES: dict[str, EngineConfig] = {
         "vLLM with the kvpool connector in resident mode: its KV cache is the arena, blocks move by id",
         connector={"mode": "resident"},
     ),
+    "peers": EngineConfig(
+        "resident mode on two GPUs, one pool with an arena on each: a prefix crosses in one batched peer copy",
+        connector={"mode": "resident"},
+        gpus=(0, 1),
+    ),
+    "offload": EngineConfig(
+        "vLLM's CPU offloading connector on an engine per GPU, sharing nothing", offload=True, gpus=(0, 1)
+    ),
 }
-#: the configuration whose tokens the others are compared with, and the one TTFT ratios are taken against
-REFERENCE, COLD = "plain", "cold"
+#: the configuration whose tokens the others are compared with, and those TTFT ratios are taken against
+REFERENCE, COLD, OFFLOAD = "plain", "cold", "offload"
 
 LLAMA_1B = dict(
     hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -102,7 +150,10 @@ PARK = {"do_remote_decode": True}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=names, default=list(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
+    parser.add_argument(
+        "--engines", type=names, default=None,
+        help=f"comma list of {', '.join(ENGINES)} [every one whose GPUs this process sees]",
+    )  # fmt: skip
     parser.add_argument("--arrivals", type=arrivals, default=["burst"], help="comma list: burst, or requests/s [burst]")
     parser.add_argument("--requests", type=int, default=None, help="prompts per round [32; quick 4]")
     parser.add_argument("--prompt-len", type=int, default=None, help="tokens per prompt [1024; quick 256]")
@@ -111,7 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--singles", type=int, default=None, help="requests of B and P served one at a time [8]")
     parser.add_argument("--model", type=Path, default=None, help="local checkpoint [a random Llama-3.2-1B shape]")
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvpool-bench-vllm"), help="where the model is kept")
-    parser.add_argument("--pool-blocks", type=int, default=16384, help="blocks of each configuration's pool")
+    parser.add_argument(
+        "--pool-blocks", type=int, default=16384, help="blocks of each configuration's pool (each arena)"
+    )
+    parser.add_argument(
+        "--offload-bytes", type=harness.parse_size, default=None,
+        help="CPU cache of each offload engine (8GiB) [as large as its GPU cache: --pool-blocks blocks]",
+    )  # fmt: skip
     parser.add_argument("--engine-memory", type=float, default=0.18, help="gpu_memory_utilization of each engine")
     parser.add_argument("--attention-backend", default="TRITON_ATTN", help="vLLM's attention backend [TRITON_ATTN]")
     parser.add_argument("--eager", action="store_true", help="no CUDA graphs (enforce_eager)")
@@ -129,6 +186,24 @@ def names(text: str) -> list[str]:
     if unknown or not got:
         raise argparse.ArgumentTypeError(f"engine configurations are {', '.join(ENGINES)}; got {text!r}")
     return got
+
+
+def chosen(asked: list[str] | None, first: int, visible: int) -> list[str]:
+    """The configurations to run when this process sees ``visible`` GPUs and the run starts at ``first``: those
+    asked for, or by default every one whose engines all have a GPU; one asked for that does not fit stops the run
+    before anything starts."""
+    fits = {name: first + config.gpus_needed <= visible for name, config in ENGINES.items()}
+    if asked is None:
+        return [name for name in ENGINES if fits[name]]
+    short = [name for name in asked if not fits[name]]
+    if short:
+        need = max(ENGINES[name].gpus_needed for name in short)
+        raise SystemExit(
+            f"kvpool bench vllm: {' and '.join(short)} need{'s' if len(short) == 1 else ''} {need} GPUs (an engine "
+            f"on each) from --gpu {first}, and this process sees {visible}: leave "
+            f"{'it' if len(short) == 1 else 'them'} out of --engines, or run on a node with {first + need} GPUs"
+        )
+    return asked
 
 
 def arrivals(text: str) -> list[str | float]:
@@ -174,6 +249,8 @@ def config_of(args: argparse.Namespace) -> dict[str, Any]:
         "singles": args.singles if args.singles is not None else (2 if quick else 8),
         "block_size": BLOCK_SIZE,
         "pool_blocks": args.pool_blocks,
+        "offload_bytes": args.offload_bytes,
+        "gpus": {name: list(ENGINES[name].placed(args.gpu)) for name in args.engines},
         "engine_memory": args.engine_memory,
         "attention_backend": args.attention_backend,
         "cuda_graphs": not args.eager,
@@ -256,23 +333,54 @@ def build_model(path: Path) -> None:
     torch.cuda.empty_cache()
 
 
-def engine(config: EngineConfig, model: Path, cfg: dict[str, Any], pool_url: str | None) -> Any:
-    import os
+@contextlib.contextmanager
+def on_gpu(ordinal: int) -> Iterator[str]:
+    """``CUDA_VISIBLE_DEVICES`` naming this process's GPU ``ordinal`` alone (through this process's own
+    ``CUDA_VISIBLE_DEVICES`` when set), restored on the way out: an engine started inside runs there, since vLLM's
+    engine core is a child process that takes the first GPU it sees. This process keeps the GPUs it saw (CUDA read
+    the variable when it started), and so does an engine after it started."""
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    target = str(ordinal)
+    if before is not None:
+        visible = [part.strip() for part in before.split(",") if part.strip()]
+        if not 0 <= ordinal < len(visible):
+            raise SystemExit(
+                f"kvpool bench vllm: an engine's GPU {ordinal} is not among CUDA_VISIBLE_DEVICES={before!r} "
+                f"({len(visible)} visible)"
+            )
+        target = visible[ordinal]
+    os.environ["CUDA_VISIBLE_DEVICES"] = target
+    try:
+        yield target
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
+
+def engine(config: EngineConfig, model: Path, cfg: dict[str, Any], pool_url: str | None) -> Any:
     from vllm import LLM
 
     # the suite asks each engine's core what its connector did (LLM.collective_rpc of a function, sent pickled)
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    # a fresh engine core process, which reads CUDA_VISIBLE_DEVICES when it starts (see on_gpu)
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm.config import KVTransferConfig
 
     kw: dict[str, Any] = dict(config.engine_args)
-    if config.resident:
+    if config.resident or config.offload:  # an offload engine's GPU cache: as large as a resident engine's arena
         kw["num_gpu_blocks_override"] = cfg["pool_blocks"]
     if config.connector is not None:
         extra = {"url": pool_url, "reserve_blocks": 4096, **config.connector}
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvpoolConnector", kv_connector_module_path="kvpool.integrations.vllm", kv_role="kv_both",
             kv_load_failure_policy="recompute", kv_connector_extra_config=extra,
+        )  # fmt: skip
+    elif config.offload:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={"cpu_bytes_to_use": cfg["offload_bytes"]},
         )  # fmt: skip
     return LLM(
         model=str(model), skip_tokenizer_init=True, attention_backend=cfg["attention_backend"],
@@ -335,7 +443,7 @@ def close(llm: Any) -> None:
 
 @dataclass
 class Setup:
-    """One configuration's engines (the writer and the reader, one engine twice without the connector) and pool."""
+    """One configuration's engines (the writer and the reader, one engine twice without a connector) and pool."""
 
     name: str
     config: EngineConfig
@@ -381,23 +489,27 @@ class Setup:
 
 @contextlib.contextmanager
 def setups(names_: Sequence[str], model: Path, cfg: dict[str, Any], device: machine.Device) -> Iterator[list[Setup]]:
-    """Every configuration's engines, started one after the other and all stopped on the way out."""
+    """Every configuration's engines, each on its GPU, started one after the other and all stopped on the way out."""
     layout = pool_layout(json.loads((model / "config.json").read_text()), cfg["block_size"])
     made: list[Setup] = []
     with contextlib.ExitStack() as stack:
         for name in names_:
             config = ENGINES[name]
+            gpus = config.placed(device.index)
             pool = None
             if config.connector is not None:
-                flags = [*harness.layout_flags(layout), "--model", str(model), *config.pool_args(cfg["pool_blocks"])]
+                flags = [*harness.layout_flags(layout), "--model", str(model),
+                         *config.pool_args(cfg["pool_blocks"], device.index)]  # fmt: skip
                 pool = harness.start_pool(device, *flags)
                 stack.callback(pool.stop)
             t = time.perf_counter()
-            writer = engine(config, model, cfg, pool.url if pool else None)
+            with on_gpu(gpus[0]):
+                writer = engine(config, model, cfg, pool.url if pool else None)
             stack.callback(close, writer)
             reader = writer
             if config.engines == 2:
-                reader = engine(config, model, cfg, pool.url if pool else None)
+                with on_gpu(gpus[1]):
+                    reader = engine(config, model, cfg, pool.url if pool else None)
                 stack.callback(close, reader)
             made.append(Setup(name, config, writer, reader, pool, round(time.perf_counter() - t, 1)))
         yield made
@@ -417,6 +529,7 @@ def prefix_round(s: Setup, ps: dict[str, list[list[int]]], arrival: str | float,
         got["pool"] = {"committed_by_A": c1["committed_blocks"] - before,
                        "committed_by_B": c2["committed_blocks"] - c1["committed_blocks"],
                        "hit_blocks_B": c2["hit_blocks"] - c1["hit_blocks"]}  # fmt: skip
+        got["pool"] |= {f"{k}_B": c2.get(k, 0) - c1.get(k, 0) for k in ("peer_copies", "peer_copied_blocks")}
     return got
 
 
@@ -429,14 +542,16 @@ def pair_round(s: Setup, batch: list[list[int]], cfg: dict[str, Any]) -> dict[st
 
 
 def singles(s: Setup, ps: dict[str, list[list[int]]], cfg: dict[str, Any]) -> dict[str, list[dict]]:
-    """B (after its A) and the pair's P, one request at a time: tokens that no batch composition changes."""
-    out: dict[str, list[dict]] = {"B": [], "P": []}
+    """B (after its A) and, where the pair runs, its P, one request at a time: tokens that no batch composition
+    changes."""
+    out: dict[str, list[dict]] = {"B": [], "P": []} if s.config.pairs else {"B": []}
     for i in range(cfg["singles"]):
         before = s.committed()
         generate(s.writer, ps["A"][i : i + 1], cfg["new_tokens"])
         s.wait_commits(before, cfg["prompt_len"] // cfg["block_size"])
         out["B"].append(generate(s.reader, ps["B"][i : i + 1], cfg["new_tokens"]))
-        out["P"].append(pair_round(s, ps["P"][i : i + 1], cfg)["decode"])
+        if s.config.pairs:
+            out["P"].append(pair_round(s, ps["P"][i : i + 1], cfg)["decode"])
     return out
 
 
@@ -447,10 +562,13 @@ def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: 
     n, plen, pre, base = cfg["requests"], cfg["prompt_len"], cfg["prefix_len"], cfg["seed"] * 100_000
     with setups(cfg["engines"], model, cfg, device) as made:
         for s in made:
-            raw[s.name] = {"start_s": s.start_s, "prefix": {label(a): [] for a in cfg["arrivals"]}, "pair": []}
+            raw[s.name] = {"start_s": s.start_s, "prefix": {label(a): [] for a in cfg["arrivals"]}}
+            if s.config.pairs:  # engines on two GPUs run no pair: no key, no row
+                raw[s.name]["pair"] = []
             warm = prompts(base + 99_999, n, plen, pre)
             prefix_round(s, warm, "burst", cfg)
-            pair_round(s, warm["P"], cfg)
+            if s.config.pairs:
+                pair_round(s, warm["P"], cfg)
         steps = cfg["rounds"] * len(made) + len(made)
         with harness.progress(steps, "vllm", args.no_progress) as bar:
             for r in range(cfg["rounds"]):
@@ -458,7 +576,8 @@ def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: 
                 for s in timings.rotated(made, r):
                     for arrival, ps in zip(cfg["arrivals"], each, strict=True):
                         raw[s.name]["prefix"][label(arrival)].append(prefix_round(s, ps, arrival, cfg))
-                    raw[s.name]["pair"].append(pair_round(s, each[0]["P"], cfg))
+                    if s.config.pairs:
+                        raw[s.name]["pair"].append(pair_round(s, each[0]["P"], cfg))
                     bar.update()
             one = prompts(base + 90_000, max(1, cfg["singles"]), plen, pre)
             for s in made:
@@ -498,12 +617,14 @@ def memory(cfg: dict[str, Any], model: Path, device: machine.Device, requests: i
                 pool = harness.start_pool(device, *harness.layout_flags(layout), "--model", str(model),
                                           *config.pool_args(n))  # fmt: skip
                 stack.callback(pool.stop)
-                engines = [engine(config, model, cfg, pool.url) for _ in range(2)]
+                with on_gpu(device.index):
+                    engines = [engine(config, model, cfg, pool.url) for _ in range(2)]
             else:
                 half = EngineConfig(
                     "a plain engine with half the blocks", engine_args={"num_gpu_blocks_override": n // 2}
                 )
-                engines = [engine(half, model, cfg, None) for _ in range(2)]
+                with on_gpu(device.index):
+                    engines = [engine(half, model, cfg, None) for _ in range(2)]
             for e in engines:
                 stack.callback(close, e)
             runs = []
@@ -550,25 +671,28 @@ def figures(name: str, workload: str, runs: list[dict], reference: list[dict] | 
 
 
 def workloads(res: dict[str, Any]) -> dict[str, list[dict]]:
-    """A configuration's runs by workload: prefix sharing per arrival, the pair's two sides, the single requests."""
+    """A configuration's runs by workload: prefix sharing per arrival, the pair's two sides, the single requests;
+    only those that ran (engines on two GPUs run no pair)."""
     out = {f"prefix {arrival}": runs for arrival, runs in res["prefix"].items()}
-    out |= {f"pair {side}": [r[side] for r in res["pair"]] for side in ("prefill", "decode")}
+    out |= {f"pair {side}": [r[side] for r in res.get("pair", [])] for side in ("prefill", "decode")}
     out |= {f"single {what}": runs for what, runs in res.get("singles", {}).items()}
-    return out
+    return {workload: runs for workload, runs in out.items() if runs}
 
 
 def summarize(raw: dict[str, Any]) -> list[dict[str, Any]]:
-    """The rows of every configuration and workload, TTFT ratios to the cold engine's, tokens to the plain one's."""
+    """The rows of every configuration and workload, TTFT ratios to the cold engine's and to the offloading ones'
+    (where they ran), tokens to the plain one's."""
     rows = []
     ref = workloads(raw[REFERENCE]) if REFERENCE in raw else None
     for name, res in raw.items():
         for workload, runs in workloads(res).items():
             theirs = ref.get(workload) if ref is not None and name != REFERENCE else None
             rows.append(figures(name, workload, runs, theirs))
-    cold = {r["workload"]: r["ttft_p50_ms"] for r in rows if r["engine"] == COLD}
-    for r in rows:
-        if r["workload"] in cold and cold[r["workload"]] > 0:
-            r["ttft_p50_vs_cold"] = round(r["ttft_p50_ms"] / cold[r["workload"]], 3)
+    for base in (COLD, OFFLOAD):
+        theirs = {r["workload"]: r["ttft_p50_ms"] for r in rows if r["engine"] == base}
+        for r in rows:
+            if r["workload"] in theirs and theirs[r["workload"]] > 0:
+                r[f"ttft_p50_vs_{base}"] = round(r["ttft_p50_ms"] / theirs[r["workload"]], 3)
     return rows
 
 
@@ -577,50 +701,98 @@ def targets(report: harness.Report) -> None:
     cfg = report.config
     by = {(r["engine"], r["workload"]): r for r in report.results}
     for name in cfg["engines"]:
-        if ENGINES[name].connector is None:
+        config = ENGINES[name]
+        if config.connector is None:
             continue
-        alone = [by.get((name, f"single {w}"), {}).get("same_tokens_as_plain") for w in ("B", "P")]
-        if all(alone):
-            ok = all(a == b for a, b in (x.split("/") for x in alone))  # type: ignore[union-attr]
-            report.targets.append(harness.Target(
-                f"{name}: greedy tokens one request at a time as vLLM's own cache", "identical",
-                f"B {alone[0]}, P {alone[1]}", ok))  # fmt: skip
-        burst = by.get((name, "prefix burst"))
-        if burst is not None and "ttft_p50_vs_cold" in burst:
-            ratio = burst["ttft_p50_vs_cold"]
-            own = by.get((REFERENCE, "prefix burst"), {}).get("ttft_p50_vs_cold")
-            report.targets.append(harness.Target(
-                f"{name}: burst TTFT p50 of a prefix another engine computed / cold", "<= 0.6x", f"{ratio:.2f}x",
-                ratio <= 0.6, f"vLLM's own cache {own:.2f}x" if own is not None else ""))  # fmt: skip
-        if ENGINES[name].resident:
-            for workload in [w for (e, w) in by if e == name and w.startswith("prefix ")]:
-                own = by.get((REFERENCE, workload))
-                if own is None or not own["ttft_p50_ms"]:
-                    continue
-                ratio = by[(name, workload)]["ttft_p50_ms"] / own["ttft_p50_ms"]
-                report.targets.append(harness.Target(
-                    f"{name}: TTFT p50 of a prefix another engine computed / vLLM's own cache ({workload})",
-                    "<= 1.1x", f"{ratio:.2f}x", ratio <= 1.1))  # fmt: skip
-            copied = [c.get("copied_blocks", 0) for c in report.raw[name].get("connector", {}).values()]
-            installed = sum(c.get("installed_blocks", 0) for c in report.raw[name].get("connector", {}).values())
-            handover = max((c.get("handover_p50_us", 0) for c in report.raw[name].get("connector", {}).values()),
-                           default=0)  # fmt: skip
-            read = report.raw.get("nixl", {}).get("read_p50_us")
-            if handover and read:
-                report.targets.append(harness.Target(
-                    f"{name}: decode engine's handover p50 (claim + install) / a NIXL READ of the same blocks",
-                    "<= 0.1x", f"{handover / read:.3f}x", handover / read <= 0.1,
-                    f"{handover} us against {read} us"))  # fmt: skip
+        if config.spans_gpus:
+            across_gpus(report, name, by)
+        else:
+            one_gpu(report, name, by)
+        if config.resident:
+            counters = report.raw[name].get("connector", {}).values()
+            copied = [c.get("copied_blocks", 0) for c in counters]
+            installed = sum(c.get("installed_blocks", 0) for c in counters)
             if copied:
                 report.targets.append(harness.Target(
                     f"{name}: blocks copied between vLLM's cache and the arena", "0", f"{sum(copied)} "
                     f"({installed} installed by id)", sum(copied) == 0))  # fmt: skip
-        if burst is not None and "pool" in burst:
-            shared = cfg["requests"] * (cfg["prefix_len"] // cfg["block_size"])
-            got = [r["hit_blocks_B"] for r in burst["pool"]]
+
+
+def one_gpu(report: harness.Report, name: str, by: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """The goals of a configuration whose two engines share one GPU's arena."""
+    cfg = report.config
+    alone = [by.get((name, f"single {w}"), {}).get("same_tokens_as_plain") for w in ("B", "P")]
+    if all(alone):
+        ok = all(a == b for a, b in (x.split("/") for x in alone))  # type: ignore[union-attr]
+        report.targets.append(harness.Target(
+            f"{name}: greedy tokens one request at a time as vLLM's own cache", "identical",
+            f"B {alone[0]}, P {alone[1]}", ok))  # fmt: skip
+    burst = by.get((name, "prefix burst"))
+    if burst is not None and "ttft_p50_vs_cold" in burst:
+        ratio = burst["ttft_p50_vs_cold"]
+        own = by.get((REFERENCE, "prefix burst"), {}).get("ttft_p50_vs_cold")
+        report.targets.append(harness.Target(
+            f"{name}: burst TTFT p50 of a prefix another engine computed / cold", "<= 0.6x", f"{ratio:.2f}x",
+            ratio <= 0.6, f"vLLM's own cache {own:.2f}x" if own is not None else ""))  # fmt: skip
+    if ENGINES[name].resident:
+        for workload in [w for (e, w) in by if e == name and w.startswith("prefix ")]:
+            own = by.get((REFERENCE, workload))
+            if own is None or not own["ttft_p50_ms"]:
+                continue
+            ratio = by[(name, workload)]["ttft_p50_ms"] / own["ttft_p50_ms"]
             report.targets.append(harness.Target(
-                f"{name}: each prefix held once (B's shared blocks are A's, found in the pool)", f"{shared} a round",
-                ", ".join(map(str, got)), all(g == shared for g in got)))  # fmt: skip
+                f"{name}: TTFT p50 of a prefix another engine computed / vLLM's own cache ({workload})",
+                "<= 1.1x", f"{ratio:.2f}x", ratio <= 1.1))  # fmt: skip
+        handover = max((c.get("handover_p50_us", 0) for c in report.raw[name].get("connector", {}).values()),
+                       default=0)  # fmt: skip
+        read = report.raw.get("nixl", {}).get("read_p50_us")
+        if handover and read:
+            report.targets.append(harness.Target(
+                f"{name}: decode engine's handover p50 (claim + install) / a NIXL READ of the same blocks",
+                "<= 0.1x", f"{handover / read:.3f}x", handover / read <= 0.1,
+                f"{handover} us against {read} us"))  # fmt: skip
+    if burst is not None and "pool" in burst:
+        shared = cfg["requests"] * (cfg["prefix_len"] // cfg["block_size"])
+        got = [r["hit_blocks_B"] for r in burst["pool"]]
+        report.targets.append(harness.Target(
+            f"{name}: each prefix held once (B's shared blocks are A's, found in the pool)", f"{shared} a round",
+            ", ".join(map(str, got)), all(g == shared for g in got)))  # fmt: skip
+
+
+def across_gpus(report: harness.Report, name: str, by: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """The goals of a configuration whose writer and reader are on two GPUs, one arena each: B's prefix was
+    computed on the other GPU, and reaches the reader's in one batched peer copy a request."""
+    cfg = report.config
+    alone = by.get((name, "single B"), {}).get("same_tokens_as_plain")
+    if alone:
+        a, b = alone.split("/")
+        report.targets.append(harness.Target(
+            f"{name}: greedy tokens one request at a time as vLLM's own cache (prefix computed on the other GPU)",
+            "identical", f"B {alone}", a == b))  # fmt: skip
+    burst = by.get((name, "prefix burst"))
+    offload = by.get((OFFLOAD, "prefix burst"))
+    if burst is not None and "ttft_p50_vs_cold" in burst:
+        ratio = burst["ttft_p50_vs_cold"]
+        theirs = (offload or {}).get("ttft_p50_vs_cold")
+        report.targets.append(harness.Target(
+            f"{name}: prefix computed on the other GPU: burst TTFT p50 / cold", "<= 0.7x", f"{ratio:.2f}x",
+            ratio <= 0.7, f"vLLM's CPU offloading connector {theirs:.2f}x" if theirs is not None else ""))  # fmt: skip
+    if burst is not None and "ttft_p50_vs_offload" in burst and offload is not None:
+        ratio = burst["ttft_p50_vs_offload"]
+        report.targets.append(harness.Target(
+            f"{name}: prefix computed on the other GPU: burst TTFT p50 / vLLM's CPU offloading connector", "lower",
+            f"{ratio:.2f}x", ratio < 1,
+            f"{burst['ttft_p50_ms']:.1f} against {offload['ttft_p50_ms']:.1f} ms"))  # fmt: skip
+    if burst is not None and "pool" in burst:
+        shared = cfg["requests"] * (cfg["prefix_len"] // cfg["block_size"])
+        copied = [r.get("peer_copied_blocks_B", 0) for r in burst["pool"]]
+        hits = [r["hit_blocks_B"] for r in burst["pool"]]  # the pool counts the blocks it copied as hits
+        copies = [r.get("peer_copies_B", 0) for r in burst["pool"]]
+        report.targets.append(harness.Target(
+            f"{name}: each prefix copied to the other GPU once (B's shared blocks are A's, copied between arenas)",
+            f"{shared} a round", ", ".join(map(str, copied)),
+            all(c == shared and h == shared for c, h in zip(copied, hits, strict=True)),
+            f"in {', '.join(map(str, copies))} batched copies; hits {', '.join(map(str, hits))}"))  # fmt: skip
 
 
 def body(report: harness.Report) -> str:
@@ -628,13 +800,19 @@ def body(report: harness.Report) -> str:
     head = (f"vLLM {cfg['vllm']}, {cfg['requests']} prompts x {cfg['prompt_len']} tokens ({cfg['prefix_len']} shared "
             f"by A and B) -> {cfg['new_tokens']} new, {cfg['rounds']} rounds, CUDA graphs "
             f"{'on' if cfg['cuda_graphs'] else 'off'}; TTFT and TPOT in ms")  # fmt: skip
+    two = {name: gpus for name, gpus in cfg.get("gpus", {}).items() if len(set(gpus)) > 1}
+    if two:
+        head += "; on two GPUs (writer, reader): " + ", ".join(f"{n} {w} and {r}" for n, (w, r) in two.items())
+    offload = any("ttft_p50_vs_offload" in r for r in report.results)
     rows = [
         [r["engine"], r["workload"], r["n"], f"{r['ttft_p50_ms']:.1f} / {r['ttft_p99_ms']:.1f}",
          f"{r['tpot_p50_ms']:.2f} / {r['tpot_p99_ms']:.2f}", r.get("ttft_p50_vs_cold", "-"),
-         f"{r['cached_share']:.0%}", r.get("same_tokens_as_plain", "-")]
+         *([r.get("ttft_p50_vs_offload", "-")] if offload else []), f"{r['cached_share']:.0%}",
+         r.get("same_tokens_as_plain", "-")]
         for r in report.results
     ]  # fmt: skip
-    headers = ["engine", "workload", "n", "TTFT p50 / p99", "TPOT p50 / p99", "/ cold", "cached", "same as plain"]
+    headers = ["engine", "workload", "n", "TTFT p50 / p99", "TPOT p50 / p99", "/ cold",
+               *(["/ offload"] if offload else []), "cached", "same as plain"]  # fmt: skip
     return head + "\n" + harness.table(headers, rows)
 
 
@@ -677,13 +855,25 @@ def run(args: argparse.Namespace) -> int:
     device = machine.resolve_device(args)
     if not device.is_cuda:
         raise SystemExit("kvpool bench vllm: needs a CUDA GPU (vLLM's engines run there); --device cpu cannot run it")
+    import torch
+
+    args.engines = chosen(args.engines, device.index, torch.cuda.device_count())
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        raise SystemExit(
+            "kvpool bench vllm: each engine's core runs in a process of its own on its GPU: unset "
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0"
+        )
     cfg = config_of(args) | {"vllm": require_vllm()}
+    used = sorted({gpu for gpus in cfg["gpus"].values() for gpu in gpus})
+    cfg["gpu_names"] = {str(gpu): torch.cuda.get_device_name(gpu) for gpu in used}  # the report's device: the first
     model = args.model
     if model is None:
         model = args.work / "llama-1b-random"
         if not (model / "config.json").exists():
             build_model(model)
     cfg |= {"model": str(model), "model_config": json.loads((model / "config.json").read_text())}
+    if cfg["offload_bytes"] is None:  # as large as each offload engine's GPU cache
+        cfg["offload_bytes"] = cfg["pool_blocks"] * pool_layout(cfg["model_config"], cfg["block_size"]).block_nbytes
     report = harness.Report("vllm", args, device, cfg)
     if args.memory:
         cfg["memory_requests"] = args.memory_requests
@@ -699,7 +889,7 @@ def run(args: argparse.Namespace) -> int:
         report.save(lambda: None)
         return 0
     report.raw = measure(args, cfg, model, device)
-    if any(ENGINES[n].connector is not None for n in cfg["engines"]):
+    if any(ENGINES[n].connector is not None and ENGINES[n].pairs for n in cfg["engines"]):  # the pair's baseline
         layout = pool_layout(cfg["model_config"], cfg["block_size"])
         page = layout.block_nbytes // layout.num_layers  # one layer's K and V of a block: one NIXL descriptor
         report.raw["nixl"] = nixl.read_requests(layout.num_layers, cfg["prompt_len"] // cfg["block_size"], page,
