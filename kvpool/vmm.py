@@ -26,8 +26,6 @@ CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 GRANULARITY_RECOMMENDED = 1
 CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED = 102
 CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED = 103
-CU_GET_PROC_ADDRESS_DEFAULT = 0
-CU_GET_PROC_ADDRESS_SUCCESS = 0
 
 
 class MemLocation(ctypes.Structure):
@@ -85,16 +83,9 @@ def driver() -> ctypes.CDLL:
             lib.cuMemRelease.argtypes = [_u64]
             lib.cuDeviceGet.argtypes = [_p(ctypes.c_int), ctypes.c_int]
             lib.cuDeviceGetCount.argtypes = [_p(ctypes.c_int)]
-            lib.cuDriverGetVersion.argtypes = [_p(ctypes.c_int)]
             lib.cuDeviceGetUuid.argtypes = [_p(ctypes.c_ubyte * 16), ctypes.c_int]
             lib.cuDevicePrimaryCtxRetain.argtypes = [_p(ctypes.c_void_p), ctypes.c_int]
             lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
-            lib.cuStreamGetCtx.argtypes = [ctypes.c_void_p, _p(ctypes.c_void_p)]
-            lib.cuCtxPushCurrent_v2.argtypes = [ctypes.c_void_p]
-            lib.cuCtxPopCurrent_v2.argtypes = [_p(ctypes.c_void_p)]
-            if hasattr(lib, "cuGetProcAddress_v2"):  # CUDA 12.0 and later
-                lib.cuGetProcAddress_v2.argtypes = [ctypes.c_char_p, _p(ctypes.c_void_p), ctypes.c_int, _u64,
-                                                    _p(ctypes.c_int)]  # fmt: skip
             _check_with(lib, lib.cuInit(0), "cuInit")
             _lib = lib
         return _lib
@@ -108,34 +99,8 @@ def _check_with(lib: ctypes.CDLL, code: int, what: str) -> None:
         raise CudaError(f"{what} failed: {message} (CUresult {code})")
 
 
-def check(code: int, what: str) -> None:
-    """Raise :class:`CudaError` naming ``what`` and the driver's own words for ``code``, unless it is success."""
+def _check(code: int, what: str) -> None:
     _check_with(driver(), code, what)
-
-
-_check = check
-
-
-def proc_address(symbol: str, cuda_version: int) -> tuple[int | None, str]:
-    """The address of the driver's entry point ``symbol`` in the ABI it had in CUDA ``cuda_version`` (12080 for
-    12.8), through ``cuGetProcAddress``: a call newer than the header kvpool was written against, or whose
-    signature changed since, is found by version, not by its exported name. (None, why) where there is none."""
-    try:
-        lib = driver()
-    except CudaError as exc:
-        return None, str(exc)
-    get = getattr(lib, "cuGetProcAddress_v2", None)
-    if get is None:
-        return None, "the CUDA driver is older than 12.0 (no cuGetProcAddress_v2)"
-    version, fn, status = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_int(-1)
-    lib.cuDriverGetVersion(ctypes.byref(version))
-    code = get(symbol.encode(), ctypes.byref(fn), cuda_version, CU_GET_PROC_ADDRESS_DEFAULT, ctypes.byref(status))
-    if code != 0 or status.value != CU_GET_PROC_ADDRESS_SUCCESS or not fn.value:
-        return None, (
-            f"{symbol} of CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10} not found in this driver "
-            f"(CUDA {version.value // 1000}.{version.value % 1000 // 10}; CUresult {code}, status {status.value})"
-        )
-    return fn.value, ""
 
 
 def _prop(device: int) -> AllocationProp:

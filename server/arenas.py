@@ -209,14 +209,12 @@ class VmmOwnedArena(OwnedArena):
 
     def mapped(self) -> int:
         """The arena's address in the pool itself, mapped on first use: only a pool that copies blocks (to and
-        from its host tier, or between its arenas) needs one. Every GPU that reaches this one as a peer may read and
-        write the mapping: a copy between two arenas runs on the destination's copy engines, which read the
-        source's mapping from there (:mod:`kvpool.batchcopy`)."""
+        from its host tier) needs one."""
         from kvpool import vmm
 
         if not self.ptr:
             assert self.fd is not None and self.device is not None
-            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index, vmm.peers(self.device.index))
+            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index)
         return self.ptr
 
     def close(self) -> None:

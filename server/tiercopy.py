@@ -148,23 +148,14 @@ class TierCopier:
 
 
 class ArenaCopier:
-    """Copies blocks from one arena into another (one per GPU of the pool, or CPU arenas without one), for a lookup
-    that another GPU's arena serves further (:mod:`kvpool.server.peers`); the call returns once the copy is done.
-
-    Between CUDA arenas the copy is one batch of byte ranges in one driver call (:mod:`kvpool.batchcopy`), on a
-    stream of the destination device's own, after whatever the pool queued on either device; where the driver has
-    no batch copy, and between CPU arenas, one gather on the source device, one copy of the gathered blocks to the
-    destination device (a peer copy between GPUs) and one scatter there.
+    """Copies blocks from one arena into another (one per GPU of the pool), for a lookup that another GPU's arena
+    serves further (:mod:`kvpool.server.peers`): one gather on the source device, one copy of the gathered blocks to
+    the destination device (a peer copy between GPUs), one scatter there; the call returns once the copy is done.
 
     ``arenas`` holds, per arena, its blocks view and the dim that indexes blocks (:meth:`Arena.blocks_view`)."""
 
     def __init__(self, arenas: Sequence[tuple[torch.Tensor, int]]) -> None:
         self.arenas = list(arenas)
-        self._streams: dict[int, torch.cuda.Stream] = {}
-        if any(view.is_cuda for view, _ in self.arenas):
-            from kvpool import batchcopy
-
-            batchcopy.function()  # the driver asked once, at the pool's start, not in its first lookup
 
     def copy(self, src_arena: int, src_ids: Sequence[int], dst_arena: int, dst_ids: Sequence[int]) -> None:
         import torch
@@ -173,29 +164,7 @@ class ArenaCopier:
             raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
         src, dim = self.arenas[src_arena]
         dst, _ = self.arenas[dst_arena]
-        if src.is_cuda and dst.is_cuda and self._batch(src, list(src_ids), dst, list(dst_ids), dim):
-            return
         gathered = src.index_select(dim, torch.tensor(list(src_ids), device=src.device))
         dst.index_copy_(dim, torch.tensor(list(dst_ids), device=dst.device), gathered.to(dst.device))
         if dst.is_cuda:
             torch.cuda.synchronize(dst.device)
-
-    def _batch(self, src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int], dim: int) -> bool:
-        import torch
-
-        from kvpool import batchcopy
-
-        if not batchcopy.available():
-            return False
-        index = dst.device.index if dst.device.index is not None else torch.cuda.current_device()
-        with torch.cuda.device(index):
-            stream = self._streams.get(index)
-            if stream is None:
-                stream = self._streams[index] = torch.cuda.Stream(device=index)
-            stream.wait_stream(torch.cuda.current_stream(dst.device))
-            if src.device != dst.device:
-                stream.wait_stream(torch.cuda.current_stream(src.device))
-            if not batchcopy.copy(src, src_ids, dst, dst_ids, dim, stream):
-                return False
-            stream.synchronize()
-        return True

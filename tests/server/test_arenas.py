@@ -112,25 +112,3 @@ def test_the_cpu_pool_says_its_arena_is_shared_as_a_file(pool_server):
         desc = http.get("/arena").json()
     assert desc["handle_kind"] == "shm" and Path(desc["handle"]).exists()
     assert {p["handle_kind"] for p in desc["arenas"]} == {"shm"}
-
-
-def test_the_pools_own_mapping_of_a_vmm_arena_is_open_to_every_peer_gpu(monkeypatch):
-    """A copy between two arenas runs on the destination's copy engines, which read the source through the pool's
-    mapping of it: that mapping grants every GPU that reaches the arena's as a peer, as a worker's does."""
-    import os
-
-    from kvpool.server.arenas import VmmOwnedArena
-    from tests.test_vmm import PTR, FakeDriver
-
-    fake = FakeDriver()  # three GPUs; only GPU 0 reaches GPU 1
-    monkeypatch.setattr(vmm, "driver", lambda: fake)
-    read, write = os.pipe()
-    arena = VmmOwnedArena.__new__(VmmOwnedArena)  # the allocation's fd and device, without a GPU to create them
-    arena.fd, arena.nbytes, arena.ptr, arena.alloc = read, 4 << 20, 0, 0
-    arena.device = DeviceInfo(index=1, uuid="GPU-1", name="fake")
-    try:
-        assert arena.mapped() == PTR
-        assert fake.access == {"devices": [1, 0], "range": (PTR, 4 << 20)}
-    finally:
-        os.close(read)
-        os.close(write)
