@@ -170,3 +170,18 @@ def test_a_prefix_whose_blocks_went_to_the_host_tier_is_not_copied_from_its_stal
     pool.free(sid, pool.alloc(sid, 8, arena=0))  # evicts the prompt's three blocks to the host tier
     assert pool.lookup(sid, tokens, arena=1).num_tokens == 0 and not arenas.calls
     pool.allocator.check()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_the_arena_copier_moves_each_block_whole_into_its_target_and_touches_nothing_else(dim: int) -> None:
+    from kvpool.server.tiercopy import ArenaCopier
+
+    shape = (lambda n: (n, 3, 5)) if dim == 0 else (lambda n: (3, n, 5))
+    src = torch.arange(torch.Size(shape(10)).numel(), dtype=torch.float32).reshape(shape(10))
+    dst = torch.full(shape(6), -1.0)
+    ArenaCopier([(src, dim), (dst, dim)]).copy(0, [7, 8, 2], 1, [0, 1, 5])
+    for s, d in ((7, 0), (8, 1), (2, 5)):
+        assert torch.equal(dst.select(dim, d), src.select(dim, s))
+    assert torch.all(dst.index_select(dim, torch.tensor([2, 3, 4])) == -1.0)
+    with pytest.raises(ValueError, match="2 source blocks against 1"):
+        ArenaCopier([(src, dim), (dst, dim)]).copy(0, [1, 2], 1, [0])
