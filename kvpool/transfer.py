@@ -3,8 +3,9 @@
 The copy runs in the worker that needs the KV, on its current CUDA streams, not in the pool: that orders it
 before the worker's own kernels that read the copied blocks, and keeps the pool out of the data path. Both
 arenas are mapped in the worker (the source through peer access), so the bytes move GPU to GPU over the
-node's links: one gather on the source GPU, one peer copy, one scatter on the destination, for every layer at
-once (see :meth:`Arena.blocks_view`).
+node's links: one kernel on the destination GPU reads every layer's span of each block over the link and writes
+it in place (:mod:`kvpool.blockcopy`); without Triton, and between CPU arenas, one gather, one copy and one
+scatter for every layer at once (see :meth:`Arena.blocks_view`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvpool import blockcopy
 from kvpool.arena import Arena
 from kvpool.errors import InvalidRequest
 
@@ -32,6 +34,15 @@ def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequenc
         return None
     src_all, dim = src.blocks_view()
     dst_all, _ = dst.blocks_view()
+    if src_all.is_cuda and dst_all.is_cuda:
+        if src_all.device != dst_all.device:  # the kernel runs on dst's stream: after what src's has queued
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(src_all.device))
+            torch.cuda.current_stream(dst_all.device).wait_event(ready)
+        if blockcopy.copy(src_all, src.local_ids(src_ids), dst_all, dst.local_ids(dst_ids), dim):
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(dst_all.device))
+            return done
     src_idx = torch.tensor(src.local_ids(src_ids), device=src_all.device)
     dst_idx = torch.tensor(dst.local_ids(dst_ids), device=dst_all.device)
     staged = src_all.index_select(dim, src_idx)

@@ -214,7 +214,8 @@ class VmmOwnedArena(OwnedArena):
 
         if not self.ptr:
             assert self.fd is not None and self.device is not None
-            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index)
+            # every peer GPU may read it: a copy of blocks between two arenas runs on the destination's GPU
+            self.ptr = vmm.import_map(os.dup(self.fd), self.nbytes, self.device.index, vmm.peers(self.device.index))
         return self.ptr
 
     def close(self) -> None:

@@ -106,7 +106,9 @@ class ControlPlane:
         peer_copy = None
         if s.peer_copy and len(devices) > 1:
             views = [blocks_view_of(self._descriptor.part(p.index), a) for p, a in zip(parts, arenas, strict=True)]
-            peer_copy = ArenaCopier(views).copy
+            copier = ArenaCopier(views)
+            copier.warm()
+            peer_copy = copier.copy
         self._pool = Pool(
             sizes,
             layout,

@@ -149,22 +149,33 @@ class TierCopier:
 
 class ArenaCopier:
     """Copies blocks from one arena into another (one per GPU of the pool), for a lookup that another GPU's arena
-    serves further (:mod:`kvpool.server.peers`): one gather on the source device, one copy of the gathered blocks to
-    the destination device (a peer copy between GPUs), one scatter there; the call returns once the copy is done.
+    serves further (:mod:`kvpool.server.peers`): on GPUs one kernel on the destination's GPU reads each block's
+    spans over the link and writes them in place (:mod:`kvpool.blockcopy`); elsewhere (CPU arenas, no Triton) one
+    gather, one copy to the destination's device, one scatter. The call returns once the copy is done.
 
     ``arenas`` holds, per arena, its blocks view and the dim that indexes blocks (:meth:`Arena.blocks_view`)."""
 
     def __init__(self, arenas: Sequence[tuple[torch.Tensor, int]]) -> None:
         self.arenas = list(arenas)
 
+    def warm(self) -> None:
+        """Copy block 0 of the first arena into the second's and back, before the pool serves (every block is
+        free): the kernel's build (a second or so) belongs to the pool's start, not to the first lookup."""
+        if len(self.arenas) > 1:
+            self.copy(0, [0], 1, [0])
+            self.copy(1, [0], 0, [0])
+
     def copy(self, src_arena: int, src_ids: Sequence[int], dst_arena: int, dst_ids: Sequence[int]) -> None:
         import torch
+
+        from kvpool import blockcopy
 
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
         src, dim = self.arenas[src_arena]
         dst, _ = self.arenas[dst_arena]
-        gathered = src.index_select(dim, torch.tensor(list(src_ids), device=src.device))
-        dst.index_copy_(dim, torch.tensor(list(dst_ids), device=dst.device), gathered.to(dst.device))
+        if not blockcopy.copy(src, list(src_ids), dst, list(dst_ids), dim):
+            gathered = src.index_select(dim, torch.tensor(list(src_ids), device=src.device))
+            dst.index_copy_(dim, torch.tensor(list(dst_ids), device=dst.device), gathered.to(dst.device))
         if dst.is_cuda:
             torch.cuda.synchronize(dst.device)
