@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpool.errors import PoolExhausted
@@ -46,12 +47,58 @@ class Books(Protocol):
                count: bool = True) -> Any: ...  # fmt: skip
 
 
+@dataclass
+class Pending:
+    """A copy decided inside :meth:`PeerCopies.begin` / :meth:`PeerCopies.finish`, made at ``finish``."""
+
+    source: int
+    src: list[int]
+    arena: int
+    dst: list[int]
+
+
 class PeerCopies:
     def __init__(self, pool: Books, copy: PeerCopy) -> None:
         self.pool = pool
         self.copy = copy
         #: block -> the blocks, in any arena, that hold the same KV (one set shared by all of them)
         self.copies: dict[int, set[int]] = {}
+        self._pending: list[Pending] | None = None
+
+    def begin(self) -> None:
+        """From here to :meth:`finish`, :meth:`extend` indexes and hands out the blocks it copies over but leaves
+        the copy itself to ``finish``, which makes one per pair of arenas. The caller answers nobody in between:
+        those blocks hold no KV until then (nothing else runs on the pool's loop meanwhile, and their sources are
+        held)."""
+        self._pending = []
+
+    def finish(self) -> set[int]:
+        """Make the copies :meth:`extend` left since :meth:`begin`. Returns the blocks whose copy failed: already
+        out of the index and no copy of anything, with the refs the caller's lookups took on them still held
+        (the caller drops them)."""
+        pending, self._pending = self._pending or [], None
+        groups: dict[tuple[int, int], list[Pending]] = {}
+        for p in pending:
+            groups.setdefault((p.source, p.arena), []).append(p)
+        failed: set[int] = set()
+        allocator, c = self.pool.allocator, self.pool.counters
+        for (source, arena), batch in groups.items():
+            src = [b for p in batch for b in p.src]
+            dst = [b for p in batch for b in p.dst]
+            try:
+                self.copy(source, self._local(src), arena, self._local(dst))
+            except Exception:
+                log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
+                for block in dst:
+                    self.evicted(block)
+                    self.pool.index.remove_block(block)
+                    allocator.committed[block] = False
+                failed.update(dst)
+                c.peer_copies -= len(batch)
+                c.peer_copied_blocks -= len(dst)
+            finally:
+                allocator.drop(COPYING, src)
+        return failed
 
     def extend(
         self, holder: str, token_ids: Sequence[int], salt: str | None, arena: int, local: list[int]
@@ -83,14 +130,17 @@ class PeerCopies:
         except PoolExhausted:
             return []
         allocator.acquire(COPYING, src)  # cached sources stay put while they are read
-        try:
-            self.copy(source, self._local(src), arena, self._local(dst))
-        except Exception:
-            log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
-            allocator.drop(holder, dst)
-            return []
-        finally:
-            allocator.drop(COPYING, src)
+        if self._pending is not None:
+            self._pending.append(Pending(source, src, arena, dst))
+        else:
+            try:
+                self.copy(source, self._local(src), arena, self._local(dst))
+            except Exception:
+                log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
+                allocator.drop(holder, dst)
+                return []
+            finally:
+                allocator.drop(COPYING, src)
         pool._index(dst, token_ids[: (k + len(dst)) * bs], salt, k, k + len(dst), count=False)
         for s, d in zip(src, dst, strict=True):
             self._link(s, d)

@@ -269,7 +269,7 @@ class ControlPlane:
         self.pool.session(req.session_id)
         for x in req.lookups:
             token_bytes(x.token_seq())
-        hits = [self.pool.lookup(req.session_id, x.token_seq(), arena, x.salt) for x in req.lookups]
+        hits = self.pool.lookup_many(req.session_id, [(x.token_seq(), x.salt) for x in req.lookups], arena)
         return LookupManyResponse.model_construct(
             hits=[LookupResponse.model_construct(block_ids=r.block_ids, num_tokens=r.num_tokens) for r in hits]
         )

@@ -357,6 +357,33 @@ class Pool(Parking, PoolStats):
         """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
         block for the session."""
         holder = self.session(session_id).holder
+        ids = self._lookup(holder, token_ids, arena, salt)
+        return self._hit(ids, token_ids)
+
+    def lookup_many(
+        self, session_id: str, lookups: Sequence[tuple[Sequence[int], str | None]], arena: int = 0
+    ) -> list[LookupResult]:
+        """:meth:`lookup` of each prompt in order. Blocks that other arenas copy over for all of them go in one copy
+        per pair of arenas once every prompt was looked up (a burst's prefixes in one large copy, which runs near
+        the link's speed, instead of one small copy each); a prompt that finds blocks an earlier one had copied
+        over in the same call hits them too. Where a copy fails, the prompts that named its blocks stop before
+        them."""
+        holder = self.session(session_id).holder
+        if self.peers is None:
+            return [self._hit(self._lookup(holder, t, arena, salt), t) for t, salt in lookups]
+        self.peers.begin()
+        try:
+            found = [self._lookup(holder, t, arena, salt) for t, salt in lookups]
+        finally:
+            failed = self.peers.finish()
+        if failed:
+            for i, ids in enumerate(found):
+                cut = next((k for k, block in enumerate(ids) if block in failed), len(ids))
+                self.allocator.drop(holder, ids[cut:])
+                found[i] = ids[:cut]
+        return [self._hit(ids, t) for ids, (t, _) in zip(found, lookups, strict=True)]
+
+    def _lookup(self, holder: str, token_ids: Sequence[int], arena: int, salt: str | None) -> list[int]:
         if not 0 <= arena < len(self.hashers):
             raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
         blocks = self.hashers[arena].blocks(token_ids, salt)
@@ -367,6 +394,9 @@ class Pool(Parking, PoolStats):
             self.allocator.acquire(holder, ids)
         if self.peers is not None and len(ids) < len(token_ids) // self.layout.block_size:
             ids = ids + self.peers.extend(holder, token_ids, salt, arena, ids)
+        return ids
+
+    def _hit(self, ids: list[int], token_ids: Sequence[int]) -> LookupResult:
         c = self.counters
         c.lookup_requests += 1
         c.lookup_blocks += len(token_ids) // self.layout.block_size

@@ -185,3 +185,43 @@ def test_the_arena_copier_moves_each_block_whole_into_its_target_and_touches_not
     assert torch.all(dst.index_select(dim, torch.tensor([2, 3, 4])) == -1.0)
     with pytest.raises(ValueError, match="2 source blocks against 1"):
         ArenaCopier([(src, dim), (dst, dim)]).copy(0, [1, 2], 1, [0])
+
+
+def test_a_burst_s_prefixes_from_another_gpu_come_in_one_copy_and_a_shared_one_is_copied_once() -> None:
+    pool, arenas = make((32, 32))
+    a, b, shared = list(range(0, 12)), list(range(50, 58)), list(range(200, 208))
+    for tokens in (a, b, shared):
+        store(pool, arenas, tokens, arena=0)
+    sid = pool.open_session("r", "decode").session_id
+    prompts = [a, b, [*shared, 1, 2, 3, 4, 5], shared]
+    hits = pool.lookup_many(sid, [(t, None) for t in prompts], arena=1)
+    assert [h.num_tokens for h in hits] == [12, 8, 8, 8]
+    assert len(arenas.calls) == 1, "one copy for the whole burst"
+    for h, t in zip(hits, prompts, strict=True):
+        assert all(pool.allocator.arena_of[x] == 1 for x in pool.unfence(h.block_ids))
+        assert held_kv(pool, arenas, h.block_ids) == [tuple(t[: (i + 1) * BS]) for i in range(h.num_tokens // BS)]
+    assert hits[2].block_ids == hits[3].block_ids, "the second finds the first's copies"
+    assert (pool.counters.peer_copies, pool.counters.peer_copied_blocks) == (3, 7)
+    pool.close_session(sid)
+    pool.allocator.check()
+
+
+def test_a_burst_whose_copy_fails_gets_its_local_prefixes_only_and_the_books_balance() -> None:
+    pool, arenas = make((32, 32))
+    tokens = list(range(300, 316))
+    store(pool, arenas, tokens, arena=0)
+    local = store(pool, arenas, tokens[:4], arena=1)
+    arenas.fail = True
+    sid = pool.open_session("r", "decode").session_id
+    hits = pool.lookup_many(sid, [(tokens, None), (tokens[:12], None)], arena=1)
+    assert [pool.unfence(h.block_ids) for h in hits] == [local, local]
+    assert (pool.counters.peer_copies, pool.counters.peer_copied_blocks) == (0, 0)
+    pool.close_session(sid)
+    pool.allocator.check()
+    assert not any(pool.allocator.ref_cnt), "no block held once the session is gone: the failed copies went back"
+    arenas.fail = False
+    sid = pool.open_session("r2", "decode").session_id
+    again = pool.lookup(sid, tokens, arena=1)
+    assert again.num_tokens == 16 and held_kv(pool, arenas, again.block_ids)[-1] == tuple(tokens)
+    pool.close_session(sid)
+    pool.allocator.check()
