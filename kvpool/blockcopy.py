@@ -66,6 +66,15 @@ def geometry(view: torch.Tensor, dim: int) -> tuple[int, int, int] | None:
 
 
 @functools.cache
+def reaches(a: int, b: int) -> bool:
+    """Whether GPU ``a`` can read GPU ``b``'s memory (peer access over NVLink or PCIe): a kernel reading memory it
+    cannot reach would end the process's CUDA context, so without it the copy goes through the gather."""
+    import torch
+
+    return a == b or torch.cuda.can_device_access_peer(a, b)
+
+
+@functools.cache
 def open_peers(a: int, b: int) -> None:
     """Enable peer access between two GPUs for memory torch allocated (torch does so for a copy between them that
     is not one contiguous span); VMM mappings carry their own grants."""
@@ -94,7 +103,7 @@ def copy(src: torch.Tensor, src_ids: Sequence[int], dst: torch.Tensor, dst_ids: 
     if max(src_ids) >= gs[1] or max(dst_ids) >= gd[1] or min(src_ids) < 0 or min(dst_ids) < 0:
         raise IndexError(f"blocks outside the arenas ({gs[1]} and {gd[1]} blocks)")
     global _broken
-    if _broken is not None:
+    if _broken is not None or not reaches(dst.device.index, src.device.index):
         return False
     device = dst.device
     try:
