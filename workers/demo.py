@@ -153,14 +153,15 @@ def run_workers(
 
     def watch() -> None:
         nonlocal up
-        if not up and _sessions(url) >= 2:
+        done = [(name, record) for name, tail in tails.items() for record in tail.new()]
+        # a request done means both were up, even where a busy machine let the prefill end between two looks
+        if not up and (done or _sessions(url) >= 2):
             up = True
             assert progress is not None
             progress(f"workers up: prefill and decode connected to the pool ({time.perf_counter() - t0:.1f} s)")
-        for name, tail in tails.items():
-            for record in tail.new():
-                if progress is not None:
-                    progress(_progress_line(name, record))
+        for name, record in done:
+            if progress is not None:
+                progress(_progress_line(name, record))
 
     try:
         while prefill.poll() is None or decode.poll() is None:
