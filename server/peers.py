@@ -49,7 +49,7 @@ class Books(Protocol):
 
 @dataclass
 class Pending:
-    """A copy decided inside :meth:`PeerCopies.begin` / :meth:`PeerCopies.finish`, made at ``finish``."""
+    """A copy :meth:`PeerCopies.extend` decided, made at :meth:`PeerCopies.finish`."""
 
     source: int
     src: list[int]
@@ -63,20 +63,13 @@ class PeerCopies:
         self.copy = copy
         #: block -> the blocks, in any arena, that hold the same KV (one set shared by all of them)
         self.copies: dict[int, set[int]] = {}
-        self._pending: list[Pending] | None = None
-
-    def begin(self) -> None:
-        """From here to :meth:`finish`, :meth:`extend` indexes and hands out the blocks it copies over but leaves
-        the copy itself to ``finish``, which makes one per pair of arenas. The caller answers nobody in between:
-        those blocks hold no KV until then (nothing else runs on the pool's loop meanwhile, and their sources are
-        held)."""
-        self._pending = []
+        self._pending: list[Pending] = []
 
     def finish(self) -> set[int]:
-        """Make the copies :meth:`extend` left since :meth:`begin`. Returns the blocks whose copy failed: already
-        out of the index and no copy of anything, with the refs the caller's lookups took on them still held
-        (the caller drops them)."""
-        pending, self._pending = self._pending or [], None
+        """Make the copies :meth:`extend` decided since the last call, one per pair of arenas. Returns the blocks
+        whose copy failed: already out of the index and no copy of anything, with the refs the caller's lookups
+        took on them still held (the caller drops them)."""
+        pending, self._pending = self._pending, []
         groups: dict[tuple[int, int], list[Pending]] = {}
         for p in pending:
             groups.setdefault((p.source, p.arena), []).append(p)
@@ -103,9 +96,11 @@ class PeerCopies:
     def extend(
         self, holder: str, token_ids: Sequence[int], salt: str | None, arena: int, local: list[int]
     ) -> list[int]:
-        """Blocks past ``local`` (the prompt's prefix ``arena`` holds) copied from the arena that holds the prompt
-        furthest, indexed in ``arena``, with a ref each for ``holder``; none if no arena holds more or ``arena`` has
-        no room."""
+        """Blocks past ``local`` (the prompt's prefix ``arena`` holds) to be copied from the arena that holds the
+        prompt furthest, indexed in ``arena``, with a ref each for ``holder``; none if no arena holds more or
+        ``arena`` has no room. They hold no KV until :meth:`finish` made the copy: the caller answers nobody before
+        (nothing else runs on the pool's loop meanwhile, and the sources are held), so that a burst's copies go in
+        one."""
         pool, bs = self.pool, self.pool.layout.block_size
         k, full = len(local), len(token_ids) // bs
         best: list[int] = []
@@ -129,18 +124,8 @@ class PeerCopies:
             dst = allocator.allocate(holder, len(src), arena)
         except PoolExhausted:
             return []
-        allocator.acquire(COPYING, src)  # cached sources stay put while they are read
-        if self._pending is not None:
-            self._pending.append(Pending(source, src, arena, dst))
-        else:
-            try:
-                self.copy(source, self._local(src), arena, self._local(dst))
-            except Exception:
-                log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
-                allocator.drop(holder, dst)
-                return []
-            finally:
-                allocator.drop(COPYING, src)
+        allocator.acquire(COPYING, src)  # cached sources stay put until they are read
+        self._pending.append(Pending(source, src, arena, dst))
         pool._index(dst, token_ids[: (k + len(dst)) * bs], salt, k, k + len(dst), count=False)
         for s, d in zip(src, dst, strict=True):
             self._link(s, d)

@@ -356,9 +356,7 @@ class Pool(Parking, PoolStats):
     ) -> LookupResult:
         """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
         block for the session."""
-        holder = self.session(session_id).holder
-        ids = self._lookup(holder, token_ids, arena, salt)
-        return self._hit(ids, token_ids)
+        return self.lookup_many(session_id, [(token_ids, salt)], arena)[0]
 
     def lookup_many(
         self, session_id: str, lookups: Sequence[tuple[Sequence[int], str | None]], arena: int = 0
@@ -371,7 +369,6 @@ class Pool(Parking, PoolStats):
         holder = self.session(session_id).holder
         if self.peers is None:
             return [self._hit(self._lookup(holder, t, arena, salt), t) for t, salt in lookups]
-        self.peers.begin()
         try:
             found = [self._lookup(holder, t, arena, salt) for t, salt in lookups]
         finally:
