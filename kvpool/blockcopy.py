@@ -4,7 +4,7 @@ A gather on the source, a copy of the gathered bytes and a scatter on the destin
 0.36-0.49x of a plain peer copy between two H200s. Here one Triton kernel on the destination's GPU reads each
 (layer, block) span of the source over NVLink and writes it in place. On two H200s, through ``copy_blocks``
 (``kvpool bench copy``): 0.80x and 0.83x of a plain peer copy at 1 and 4 GiB, 0.44x and 0.57x for 32 and 256 MiB of
-32 KiB spans, where the kernel alone, on buffers torch allocated, ran at 0.94-0.99x and 0.88-0.94x.
+32 KiB spans.
 
 The kernel needs Triton (it comes with torch's CUDA builds) and the source's memory mapped for the destination's
 GPU: the VMM mappings of workers and of the pool grant every peer GPU, and :func:`open_peers` enables peer access
