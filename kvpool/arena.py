@@ -20,14 +20,15 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import ArenaClosed, InvalidRequest
-from kvpool.ids import BLOCK_MASK, arena_ids, pack_ids
+from kvpool.ids import BLOCK_MASK, arena_ids, arena_index, pack_ids
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Arena:
         used = descriptor.num_blocks * descriptor.block_nbytes
         typed = raw[:used].view(torch_dtype(self.layout.dtype))
         self._views = _layer_views(typed, self.layout, self.num_blocks)
+        self._blocks: tuple[torch.Tensor, int] | None = None
 
     @property
     def closed(self) -> bool:
@@ -92,6 +94,10 @@ class Arena:
         """Pool block ids as indices into this arena's views (they differ only on a multi-device pool)."""
         return arena_ids(block_ids, self.first_block, self.num_blocks)
 
+    def local_index(self, block_ids: Sequence[int] | Any) -> np.ndarray:
+        """:meth:`local_ids` as one int64 array (copies of many blocks)."""
+        return arena_index(block_ids, self.first_block, self.num_blocks)
+
     def block_table(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The int32 block table of a sequence, on the arena's device, for a paged-attention kernel.
 
@@ -128,13 +134,16 @@ class Arena:
         elems]``, blocks on dim 0. Either way one gather moves every layer's K and V of a set of blocks.
         """
         self._check()
-        lay, e = self.layout, self.layout.block_layer_elems
-        typed = self.raw[: self.num_blocks * lay.block_nbytes].view(torch_dtype(lay.dtype))
-        if lay.order == "layer_major":
-            return typed.view(2 * lay.num_layers, self.num_blocks, e), 1
-        if lay.order == "kv_packed":
-            return typed.view(lay.num_layers, self.num_blocks, 2 * e), 1
-        return typed.view(self.num_blocks, 2 * lay.num_layers, e), 0
+        if self._blocks is None:  # cut once: a copy of a request's blocks should not pay for three views
+            lay, e = self.layout, self.layout.block_layer_elems
+            typed = self.raw[: self.num_blocks * lay.block_nbytes].view(torch_dtype(lay.dtype))
+            if lay.order == "layer_major":
+                self._blocks = typed.view(2 * lay.num_layers, self.num_blocks, e), 1
+            elif lay.order == "kv_packed":
+                self._blocks = typed.view(lay.num_layers, self.num_blocks, 2 * e), 1
+            else:
+                self._blocks = typed.view(self.num_blocks, 2 * lay.num_layers, e), 0
+        return self._blocks
 
     def block(self, block_id: int) -> list[torch.Tensor]:
         """Views of one block's bytes: one tensor in block-major order, two per layer in layer-major."""
@@ -146,6 +155,7 @@ class Arena:
         """Forbid further use through this object; the mapping stays until the process exits."""
         self._raw = None
         self._views = []
+        self._blocks = None
 
 
 def _layer_views(typed: torch.Tensor, layout: KVLayout, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -25,6 +25,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from kvpool.errors import InvalidRequest
 
 BLOCK_BITS = 32
@@ -105,6 +107,19 @@ def arena_ids(block_ids: Sequence[int], first: int, num_blocks: int) -> list[int
     local = [(b & BLOCK_MASK) - first for b in block_ids]
     if local and (min(local) < 0 or max(local) >= num_blocks or min(block_ids) < 0):
         raise IndexError(f"blocks outside this arena's ids [{first}, {first + num_blocks}): {list(block_ids)[:8]}")
+    return local
+
+
+def arena_index(block_ids: Sequence[int] | Any, first: int, num_blocks: int) -> np.ndarray:
+    """:func:`arena_ids` as one int64 array, in one vectorized pass: a copy of hundreds of blocks pays a few
+    microseconds here where a Python int per id costs tens."""
+    packed = pack_ids(block_ids)
+    if packed is None:
+        raise IndexError(f"block ids outside int64: {list(block_ids)[:8]}")
+    given = np.frombuffer(packed, dtype="<i8")
+    local = (given & BLOCK_MASK) - first
+    if len(local) and (given.min() < 0 or local.min() < 0 or local.max() >= num_blocks):
+        raise IndexError(f"blocks outside this arena's ids [{first}, {first + num_blocks}): {given.tolist()[:8]}")
     return local
 
 

@@ -34,7 +34,7 @@ def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequenc
         return None
     src_all, dim = src.blocks_view()
     dst_all, _ = dst.blocks_view()
-    src_local, dst_local = src.local_ids(src_ids), dst.local_ids(dst_ids)
+    src_local, dst_local = src.local_index(src_ids), dst.local_index(dst_ids)
     if src_all.is_cuda and dst_all.is_cuda:
         if src_all.device != dst_all.device:  # the kernel runs on dst's stream: after what src's has queued
             ready = torch.cuda.Event()
@@ -44,8 +44,8 @@ def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequenc
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(dst_all.device))
             return done
-    src_idx = torch.tensor(src_local, device=src_all.device)
-    dst_idx = torch.tensor(dst_local, device=dst_all.device)
+    src_idx = torch.from_numpy(src_local).to(src_all.device)
+    dst_idx = torch.from_numpy(dst_local).to(dst_all.device)
     staged = src_all.index_select(dim, src_idx)
     if staged.device != dst_all.device:
         staged = staged.to(dst_all.device, non_blocking=True)

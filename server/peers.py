@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from kvpool.errors import PoolExhausted
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 COPYING = "c:copying"
 
 #: copy blocks of one arena into blocks of another: (source arena, its local ids, destination arena, its local ids)
-PeerCopy = Callable[[int, list[int], int, list[int]], None]
+PeerCopy = Callable[[int, np.ndarray, int, np.ndarray], None]
 
 
 class Books(Protocol):
@@ -79,7 +81,7 @@ class PeerCopies:
             src = [b for p in batch for b in p.src]
             dst = [b for p in batch for b in p.dst]
             try:
-                self.copy(source, self._local(src), arena, self._local(dst))
+                self.copy(source, self._local(src, source), arena, self._local(dst, arena))
             except Exception:
                 log.exception("copying %d prefix blocks from arena %d to arena %d failed", len(src), source, arena)
                 for block in dst:
@@ -134,9 +136,8 @@ class PeerCopies:
         c.peer_copied_blocks += len(dst)
         return dst
 
-    def _local(self, blocks: list[int]) -> list[int]:
-        starts, arena_of = self.pool.allocator.starts, self.pool.allocator.arena_of
-        return [b - starts[arena_of[b]] for b in blocks]
+    def _local(self, blocks: list[int], arena: int) -> np.ndarray:
+        return np.asarray(blocks, dtype=np.int64) - self.pool.allocator.starts[arena]
 
     def _link(self, a: int, b: int) -> None:
         group = self.copies.get(a)
