@@ -91,6 +91,57 @@ def open_peers(a: int, b: int) -> None:
     x.t().copy_(y.t()[:, :])
 
 
+class Route:
+    """What a copy between two blocks views needs that does not change while both stay mapped: the views as words
+    on the destination's GPU, the grid's second dim, the strides, and the kernel as built for them. Looked up once
+    per copy, so that a request's copy pays for its ids and one launch, not for checks it passed before."""
+
+    def __init__(self, kernel: Any, src: torch.Tensor, dst: torch.Tensor, gs: tuple[int, int, int],
+                 gd: tuple[int, int, int]) -> None:  # fmt: skip
+        self.device = dst.device
+        self.words_src = _words(src.data_ptr(), src.nbytes, self.device.index)
+        self.words_dst = _words(dst.data_ptr(), dst.nbytes, self.device.index)
+        self.kernel, self.slices, self.span = kernel, gs[0], gs[2]
+        self.blocks = gs[1], gd[1]
+        self.outer = gs[1] * gs[2], gd[1] * gd[2]
+        self.built: Any = None  # the kernel as Triton built it for this route's arguments, once launched
+
+    def launch(self, ids: torch.Tensor, n: int) -> None:
+        """Launch on the current stream of the destination's GPU (the caller's device context)."""
+        args = (self.words_src, self.words_dst, ids, n, *self.outer, self.span)
+        if self.built is not None:  # Triton's own launch binds and checks every argument again: tens of us
+            try:
+                self.built[(n, self.slices, 1)](*args, STEP)
+                return
+            except Exception as exc:  # another Triton's compiled-kernel API: its own launch from now on
+                log.debug("launching the built copy kernel failed (%s); launching through Triton's JIT", exc)
+                self.built = False
+        built = self.kernel[(n, self.slices)](*args, STEP=STEP, num_warps=WARPS)
+        if self.built is None:
+            self.built = built
+
+
+_routes: dict[tuple[Any, ...], Route | None] = {}
+
+
+def _route(src: torch.Tensor, dst: torch.Tensor, dim: int) -> Route | None:
+    key = (src.data_ptr(), src.shape, src.dtype, src.device, dst.data_ptr(), dst.shape, dst.dtype, dst.device, dim)
+    route = _routes.get(key, False)
+    if route is not False:
+        return route
+    kernel = _kernel()
+    gs, gd = geometry(src, dim), geometry(dst, dim)
+    route = None
+    fits = kernel is not None and gs is not None and gd is not None and gs[0] == gd[0] and gs[2] == gd[2]
+    if fits and reaches(dst.device.index, src.device.index):
+        open_peers(src.device.index, dst.device.index)
+        route = Route(kernel, src, dst, gs, gd)  # type: ignore[arg-type]
+    if len(_routes) > 256:
+        _routes.clear()
+    _routes[key] = route
+    return route
+
+
 def copy(src: torch.Tensor, src_ids: Sequence[int] | np.ndarray, dst: torch.Tensor, dst_ids: Sequence[int] | np.ndarray,
          dim: int) -> bool:  # fmt: skip
     """Copy blocks ``src_ids`` of the blocks view ``src`` into blocks ``dst_ids`` of ``dst`` (both indexed on
@@ -100,32 +151,22 @@ def copy(src: torch.Tensor, src_ids: Sequence[int] | np.ndarray, dst: torch.Tens
     about 120 us): the ids go over as one int64 array from pinned memory, without waiting for the copy."""
     import torch
 
-    n = len(src_ids)
-    if not (src.is_cuda and dst.is_cuda) or not n:
-        return False
-    kernel = _kernel()
-    gs, gd = geometry(src, dim), geometry(dst, dim)
-    if kernel is None or gs is None or gd is None or gs[0] != gd[0] or gs[2] != gd[2]:
-        return False
-    slices, span = gs[0], gs[2]
     global _broken
-    if _broken is not None or not reaches(dst.device.index, src.device.index):
+    n = len(src_ids)
+    if not (src.is_cuda and dst.is_cuda) or not n or _broken is not None:
+        return False
+    route = _route(src, dst, dim)
+    if route is None:
         return False
     pairs = torch.empty(2 * n, dtype=torch.int64, pin_memory=True)
     both = pairs.numpy()
     both[:n], both[n:] = src_ids, dst_ids
-    if both.min() < 0 or both[:n].max() >= gs[1] or both[n:].max() >= gd[1]:
-        raise IndexError(f"blocks outside the arenas ({gs[1]} and {gd[1]} blocks)")
-    device = dst.device
+    src_blocks, dst_blocks = route.blocks
+    if both.min() < 0 or both[:n].max() >= src_blocks or both[n:].max() >= dst_blocks:
+        raise IndexError(f"blocks outside the arenas ({src_blocks} and {dst_blocks} blocks)")
     try:
-        open_peers(src.device.index, device.index)
-        with torch.cuda.device(device):
-            ids = pairs.to(device, non_blocking=True)  # the host allocator keeps ``pairs`` until this copy ran
-            words_src = _words(src.data_ptr(), src.nbytes, device.index)
-            words_dst = _words(dst.data_ptr(), dst.nbytes, device.index)
-            kernel[(n, slices)](
-                words_src, words_dst, ids, n, gs[1] * span, gd[1] * span, span, STEP=STEP, num_warps=WARPS
-            )
+        with torch.cuda.device(route.device):
+            route.launch(pairs.to(route.device, non_blocking=True), n)  # the host allocator keeps ``pairs`` till then
     except Exception as exc:  # Triton cannot build or launch it here (no compiler, no cache dir): the old way
         _broken = f"{type(exc).__name__}: {exc}"
         log.warning("block copies by kernel turned off (%s): gathering, copying and scattering instead", _broken)
