@@ -34,7 +34,9 @@ LAYOUTS = {
         num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="bfloat16", order="kv_packed"
     ),
 }
-SIZES = {"8b": [64 * MIB, 256 * MIB, GIB, 4 * GIB], "resident": [32 * MIB, 256 * MIB]}
+#: resident: one request's blocks (64), eight, and a burst's shared prefixes as ``kvpool bench vllm --engines peers``
+#: copies them (32 prompts x 48 blocks, one copy)
+SIZES = {"8b": [64 * MIB, 256 * MIB, GIB, 4 * GIB], "resident": [32 * MIB, 256 * MIB, 768 * MIB]}
 VARIANTS = ("blocks", "move", "peer-copy")
 #: the goal of issue 37: scattered blocks between two GPUs at this share of a plain peer copy's bandwidth
 GOAL = 0.8
