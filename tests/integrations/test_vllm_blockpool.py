@@ -147,6 +147,11 @@ def test_a_prefill_is_parked_and_the_decode_engine_s_manager_takes_its_blocks(po
         dreq = d.request("r1", prompt, params)
         got, hit = d.schedule(dreq)
         assert hit == 4 * BS and got[:4] == blocks[:4] and holds(d.arena, got[:4], prompt)
+        # handed to vLLM as the request's hit (vLLM 0.26: no search, no map insert), and timed as the handover
+        assert blockpool._ARITY == 3
+        assert d.sched.residency.handovers.summary()["handovers"] == 1
+        assert all(d.manager.block_pool.blocks[b].block_hash is None for b in got[:4])
+        assert d.manager.block_pool.blocks[got[0]].ref_cnt == 1  # vLLM's own ref, taken as for any hit
         wrong = d.request("r2", [1, 2, 3, *prompt[3:]], params)  # a digest that does not match: nothing installed
         _, hit = d.schedule(wrong)
         assert hit == 0

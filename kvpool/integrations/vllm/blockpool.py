@@ -14,8 +14,10 @@ unchanged. vLLM's map holds only blocks the engine holds a pool ref on, so a hit
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import time
+import typing
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -35,8 +37,9 @@ class ResidentBlockPool(BlockPool):
     """A ``BlockPool`` whose free blocks are the engine's slab in the pool's arena (block id == arena block)."""
 
     residency: Residency
-    #: the pool's answer for a request (a hit and how many of its blocks to use), taken once
-    on_request: Callable[[Any], tuple[Any, int] | None]
+    #: the pool's answer for a request (a hit, how many of its blocks to use, whether it is a claimed handoff),
+    #: taken once
+    on_request: Callable[[Any], tuple[Any, int, bool] | None]
     #: told of the block pool once it is built (the connector's scheduler side frees through it)
     on_built: Callable[[ResidentBlockPool], None]
 
@@ -108,28 +111,47 @@ class ResidentBlockPool(BlockPool):
 
     # -- hits from the pool ---------------------------------------------------------------------------------
 
-    def install(self, request: Any) -> None:
+    def install(self, request: Any) -> list[KVCacheBlock] | None:
         """Put what the pool answered for ``request`` into vLLM's map under the request's own block hashes (vLLM's
-        hash seed differs between engines; the pool's chains are over token ids), before vLLM searches it."""
-        began = time.perf_counter()
+        hash seed differs between engines; the pool's chains are over token ids), before vLLM searches it.
+
+        A claimed handoff is the whole prompt's KV: its blocks are returned instead, for the caller to hand to vLLM
+        as the request's hit without a search (where it knows how), as its own hits would be. Its handover then
+        costs one pass over the ids, not a hash-map insert and a search per block."""
         answer = self.on_request(request)
         if answer is None:
-            return
-        hit, usable_blocks = answer
-        claims = len(self.residency.handovers.claim_us)
+            return None
+        hit, usable_blocks, claimed = answer
         blocks = self.residency.install(request.request_id, hit, usable_blocks)
+        if claimed and _ARITY:
+            return [self.blocks[b] for b in blocks]
         hashes = request.block_hashes
         size = self.hash_block_size
         for i, block_id in enumerate(blocks):
             key = make_block_hash_with_group_id(hashes[i], 0)
             self._insert_block_hash(key, self.blocks[block_id], num_tokens=(i + 1) * size)
-        if len(self.residency.handovers.claim_us) > claims:  # a claimed handoff: its install is the handover's end
-            self.residency.handovers.install_us.append((time.perf_counter() - began) * 1e6)
+        return None
+
+
+def _arity() -> int:
+    """How many values vLLM's ``get_computed_blocks`` returns (2 up to 0.25, 3 from 0.26), or 0 if unknown: then
+    a handoff's blocks go through vLLM's own search like any hit."""
+    annotation = inspect.signature(KVCacheManager.get_computed_blocks).return_annotation
+    if isinstance(annotation, str):
+        names = [a.strip().rsplit(".", 1)[-1] for a in annotation.removeprefix("tuple[").removesuffix("]").split(",")]
+    else:
+        names = [getattr(a, "__name__", "") for a in typing.get_args(annotation)]
+    if names in (["KVCacheBlocks", "int"], ["KVCacheBlocks", "int", "int"]):
+        return len(names)
+    return 0
+
+
+_ARITY = _arity()
 
 
 def install(
     residency: Residency,
-    on_request: Callable[[Any], tuple[Any, int] | None],
+    on_request: Callable[[Any], tuple[Any, int, bool] | None],
     on_built: Callable[[ResidentBlockPool], None],
 ) -> None:
     """From now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is a resident one bound to
@@ -156,9 +178,19 @@ def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_computed_blocks(manager: Any, request: Any) -> Any:
         pool = manager.block_pool
-        if isinstance(pool, ResidentBlockPool) and manager.enable_caching:
-            pool.install(request)
-        return original(manager, request)
+        if not isinstance(pool, ResidentBlockPool) or not manager.enable_caching:
+            return original(manager, request)
+        began = time.perf_counter()
+        claimed = pool.install(request)
+        if claimed is None or getattr(request, "skip_reading_prefix_cache", False):
+            return original(manager, request)
+        tokens = len(claimed) * pool.hash_block_size
+        if manager.log_stats and manager.prefix_cache_stats is not None:
+            manager.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=tokens,
+                                              preempted=request.num_preemptions > 0)  # fmt: skip
+        hit = manager.create_kv_cache_blocks((claimed,))
+        pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
+        return (hit, tokens, 0)[:_ARITY]
 
     setattr(get_computed_blocks, _WRAPPED, True)
     return get_computed_blocks

@@ -140,31 +140,30 @@ class ResidentCounters:
 
 @dataclass
 class Handovers:
-    """How long a decode engine's handovers took (microseconds, the latest ones): the claim, from the request's
-    arrival in the engine to the pool's answer (it waits there if the prefill is not parked yet), and the install
-    of its blocks into vLLM's prefix cache when the scheduler takes the request in."""
+    """How long a decode engine's handovers took (microseconds, the latest ones).
+
+    ``taken_in_us`` is the handover itself: from the scheduler taking the request in to its blocks being usable
+    (its hit handed to vLLM), with any wait for the claim's answer. ``claim_us`` runs from the request's arrival in
+    the engine to the pool's answer; it overlaps the request's wait in the engine's queue, and it waits in the pool
+    if the prefill engine has not parked the request yet."""
 
     claim_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    install_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    taken_in_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     #: how long the scheduler waited for any answer (lookup or claim) not back when it took the request in
     wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     def summary(self) -> dict[str, int]:
-        waits = (
-            {"answer_wait_p50_us": int(statistics.median(self.wait_us)), "answer_wait_max_us": int(max(self.wait_us))}
-            if self.wait_us
-            else {}
-        )
-        if not self.install_us:
-            return waits
-        both = sorted(c + i for c, i in zip(self.claim_us, self.install_us, strict=False))
-        return {
-            "handovers": len(self.install_us),
-            "handover_claim_p50_us": int(statistics.median(self.claim_us)) if self.claim_us else 0,
-            "handover_install_p50_us": int(statistics.median(self.install_us)),
-            "handover_p50_us": int(statistics.median(both)) if both else 0,
-            **waits,
-        }
+        out = {}
+        if self.wait_us:
+            out["answer_wait_p50_us"] = int(statistics.median(self.wait_us))
+            out["answer_wait_max_us"] = int(max(self.wait_us))
+        if self.taken_in_us:
+            out["handovers"] = len(self.taken_in_us)
+            out["handover_p50_us"] = int(statistics.median(self.taken_in_us))
+            out["handover_p99_us"] = int(sorted(self.taken_in_us)[int(0.99 * (len(self.taken_in_us) - 1))])
+        if self.claim_us:
+            out["handover_claim_from_arrival_p50_us"] = int(statistics.median(self.claim_us))
+        return out
 
 
 @dataclass
@@ -357,23 +356,31 @@ class Residency:
     def install(self, req_id: str, hit: Hit, usable: int) -> list[int]:
         """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
         ref: a ref the hit took on a block held already goes back) and pinned by the request until it is scheduled
-        or finished. Returns the engine's block for each of the prompt's first blocks, in order."""
+        or finished. Returns the engine's block for each of the prompt's first blocks, in order.
+
+        On a decode engine's handover path: a request's blocks go in whole, not one Python step per block where
+        that can be helped."""
+        ids = hit.ids[:usable]
         extra = list(hit.ids[usable:])
-        blocks: list[int] = []
-        for fenced in hit.ids[:usable]:
-            block = self.local(fenced)
-            if not 0 < block < self.num_blocks:
-                raise AssertionError(f"the pool's hit names block {block} (id {fenced}) outside this engine's arena")
-            held = self.held.get(block)
-            if held is None:
-                self.held[block] = fenced
-            elif held != fenced:
-                raise AssertionError(f"block {block} is held as {held} but the pool answered {fenced}")
-            else:
-                extra.append(fenced)
-            self.committed.add(block)
-            self.pins[block] += 1
-            blocks.append(block)
+        first = self.first_block
+        blocks = [(fenced & BLOCK_MASK) - first for fenced in ids]
+        if blocks and (min(blocks) <= 0 or max(blocks) >= self.num_blocks):
+            bad = next(b for b in blocks if not 0 < b < self.num_blocks)
+            raise AssertionError(f"the pool's hit names block {bad} outside this engine's arena")
+        held = self.held
+        if held.keys().isdisjoint(blocks) and len(set(blocks)) == len(blocks):
+            held.update(zip(blocks, ids, strict=True))
+        else:
+            for block, fenced in zip(blocks, ids, strict=True):
+                was = held.get(block)
+                if was is None:
+                    held[block] = fenced
+                elif was != fenced:
+                    raise AssertionError(f"block {block} is held as {was} but the pool answered {fenced}")
+                else:
+                    extra.append(fenced)
+        self.committed.update(blocks)
+        self.pins.update(blocks)
         self.req_pins.setdefault(req_id, []).extend(blocks)
         self._release_ids(extra)
         claimed = self._claimed.pop(req_id, None)

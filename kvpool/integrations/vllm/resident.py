@@ -117,7 +117,9 @@ class ResidentScheduler:
             free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s, device=device,
             alive=lambda: client.session.lost or client.session.unreachable,
         )  # fmt: skip
-        self.claims: dict[str, str] = {}  # request -> the handoff it claims, whose digest it must match
+        #: request -> the digest its handoff must carry (from the request's params, "" if none) and its prompt's own,
+        #: taken as it arrives so that the handover does not hash the prompt
+        self.claims: dict[str, tuple[str, str]] = {}
         self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
         self.block_pool: Any = None
         blockpool.install(self.residency, self._answer, self._bind)
@@ -135,11 +137,12 @@ class ResidentScheduler:
             return
         prompt = request.prompt_token_ids
         if key is not None:
-            self.claims[request.request_id] = str(params.get(DIGEST_KEY) or "")
+            self.claims[request.request_id] = (str(params.get(DIGEST_KEY) or ""), prompt_digest(prompt))
         self.residency.prefetch(request.request_id, prompt, claim=str(key) if key is not None else None)
 
-    def _answer(self, request: Any) -> tuple[Hit, int] | None:
-        """What to install for ``request`` before vLLM searches its prefix cache: its hit and how many blocks."""
+    def _answer(self, request: Any) -> tuple[Hit, int, bool] | None:
+        """What to install for ``request`` before vLLM searches its prefix cache: its hit, how many blocks, and
+        whether it is a claimed handoff (the whole prompt's KV)."""
         rid = request.request_id
         if rid in self.asked:
             return None
@@ -151,16 +154,16 @@ class ResidentScheduler:
         if hit is None or not hit.ids:
             return None
         prompt = request.prompt_token_ids
-        want = self.claims.pop(request.request_id, None)
-        if want is not None:
+        claim = self.claims.pop(request.request_id, None)
+        if claim is not None:
+            want, digest = claim
             full = len(prompt) // self.block_size * self.block_size
-            digest = prompt_digest(prompt)
             if hit.num_tokens != full or hit.meta.get("digest") != digest or (want and want != digest):
                 log.warning("kvpool: handoff for %s holds another prompt's KV; computing it", request.request_id)
                 self.residency.install(request.request_id, hit, 0)
                 return None
         usable = min(len(hit.ids), (len(prompt) - 1) // self.block_size)
-        return hit, usable
+        return hit, usable, claim is not None
 
     # -- a request's end ------------------------------------------------------------------------------------
 
