@@ -3,8 +3,9 @@
 A gather on the source, a copy of the gathered bytes and a scatter on the destination move every byte three times:
 0.36-0.49x of a plain peer copy between two H200s. Here one Triton kernel on the destination's GPU reads each
 (layer, block) span of the source over NVLink and writes it in place. On two H200s, through ``copy_blocks``
-(``kvpool bench copy``): 0.80x and 0.83x of a plain peer copy at 1 and 4 GiB, 0.44x and 0.57x for 32 and 256 MiB of
-32 KiB spans.
+(``kvpool bench copy``): 0.88x and 0.92x of a plain peer copy at 1 and 4 GiB of 2 MiB blocks; of 32 KiB spans, 0.80x
+and 0.87x at 256 and 768 MiB, 0.60x at 32 MiB, where the host's share (launch, ids, events) is as long as the
+kernel's.
 
 The kernel needs Triton (it comes with torch's CUDA builds) and the source's memory mapped for the destination's
 GPU: the VMM mappings of workers and of the pool grant every peer GPU, and :func:`open_peers` enables peer access
