@@ -158,3 +158,27 @@ def test_a_prefill_is_parked_and_the_decode_engine_s_manager_takes_its_blocks(po
     finally:
         p.close()
         d.close()
+
+
+def test_a_hit_larger_than_the_slab_s_idle_blocks_is_scheduled(pool: PoolProcess) -> None:
+    """vLLM asks room for a request's new blocks and for its hit blocks no request uses yet (its own pool keeps
+    those among the free ones): the hits a waiting request holds count as free, or a handoff of more blocks than
+    the slab keeps idle would never be scheduled."""
+    p = FakeClientEngine(pool.url, "prefill")
+    d = FakeClientEngine(pool.url, "decode")  # a slab of 8 idle blocks
+    try:
+        prompt = list(range(900, 900 + 12 * BS + 2))
+        req = p.request("big", prompt, {"do_remote_decode": True})
+        blocks, _ = p.schedule(req)
+        p.compute(blocks, prompt)
+        req.num_computed_tokens = len(prompt)
+        params = p.sched.finished(req, blocks)
+        p.manager.free(req)
+        p.sched.residency.drain()
+        assert d.client.slab.idle_count() < 12
+        got, hit = d.schedule(d.request("big", prompt, params))  # schedule() asserts the manager placed it
+        assert hit == 12 * BS and got[:12] == blocks[:12] and holds(d.arena, got[:12], prompt)
+        assert not d.manager.block_pool.waiting  # the request uses its hit now: nothing counted twice
+    finally:
+        p.close()
+        d.close()

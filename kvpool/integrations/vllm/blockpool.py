@@ -47,12 +47,18 @@ class ResidentBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         # block 0 is the null block (popped by the base class); the rest are the pool's until it gives them
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        #: held blocks no request uses (ref 0) that a waiting request pinned: what vLLM's own pool would count as
+        #: evictable, and what vLLM counts as taken from the free blocks when a request's hit touches them
+        self.waiting: set[int] = set()
         self.on_built(self)
 
     # -- allocation ---------------------------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        return self.residency.free_count()
+        """The slab's idle blocks, and the hits waiting requests hold: vLLM asks for room for a request's new
+        blocks *and* its hit blocks no one uses yet (which its own pool keeps among the free ones), so without them
+        a hit larger than the slab's idle blocks would never fit."""
+        return self.residency.free_count() + len(self.waiting)
 
     def get_usage(self) -> float:
         """The share of the arena this engine holds."""
@@ -74,7 +80,10 @@ class ResidentBlockPool(BlockPool):
         return out
 
     def touch(self, blocks: Sequence[KVCacheBlock]) -> None:
+        waiting = self.waiting
         for block in blocks:
+            if block.ref_cnt == 0:
+                waiting.discard(block.block_id)
             block.ref_cnt += 1
             if self.metrics_collector:
                 self.metrics_collector.on_block_accessed(block)
@@ -93,8 +102,12 @@ class ResidentBlockPool(BlockPool):
         out = []
         for block_id in block_ids:
             block = self.blocks[block_id]
-            if block.ref_cnt != 0 or self.residency.pinned(block_id):
+            if block.ref_cnt != 0:
                 continue
+            if self.residency.pinned(block_id):
+                self.waiting.add(block_id)
+                continue
+            self.waiting.discard(block_id)
             if self.metrics_collector:
                 self.metrics_collector.on_block_evicted(block)
             self._emit_block_removed_events(self._remove_cached_block_hashes(block))
@@ -123,6 +136,7 @@ class ResidentBlockPool(BlockPool):
             return None
         hit, usable_blocks, claimed = answer
         blocks = self.residency.install(request.request_id, hit, usable_blocks)
+        self.waiting.update(b for b in blocks if self.blocks[b].ref_cnt == 0)
         if claimed and _ARITY:
             return [self.blocks[b] for b in blocks]
         hashes = request.block_hashes
