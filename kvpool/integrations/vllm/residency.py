@@ -217,6 +217,8 @@ class Residency:
         self.counters = ResidentCounters()
         self.handovers = Handovers()
         self._claimed: dict[str, float] = {}  # request -> its claim's round trip (us), until it is installed
+        #: refs a hit took past what its request uses, released at the next step: a handover wakes no thread
+        self._spare: list[int] = []
         self.gone: Exception | None = None
         self._lookups: Batcher[list[int], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
         self._claims: Batcher[str, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
@@ -382,7 +384,7 @@ class Residency:
         self.committed.update(blocks)
         self.pins.update(blocks)
         self.req_pins.setdefault(req_id, []).extend(blocks)
-        self._release_ids(extra)
+        self._spare.extend(extra)
         claimed = self._claimed.pop(req_id, None)
         if claimed is not None and blocks:
             self.handovers.claim_us.append(claimed)
@@ -530,8 +532,18 @@ class Residency:
 
     # -- shutting down --------------------------------------------------------------------------------------
 
+    def step(self) -> None:
+        """Once a scheduler step: the pool's health, and the spare refs of the step's hits back to it."""
+        self.check()
+        if self._spare:
+            spare, self._spare = self._spare, []
+            self._release_ids(spare)
+
     def drain(self) -> None:
         """Wait until every call sent so far reached the pool (tests, benchmarks, shutdown)."""
+        if self._spare:
+            spare, self._spare = self._spare, []
+            self._release_ids(spare)
         for lane in (self._lookups, self._claims, self._writes):
             lane.drain()
 
@@ -541,5 +553,8 @@ class Residency:
             self.ahead.clear()
         for future in pending:
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+        if self._spare:
+            spare, self._spare = self._spare, []
+            self._release_ids(spare)
         for lane in (self._lookups, self._claims, self._writes):
             lane.close()

@@ -201,7 +201,7 @@ class ResidentScheduler:
             self.block_pool.leave(blocks)
 
     def step(self) -> None:
-        self.residency.check()
+        self.residency.step()
 
     def close(self) -> None:
         from kvpool.integrations.vllm import blockpool
