@@ -72,6 +72,13 @@ def holds(arena, blocks: list[int], tokens: list[int]) -> bool:
     )
 
 
+def held_by(pool: PoolProcess, engine: Engine) -> set[int]:
+    """The blocks the pool's books say the engine's session holds refs on."""
+    with pool.http() as http:
+        ids = http.get(f"/sessions/{engine.client.session_id}/blocks").json()["block_ids"]
+    return {i & 0xFFFFFFFF for i in ids}
+
+
 def books(url: str) -> dict:
     with PoolClient(url, name="probe", heartbeat=False) as c:
         s = c.stats()
@@ -138,6 +145,29 @@ def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: Po
     finally:
         a.close()
         b.close()
+
+
+def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(pool: PoolProcess) -> None:
+    """The pool's hit of a prompt of five full blocks whose request uses four (its last token is computed): the
+    fifth ref goes back at the scheduler's next step, not from inside the install (a decode engine's handover)."""
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    try:
+        prompt = list(range(40, 40 + 5 * BS + 1))
+        blocks = a.publish(prompt, 5)
+        b.res.prefetch("r1", prompt)
+        hit = b.res.answer("r1")
+        assert hit is not None and len(hit.ids) == 5
+        assert b.res.install("r1", hit, 4) == blocks[:4]
+        b.res._writes.drain()
+        assert blocks[4] in held_by(pool, b), "still b's until the step"
+        b.res.step()
+        b.res._writes.drain()
+        assert blocks[4] not in held_by(pool, b)
+        assert set(b.res.held) == set(blocks[:4])
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1  # only the null block
 
 
 def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(pool: PoolProcess) -> None:
