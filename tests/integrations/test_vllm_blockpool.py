@@ -87,6 +87,19 @@ class FakeClientEngine:
         self.sched.residency.drain()
         return blocks if params is None else [params]  # type: ignore[list-item]
 
+    def prefill(self, rid: str, prompt: list[int]) -> tuple[list[int], dict]:
+        """A prefill engine's request: computed, finished with ``do_remote_decode`` (parked), freed; its blocks and
+        the params that name the handoff."""
+        req = self.request(rid, prompt, {"do_remote_decode": True})
+        blocks, _ = self.schedule(req)
+        self.compute(blocks, prompt)
+        req.num_computed_tokens = len(prompt)
+        params = self.sched.finished(req, blocks)
+        self.manager.free(req)
+        self.sched.residency.drain()
+        assert params is not None and params["num_tokens"] == len(prompt)
+        return blocks, params
+
     def close(self) -> None:
         self.sched.close()
 
@@ -136,14 +149,7 @@ def test_a_prefill_is_parked_and_the_decode_engine_s_manager_takes_its_blocks(po
     d = FakeClientEngine(pool.url, "decode")
     try:
         prompt = list(range(500, 500 + 4 * BS + 2))
-        req = p.request("r1", prompt, {"do_remote_decode": True})
-        blocks, _ = p.schedule(req)
-        p.compute(blocks, prompt)
-        req.num_computed_tokens = len(prompt)
-        params = p.sched.finished(req, blocks)
-        p.manager.free(req)
-        p.sched.residency.drain()
-        assert params is not None and params["num_tokens"] == len(prompt)
+        blocks, params = p.prefill("r1", prompt)
         dreq = d.request("r1", prompt, params)
         got, hit = d.schedule(dreq)
         assert hit == 4 * BS and got[:4] == blocks[:4] and holds(d.arena, got[:4], prompt)
@@ -168,13 +174,7 @@ def test_a_hit_larger_than_the_slab_s_idle_blocks_is_scheduled(pool: PoolProcess
     d = FakeClientEngine(pool.url, "decode")  # a slab of 8 idle blocks
     try:
         prompt = list(range(900, 900 + 12 * BS + 2))
-        req = p.request("big", prompt, {"do_remote_decode": True})
-        blocks, _ = p.schedule(req)
-        p.compute(blocks, prompt)
-        req.num_computed_tokens = len(prompt)
-        params = p.sched.finished(req, blocks)
-        p.manager.free(req)
-        p.sched.residency.drain()
+        blocks, params = p.prefill("big", prompt)
         assert d.client.slab.idle_count() < 12
         got, hit = d.schedule(d.request("big", prompt, params))  # schedule() asserts the manager placed it
         assert hit == 12 * BS and got[:12] == blocks[:12] and holds(d.arena, got[:12], prompt)
