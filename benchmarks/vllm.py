@@ -569,6 +569,9 @@ def measure(args: argparse.Namespace, cfg: dict[str, Any], model: Path, device: 
             prefix_round(s, warm, "burst", cfg)
             if s.config.pairs:
                 pair_round(s, warm["P"], cfg)
+            # a lone request too: a decode engine given a handoff at once runs the first of a burst alone, and
+            # vLLM would build its kernels for that batch in a measured round (a step of ~370 ms on an H200)
+            singles(s, prompts(base + 99_998, 1, plen, pre), {**cfg, "singles": 1})
         steps = cfg["rounds"] * len(made) + len(made)
         with harness.progress(steps, "vllm", args.no_progress) as bar:
             for r in range(cfg["rounds"]):

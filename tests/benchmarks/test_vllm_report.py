@@ -242,7 +242,9 @@ def test_the_engines_start_on_their_gpus_and_two_gpus_run_no_pair(
         assert "pair" not in raw[name] and set(raw[name]["singles"]) == {"B"}
         assert not [c for c in calls if c[0].startswith(name) and c[2] == 1], "no prefill of one token: no pair"
         readers = [c for c in calls if c[0] == f"{name}-2"]
-        assert len(readers) == 1 + cfg["rounds"] + cfg["singles"], "B: the warm-up, each round, each single"
+        assert len(readers) == 2 + cfg["rounds"] + cfg["singles"], (
+            "B: the warm-ups (a burst, a lone one), each round, each single"
+        )
     pool = raw["peers"]["prefix"]["burst"][0]["pool"]
     assert set(pool) == {"committed_by_A", "committed_by_B", "hit_blocks_B", "peer_copies_B", "peer_copied_blocks_B"}
     assert (pool["peer_copies_B"], pool["peer_copied_blocks_B"]) == (1, 48), "counted around B's one generate"
