@@ -32,14 +32,17 @@ def test_each_block_lands_whole_in_its_target_and_nothing_else_moves(dim: int, w
         pytest.skip("needs two GPUs")
     src, dst = views(dim, "cuda:0", "cuda:1" if where == "two-gpus" else "cuda:0")
     g = torch.Generator().manual_seed(dim)
-    src_ids = torch.randperm(300, generator=g)[:64].tolist()
-    dst_ids = torch.randperm(200, generator=g)[:64].tolist()
-    assert blockcopy.copy(src, src_ids, dst, dst_ids, dim), "the kernel ran"
-    torch.cuda.synchronize(dst.device)
-    want = src.index_select(dim, torch.tensor(src_ids, device=src.device)).cpu()
-    assert torch.equal(dst.index_select(dim, torch.tensor(dst_ids, device=dst.device)).cpu(), want)
-    untouched = sorted(set(range(200)) - set(dst_ids))
-    assert torch.all(dst.index_select(dim, torch.tensor(untouched, device=dst.device)) == 7.0)
+    for n in (64, 17):  # the second copy goes through the kernel as built by the first, launched directly
+        dst.fill_(7.0)
+        src_ids = torch.randperm(300, generator=g)[:n].tolist()
+        dst_ids = torch.randperm(200, generator=g)[:n].tolist()
+        assert blockcopy.copy(src, src_ids, dst, dst_ids, dim), "the kernel ran"
+        torch.cuda.synchronize(dst.device)
+        want = src.index_select(dim, torch.tensor(src_ids, device=src.device)).cpu()
+        assert torch.equal(dst.index_select(dim, torch.tensor(dst_ids, device=dst.device)).cpu(), want)
+        untouched = sorted(set(range(200)) - set(dst_ids))
+        assert torch.all(dst.index_select(dim, torch.tensor(untouched, device=dst.device)) == 7.0)
+    assert blockcopy._route(src, dst, dim).built, "the second copy launched the built kernel"
 
 
 @two_gpus
