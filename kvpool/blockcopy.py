@@ -9,8 +9,8 @@ kernel's.
 
 The kernel needs Triton (it comes with torch's CUDA builds) and the source's memory mapped for the destination's
 GPU: the VMM mappings of workers and of the pool grant every peer GPU, and :func:`open_peers` enables peer access
-for memory torch allocated. Where any of that is missing, :func:`copy` answers False and the caller keeps the
-gather, copy and scatter.
+for memory torch allocated. Where any of that is missing, :func:`copy` answers False, and :func:`move` gathers,
+copies and scatters instead.
 """
 
 from __future__ import annotations
@@ -173,6 +173,20 @@ def copy(src: torch.Tensor, src_ids: Sequence[int] | np.ndarray, dst: torch.Tens
         log.warning("block copies by kernel turned off (%s): gathering, copying and scattering instead", _broken)
         return False
     return True
+
+
+def move(src: torch.Tensor, src_ids: Sequence[int] | np.ndarray, dst: torch.Tensor, dst_ids: Sequence[int] | np.ndarray,
+         dim: int) -> None:  # fmt: skip
+    """Copy blocks ``src_ids`` of the blocks view ``src`` into blocks ``dst_ids`` of ``dst``: by the kernel where
+    :func:`copy` can run it, else one gather, one copy to the destination's device and one scatter; on CUDA,
+    ordered on the destination's current stream."""
+    if copy(src, src_ids, dst, dst_ids, dim):
+        return
+    import torch
+
+    staged = src.index_select(dim, torch.as_tensor(src_ids, dtype=torch.int64).to(src.device))
+    dst_idx = torch.as_tensor(dst_ids, dtype=torch.int64).to(dst.device)
+    dst.index_copy_(dim, dst_idx, staged.to(dst.device, non_blocking=True))
 
 
 @functools.lru_cache(maxsize=64)

@@ -35,23 +35,13 @@ def copy_blocks(src: Arena, src_ids: Sequence[int], dst: Arena, dst_ids: Sequenc
     src_all, dim = src.blocks_view()
     dst_all, _ = dst.blocks_view()
     src_local, dst_local = src.local_index(src_ids), dst.local_index(dst_ids)
-    if src_all.is_cuda and dst_all.is_cuda:
-        if src_all.device != dst_all.device:  # the kernel runs on dst's stream: after what src's has queued
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(src_all.device))
-            torch.cuda.current_stream(dst_all.device).wait_event(ready)
-        if blockcopy.copy(src_all, src_local, dst_all, dst_local, dim):
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(dst_all.device))
-            return done
-    src_idx = torch.from_numpy(src_local).to(src_all.device)
-    dst_idx = torch.from_numpy(dst_local).to(dst_all.device)
-    staged = src_all.index_select(dim, src_idx)
-    if staged.device != dst_all.device:
-        staged = staged.to(dst_all.device, non_blocking=True)
-    done = None
-    if dst_all.device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(dst_all.device))
-    dst_all.index_copy_(dim, dst_idx, staged)
+    if src_all.is_cuda and dst_all.is_cuda and src_all.device != dst_all.device:
+        ready = torch.cuda.Event()  # the copy runs on dst's stream: after what src's has queued
+        ready.record(torch.cuda.current_stream(src_all.device))
+        torch.cuda.current_stream(dst_all.device).wait_event(ready)
+    blockcopy.move(src_all, src_local, dst_all, dst_local, dim)
+    if dst_all.device.type != "cuda":
+        return None
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(dst_all.device))
     return done

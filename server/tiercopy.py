@@ -174,8 +174,6 @@ class ArenaCopier:
             raise ValueError(f"{len(src_ids)} source blocks against {len(dst_ids)} destination blocks")
         src, dim = self.arenas[src_arena]
         dst, _ = self.arenas[dst_arena]
-        if not blockcopy.copy(src, src_ids, dst, dst_ids, dim):
-            gathered = src.index_select(dim, torch.as_tensor(src_ids, dtype=torch.int64).to(src.device))
-            dst.index_copy_(dim, torch.as_tensor(dst_ids, dtype=torch.int64).to(dst.device), gathered.to(dst.device))
+        blockcopy.move(src, src_ids, dst, dst_ids, dim)
         if dst.is_cuda:
             torch.cuda.synchronize(dst.device)
