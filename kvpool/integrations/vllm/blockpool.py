@@ -148,8 +148,9 @@ class ResidentBlockPool(BlockPool):
 
 
 def _arity() -> int:
-    """How many values vLLM's ``get_computed_blocks`` returns (2 up to 0.25, 3 from 0.26), or 0 if unknown: then
-    a handoff's blocks go through vLLM's own search like any hit."""
+    """How many values vLLM's ``get_computed_blocks`` returns (0.26: the hit, its tokens and a shared-prefix
+    boundary; two where there is no boundary), or 0 if its annotation says otherwise: then a handoff's blocks go
+    through vLLM's own search like any hit."""
     annotation = inspect.signature(KVCacheManager.get_computed_blocks).return_annotation
     if isinstance(annotation, str):
         names = [a.strip().rsplit(".", 1)[-1] for a in annotation.removeprefix("tuple[").removesuffix("]").split(",")]

@@ -535,15 +535,15 @@ class Residency:
     def step(self) -> None:
         """Once a scheduler step: the pool's health, and the spare refs of the step's hits back to it."""
         self.check()
-        if self._spare:
-            spare, self._spare = self._spare, []
-            self._release_ids(spare)
+        self._release_spare()
+
+    def _release_spare(self) -> None:
+        spare, self._spare = self._spare, []
+        self._release_ids(spare)
 
     def drain(self) -> None:
         """Wait until every call sent so far reached the pool (tests, benchmarks, shutdown)."""
-        if self._spare:
-            spare, self._spare = self._spare, []
-            self._release_ids(spare)
+        self._release_spare()
         for lane in (self._lookups, self._claims, self._writes):
             lane.drain()
 
@@ -553,8 +553,6 @@ class Residency:
             self.ahead.clear()
         for future in pending:
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
-        if self._spare:
-            spare, self._spare = self._spare, []
-            self._release_ids(spare)
+        self._release_spare()
         for lane in (self._lookups, self._claims, self._writes):
             lane.close()
