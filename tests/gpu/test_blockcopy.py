@@ -9,6 +9,7 @@ import torch
 from kvpool import blockcopy
 from kvpool.client import PoolClient
 from tests.conftest import start_pool
+from tests.gpu.blocks import fill, read
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,17 +60,11 @@ def test_a_prefix_committed_on_one_gpu_is_copied_whole_into_the_other_s_arena_by
             a0, a1 = c.arena(device=0), c.arena(device=1)
             tokens = list(range(1000, 1000 + 12 * bs))
             blocks = c.alloc(12, device=0)
-            view0, dim = a0.blocks_view()
-            idx0 = torch.tensor(a0.local_ids(blocks), device="cuda:0")
-            payload = torch.randn(view0.index_select(dim, idx0).shape, device="cuda:0").to(view0.dtype)
-            view0.index_copy_(dim, idx0, payload)
-            torch.cuda.synchronize(0)
+            payload = fill(a0, blocks)
             c.commit(blocks, tokens, release=True)
             hit = c.lookup(tokens, device=1)
             assert hit.num_tokens == 12 * bs
-            view1, _ = a1.blocks_view()
-            got = view1.index_select(dim, torch.tensor(a1.local_ids(hit.block_ids), device="cuda:1"))
-            assert torch.equal(got.cpu(), payload.cpu())
+            assert torch.equal(read(a1, hit.block_ids), payload)
             assert c.stats()["counters"]["peer_copied_blocks"] == 12
     finally:
         pool.stop()

@@ -7,6 +7,7 @@ import torch
 
 from kvpool.client import PoolClient
 from tests.conftest import start_pool
+from tests.gpu.blocks import fill, read
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,15 +33,10 @@ def test_each_arena_lives_on_its_gpu_and_moves_keep_every_byte(gpu_pair_pool):
         a0, a1 = pool.arena(device=0), pool.arena(device=1)
         assert (a0.device, a1.device) == (torch.device("cuda:0"), torch.device("cuda:1"))
         src = pool.alloc(64, device=0)
-        view, dim = a0.blocks_view()
-        idx = torch.tensor(a0.local_ids(src), device="cuda:0")
-        payload = torch.randn(view.index_select(dim, idx).shape, device="cuda:0").to(view.dtype)
-        view.index_copy_(dim, idx, payload)
-        torch.cuda.synchronize(0)
+        payload = fill(a0, src)
         moved = pool.move(src, device=1)
         torch.cuda.synchronize(1)
-        got = a1.blocks_view()[0].index_select(dim, torch.tensor(a1.local_ids(moved), device="cuda:1"))
-        assert torch.equal(got.cpu(), payload.cpu())
+        assert torch.equal(read(a1, moved), payload)
         assert pool.stats()["arenas"][0]["in_use"] == 0
 
 
