@@ -106,8 +106,8 @@ def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: 
         b.res.prefetch("r1", prompt)
         hit = b.res.answer("r1")
         assert hit is not None and hit.num_tokens == 5 * BS
-        got = b.res.install("r1", hit, 5)
-        assert got == blocks[:5], "the very blocks engine a wrote, not copies"
+        got, again = b.res.install("r1", hit, 5)
+        assert got == blocks[:5] and again == [], "the very blocks engine a wrote, not copies"
         assert holds(b.arena, got, prompt)
         assert a.res.counters.copied_blocks == b.res.counters.copied_blocks == 0
     finally:
@@ -121,9 +121,11 @@ def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: Po
     try:
         prompt = list(range(7, 7 + 4 * BS + 1))
         blocks = a.publish(prompt, 4)
+        installed = []
         for req in ("r1", "r2"):
             b.res.prefetch(req, prompt)
-            b.res.install(req, b.res.answer(req), 4)
+            installed.append(b.res.install(req, b.res.answer(req), 4))
+        assert installed == [(blocks, []), (blocks, blocks)], "the second request's blocks are held already"
         b.res.drain()
         assert set(b.res.held) == set(blocks) and all(b.res.pins[x] == 2 for x in blocks)
         # the pool may evict none of them while b holds them: a third session can take only the rest
@@ -157,7 +159,7 @@ def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(
         b.res.prefetch("r1", prompt)
         hit = b.res.answer("r1")
         assert hit is not None and len(hit.ids) == 5
-        assert b.res.install("r1", hit, 4) == blocks[:4]
+        assert b.res.install("r1", hit, 4) == (blocks[:4], [])
         b.res._writes.drain()
         assert blocks[4] in held_by(pool, b), "still b's until the step"
         b.res.step()
@@ -182,7 +184,7 @@ def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(
         d.res.prefetch("r1", prompt, claim="p:r1")
         hit = d.res.answer("r1")
         assert hit is not None and hit.num_tokens == 3 * BS and hit.meta == {"digest": "x"}
-        got = d.res.install("r1", hit, 3)
+        got, _ = d.res.install("r1", hit, 3)
         assert got == blocks[:3] and holds(d.arena, got, prompt)
         assert p.res.counters.parked_requests == 1
     finally:
@@ -333,7 +335,7 @@ def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena
         a.drain()
         b.prefetch("r", prompt)
         hit = b.answer("r")
-        assert hit is not None and b.install("r", hit, 3) == blocks
+        assert hit is not None and b.install("r", hit, 3) == (blocks, [])
         for client, res in made:
             res.close()
             client.close()

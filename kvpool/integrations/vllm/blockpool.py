@@ -135,10 +135,13 @@ class ResidentBlockPool(BlockPool):
         if answer is None:
             return None
         hit, usable_blocks, claimed = answer
-        blocks = self.residency.install(request.request_id, hit, usable_blocks)
-        self.waiting.update(b for b in blocks if self.blocks[b].ref_cnt == 0)
+        blocks, again = self.residency.install(request.request_id, hit, usable_blocks)
+        self.waiting.update(blocks)  # blocks new to the engine: no request uses them
+        for block_id in again:
+            if self.blocks[block_id].ref_cnt:
+                self.waiting.discard(block_id)
         if claimed and _ARITY:
-            return [self.blocks[b] for b in blocks]
+            return list(map(self.blocks.__getitem__, blocks))
         hashes = request.block_hashes
         size = self.hash_block_size
         for i, block_id in enumerate(blocks):

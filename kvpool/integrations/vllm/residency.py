@@ -70,6 +70,9 @@ class Hit:
     ids: list[int]
     num_tokens: int
     meta: dict[str, Any] = field(default_factory=dict)
+    #: the engine's block for each id (distinct, inside its arena), worked out on the thread that read the answer
+    #: so that a handover does not; None: worked out at install
+    blocks: list[int] | None = None
 
 
 NO_HIT = Hit([], 0)
@@ -321,7 +324,13 @@ class Residency:
         return NO_HIT
 
     def _lookup_many(self, prompts: list[list[int]]) -> list[Hit]:
-        return [Hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts, self.device)]
+        return [self._hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts, self.device)]
+
+    def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None) -> Hit:
+        first, n = self.first_block, self.num_blocks
+        blocks = [(fenced & BLOCK_MASK) - first for fenced in ids]
+        ok = not blocks or (min(blocks) > 0 and max(blocks) < n and len(set(blocks)) == len(blocks))
+        return Hit(ids, num_tokens, meta or {}, blocks if ok else None)
 
     def _claim_many(self, keys: list[str]) -> list[Hit]:
         out = []
@@ -329,14 +338,16 @@ class Residency:
             if got is None:
                 log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
                 out.append(NO_HIT)
-            elif not all(0 < self.local(fenced) < self.num_blocks for fenced in got.block_ids):
+                continue
+            hit = self._hit(list(got.block_ids), got.num_tokens, dict(got.meta))
+            if hit.blocks is None and not all(0 < self.local(fenced) < self.num_blocks for fenced in hit.ids):
                 log.warning("kvpool: handoff %s is in another GPU's arena; the decode engine computes the prompt "
                             "itself (a prefill engine hands over by block id only on its own GPU)", key)  # fmt: skip
                 self.counters.foreign_handoffs += 1
-                self._release_ids(list(got.block_ids))
+                self._release_ids(hit.ids)
                 out.append(NO_HIT)
             else:
-                out.append(Hit(list(got.block_ids), got.num_tokens, dict(got.meta)))
+                out.append(hit)
         return out
 
     def answer(self, req_id: str) -> Hit | None:
@@ -355,24 +366,30 @@ class Residency:
         finally:
             self.handovers.wait_us.append((time.perf_counter() - began) * 1e6)
 
-    def install(self, req_id: str, hit: Hit, usable: int) -> list[int]:
+    def install(self, req_id: str, hit: Hit, usable: int) -> tuple[list[int], list[int]]:
         """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
-        ref: a ref the hit took on a block held already goes back) and pinned by the request until it is scheduled
-        or finished. Returns the engine's block for each of the prompt's first blocks, in order.
+        ref: a ref the hit took on a block held already goes back at the next step) and pinned by the request until
+        it is scheduled or finished. Returns the engine's block for each of the prompt's first blocks, in order, and
+        those of them the engine held already (which vLLM may be using; the others no request uses).
 
-        On a decode engine's handover path: a request's blocks go in whole, not one Python step per block where
-        that can be helped."""
+        On a decode engine's handover path: a request's blocks go in whole, not one Python step per block, where
+        that can be helped (the common case: none of them held yet, worked out on the answer's thread)."""
         ids = hit.ids[:usable]
-        extra = list(hit.ids[usable:])
-        first = self.first_block
-        blocks = [(fenced & BLOCK_MASK) - first for fenced in ids]
-        if blocks and (min(blocks) <= 0 or max(blocks) >= self.num_blocks):
-            bad = next(b for b in blocks if not 0 < b < self.num_blocks)
-            raise AssertionError(f"the pool's hit names block {bad} outside this engine's arena")
-        held = self.held
-        if held.keys().isdisjoint(blocks) and len(set(blocks)) == len(blocks):
-            held.update(zip(blocks, ids, strict=True))
+        if hit.blocks is not None:
+            blocks = hit.blocks[:usable]
         else:
+            blocks = [(fenced & BLOCK_MASK) - self.first_block for fenced in ids]
+            if blocks and (min(blocks) <= 0 or max(blocks) >= self.num_blocks):
+                bad = next(b for b in blocks if not 0 < b < self.num_blocks)
+                raise AssertionError(f"the pool's hit names block {bad} outside this engine's arena")
+        held = self.held
+        extra = hit.ids[usable:]
+        again: list[int] = []
+        if held.keys().isdisjoint(blocks) and (hit.blocks is not None or len(set(blocks)) == len(blocks)):
+            held.update(zip(blocks, ids, strict=True))
+            dict.update(self.pins, dict.fromkeys(blocks, 1))  # none pinned: none held
+        else:
+            extra = list(extra)
             for block, fenced in zip(blocks, ids, strict=True):
                 was = held.get(block)
                 if was is None:
@@ -381,8 +398,9 @@ class Residency:
                     raise AssertionError(f"block {block} is held as {was} but the pool answered {fenced}")
                 else:
                     extra.append(fenced)
+                    again.append(block)
+            self.pins.update(blocks)
         self.committed.update(blocks)
-        self.pins.update(blocks)
         self.req_pins.setdefault(req_id, []).extend(blocks)
         self._spare.extend(extra)
         claimed = self._claimed.pop(req_id, None)
@@ -391,7 +409,7 @@ class Residency:
         if blocks:
             self.counters.installed_blocks += len(blocks)
             self.counters.installed_requests += 1
-        return blocks
+        return blocks, again
 
     def unpin(self, req_id: str) -> list[int]:
         """The request ran (its hits now count in vLLM's refs) or left: its pins go. Returns the blocks no request

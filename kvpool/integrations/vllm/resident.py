@@ -160,7 +160,7 @@ class ResidentScheduler:
             full = len(prompt) // self.block_size * self.block_size
             if hit.num_tokens != full or hit.meta.get("digest") != digest or (want and want != digest):
                 log.warning("kvpool: handoff for %s holds another prompt's KV; computing it", request.request_id)
-                self.residency.install(request.request_id, hit, 0)
+                self.residency.install(request.request_id, hit, 0)  # its refs go back at the next step
                 return None
         usable = min(len(hit.ids), (len(prompt) - 1) // self.block_size)
         return hit, usable, claim is not None
