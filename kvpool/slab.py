@@ -19,6 +19,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -119,6 +120,8 @@ class Slab:
         self.handed = 0
         self.lock = threading.RLock()
         self.closed = False
+        self._ahead: ThreadPoolExecutor | None = None
+        self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -355,6 +358,45 @@ class Slab:
             self.empty.extend(done.tolist())
             self.handed -= len(done)
 
+    def refill_ahead(self) -> None:
+        """Start a refill to ``blocks`` idle on the slab's own thread if a quarter of them or more went out (at least
+        ``low``) and none is on its way; returns at once. The round trip runs without the lock, so allocs and frees
+        go on meanwhile: an engine's scheduler calls this once a step, so that its allocs find the blocks there and
+        no step waits for the pool (a refill under the lock is a round trip, and a pool that evicts to grant it can
+        take milliseconds)."""
+        out = self.config.blocks - self.top
+        if self._topping or self.closed or out < max(self.config.low, self.config.blocks // 4):
+            return
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvpool-slab-refill")
+        self._topping = True
+        self._ahead.submit(self._top_up)
+
+    def _top_up(self) -> None:
+        with self.lock:
+            self._reuse_handed()
+            take = min(self.config.blocks - self.top, len(self.empty))
+            if take <= 0 or self.closed:
+                self._topping = False
+                return
+            reserved = self.empty[len(self.empty) - take :]
+            del self.empty[len(self.empty) - take :]
+        ids = np.empty(0, np.int64)
+        try:
+            req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
+            ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
+        except PoolExhausted:
+            pass
+        except Exception as exc:  # the next alloc that needs blocks asks again, under the lock, and raises there
+            log.warning("a slab refill ahead of need failed: %s: %s", type(exc).__name__, exc)
+        finally:
+            with self.lock:
+                self._topping = False
+                if not self.closed:  # else the session is over and the pool takes its blocks back
+                    self.empty.extend(reserved[: take - len(ids)])
+                    if len(ids):
+                        self._install(ids, reserved[take - len(ids) :])
+
     def _refill(self, want: int) -> None:
         self._reuse_handed()
         take = min(want, len(self.empty))
@@ -362,10 +404,13 @@ class Slab:
             return
         req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
         ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
+        self._install(ids, self.empty[len(self.empty) - len(ids) :])
+        del self.empty[len(self.empty) - len(ids) :]
+
+    def _install(self, ids: np.ndarray, empty_slots: list[int]) -> None:
         # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
         # another: a request's blocks then sit in one run of slots, which a handoff checks at once
-        slots = np.sort(np.asarray(self.empty[len(self.empty) - len(ids) :], np.int32))[::-1]
-        del self.empty[len(self.empty) - len(ids) :]
+        slots = np.sort(np.asarray(empty_slots, np.int32))[::-1]
         self.block[slots] = ids
         self.state[slots] = IDLE
         self.slot_of[ids & BLOCK_MASK] = slots
@@ -397,4 +442,7 @@ class Slab:
     def close(self) -> None:
         with self.lock:
             self.closed = True
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+        with self.lock:
             self.view.close()

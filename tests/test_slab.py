@@ -101,6 +101,57 @@ def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
     wait_idle(pool)
 
 
+def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_frees_go_on(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-ahead", slab=SMALL) as b:
+        slab = b.slab
+        assert slab is not None
+        held = [b.alloc(1)[0] for _ in range(SMALL.blocks - SMALL.low)]  # down to `low`: no refill under the lock yet
+        grants = stats(pool)["slabs"]["counters"]["grants"]
+        fetch, asked, answer = slab.transport.fetch, threading.Event(), threading.Event()
+
+        def slow(*args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it through
+            asked.set()
+            answer.wait(10)
+            return fetch(*args, **kwargs)
+
+        slab.transport.fetch = slow  # type: ignore[method-assign]
+        slab.refill_ahead()
+        assert asked.wait(10), "the refill went to the pool"
+        slab.refill_ahead()  # one is on its way: no second
+        one = b.alloc(1)  # the slab's lock is free meanwhile
+        b.free(one)
+        answer.set()
+        deadline = time.monotonic() + 10
+        while slab.num_idle < SMALL.blocks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        slab.transport.fetch = fetch  # type: ignore[method-assign]
+        assert slab.num_idle == SMALL.blocks
+        assert stats(pool)["slabs"]["counters"]["grants"] == grants + 1, "one refill, not one per call"
+        slab.refill_ahead()  # full: nothing to do
+        b.free(held)
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balanced(pool: PoolProcess) -> None:
+    b = PoolClient(pool.url, name="slab-ahead-close", slab=SMALL)
+    slab = b.slab
+    assert slab is not None
+    for _ in range(SMALL.blocks - SMALL.low):
+        b.alloc(1)
+    fetch, asked = slab.transport.fetch, threading.Event()
+
+    def late(*args: Any, **kwargs: Any) -> Any:
+        asked.set()
+        time.sleep(0.2)
+        return fetch(*args, **kwargs)
+
+    slab.transport.fetch = late  # type: ignore[method-assign]
+    slab.refill_ahead()
+    assert asked.wait(10)
+    b.close()  # waits for the refill, which finds the slab closed and installs nothing
+    assert wait_idle(pool)["in_use"] == 0
+
+
 def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-c", slab=SMALL) as c:
         ids = c.alloc(2)

@@ -35,7 +35,9 @@ class Engine:
         )
         slab = self.client.slab
         assert slab is not None, "the pool serves slabs"
+        self.slab = slab
         self.res = Residency(self.client, BS, N, free_count=slab.idle_count, grow=slab.ensure_idle,
+                             ahead=slab.refill_ahead,
                              alive=lambda: self.client.session.lost or self.client.session.unreachable)  # fmt: skip
         self.arena = self.client.arena()
 
@@ -170,6 +172,23 @@ def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(
         a.close()
         b.close()
     assert books(pool.url)["in_use"] == 1  # only the null block
+
+
+def test_a_step_asks_for_idle_blocks_ahead_of_need_so_that_later_allocs_find_them(pool: PoolProcess) -> None:
+    a = Engine(pool.url, "a")
+    try:
+        blocks = a.res.take(6)  # the first alloc fills the slab: 8 idle after it
+        blocks += a.res.take(6)  # 2 left, `low`: no refill under the lock yet
+        assert a.slab.num_idle == 2
+        a.res.step()
+        deadline = time.monotonic() + 10
+        while a.slab.num_idle < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert a.slab.num_idle == 8, "refilled by the step, off the scheduler's thread"
+        a.res.leave(blocks)
+    finally:
+        a.close()
+    assert books(pool.url)["in_use"] == 1
 
 
 def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(pool: PoolProcess) -> None:

@@ -197,6 +197,7 @@ class Residency:
         first_block: int = 0,
         free_count: Callable[[], int],
         grow: Callable[[int], int],
+        ahead: Callable[[], None] = lambda: None,
         claim_timeout_s: float = 1.0,
         answer_timeout_s: float = 30.0,
         alive: Callable[[], Exception | None] = lambda: None,
@@ -208,6 +209,7 @@ class Residency:
         self.first_block = first_block
         self._free_count = free_count
         self._grow = grow
+        self._ahead = ahead  # starts a refill of the engine's idle blocks off this thread if they ran low
         self.claim_timeout_s = claim_timeout_s
         self.answer_timeout_s = answer_timeout_s
         self._alive = alive
@@ -254,7 +256,8 @@ class Residency:
         return (fenced & BLOCK_MASK) - self.first_block
 
     def free_count(self) -> int:
-        """Blocks the engine can take without a round trip (its slab's idle ones)."""
+        """Blocks the engine can take without a round trip (its slab's idle ones). vLLM asks once a request a step:
+        this only reads the count; refills go ahead of need (``step``), or once vLLM found too few (``grow``)."""
         self.check()
         try:
             return self._free_count()
@@ -551,9 +554,11 @@ class Residency:
     # -- shutting down --------------------------------------------------------------------------------------
 
     def step(self) -> None:
-        """Once a scheduler step: the pool's health, and the spare refs of the step's hits back to it."""
+        """Once a scheduler step: the pool's health, the spare refs of the step's hits back to it, and idle blocks
+        asked for ahead of need, so that no later step's allocs wait for a refill."""
         self.check()
         self._release_spare()
+        self._ahead()
 
     def _release_spare(self) -> None:
         spare, self._spare = self._spare, []

@@ -114,7 +114,8 @@ class ResidentScheduler:
         self.load, self.save = load, save
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
-            free_count=slab.idle_count, grow=slab.ensure_idle, claim_timeout_s=claim_timeout_s, device=device,
+            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead,
+            claim_timeout_s=claim_timeout_s, device=device,
             alive=lambda: client.session.lost or client.session.unreachable,
         )  # fmt: skip
         #: request -> the digest its handoff must carry (from the request's params, "" if none) and its prompt's own,
