@@ -355,8 +355,7 @@ class Residency:
 
     def answer(self, req_id: str) -> Hit | None:
         """The pool's answer for a request (waiting for it if it is on its way), taken: None if none was asked."""
-        with self._lock:
-            future = self.ahead.pop(req_id, None)
+        future = self.ahead.pop(req_id, None)  # one dict operation: atomic, and ``prefetch`` only adds
         if future is None:
             return None
         began = time.perf_counter()
@@ -404,8 +403,13 @@ class Residency:
                     again.append(block)
             self.pins.update(blocks)
         self.committed.update(blocks)
-        self.req_pins.setdefault(req_id, []).extend(blocks)
-        self._spare.extend(extra)
+        pinned = self.req_pins.get(req_id)
+        if pinned is None:
+            self.req_pins[req_id] = list(blocks)
+        else:
+            pinned.extend(blocks)
+        if extra:
+            self._spare.extend(extra)
         claimed = self._claimed.pop(req_id, None)
         if claimed is not None and blocks:
             self.handovers.claim_us.append(claimed)
