@@ -4,6 +4,8 @@ manager says no, a prefill parked and claimed by id."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -63,6 +65,11 @@ class FakeClientEngine:
         """What vLLM's scheduler does for a waiting request: its hits, then its slots; returns its blocks and how
         many of its tokens were hits."""
         computed, hit_tokens, _ = self.manager.get_computed_blocks(req)
+        deadline = time.monotonic() + 10
+        while self.sched.deferred(req):  # vLLM leaves it waiting for a step: the pool's answer is on its way
+            assert time.monotonic() < deadline, "the pool's answer never came"
+            time.sleep(0.001)
+            computed, hit_tokens, _ = self.manager.get_computed_blocks(req)
         new = self.manager.allocate_slots(req, req.num_tokens - hit_tokens, hit_tokens, computed)
         assert new is not None, "the manager placed the request"
         self.sched.after_alloc(req)
@@ -182,3 +189,36 @@ def test_a_hit_larger_than_the_slab_s_idle_blocks_is_scheduled(pool: PoolProcess
     finally:
         p.close()
         d.close()
+
+
+def test_a_request_whose_pool_answer_is_not_back_waits_a_step_while_the_others_go_on(pool: PoolProcess) -> None:
+    """The scheduler never waits for the pool: a burst's first arrival would run alone while the rest queue."""
+    a, b = FakeClientEngine(pool.url, "a"), FakeClientEngine(pool.url, "b")
+    try:
+        prompt = list(range(4000, 4000 + 3 * BS + 1))
+        a.run(a.request("r1", prompt))
+        lookup_many, go = b.client.lookup_many, threading.Event()
+
+        def held_back(*args, **kwargs):
+            go.wait(10)
+            return lookup_many(*args, **kwargs)
+
+        b.client.lookup_many = held_back  # type: ignore[method-assign]
+        slow = b.request("slow", prompt)
+        b.manager.get_computed_blocks(slow)
+        assert b.sched.deferred(slow), "its answer is not back: vLLM leaves it waiting"
+        assert not b.sched.deferred(slow), "told once a step"
+        quick = b.request("quick", list(range(9000, 9000 + BS - 1)))  # under a block: nothing to ask the pool
+        b.manager.get_computed_blocks(quick)
+        assert not b.sched.deferred(quick)
+        go.set()
+        blocks, hit = b.schedule(slow)
+        assert hit == 3 * BS and holds(b.arena, blocks[:3], prompt), "the next step took it in with its hit"
+        for req in (slow, quick):
+            b.sched.finished(req, list(b.manager.get_block_ids(req.request_id)[0]) if req is slow else [])
+            b.manager.free(req)
+        b.sched.residency.drain()
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1

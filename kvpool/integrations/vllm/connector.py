@@ -185,8 +185,8 @@ class KvpoolConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._resident_sched is not None:
-            return 0, False  # the pool's blocks are in vLLM's own prefix cache already: nothing external
+        if self._resident_sched is not None:  # the pool's blocks are in vLLM's own prefix cache: nothing external
+            return (None, False) if self._resident_sched.deferred(request) else (0, False)
         assert self._sched is not None
         prompt = _tokens(request.prompt_token_ids)
         if not prompt or request.mm_features or request.lora_request is not None or _salted(request):

@@ -353,16 +353,23 @@ class Residency:
                 out.append(hit)
         return out
 
-    def answer(self, req_id: str) -> Hit | None:
-        """The pool's answer for a request (waiting for it if it is on its way), taken: None if none was asked."""
+    def ready(self, req_id: str) -> bool | None:
+        """Whether the pool's answer for a request is back (None: none was asked)."""
+        future = self.ahead.get(req_id)
+        return None if future is None else future.done()
+
+    def answer(self, req_id: str, timeout_s: float | None = None) -> Hit | None:
+        """The pool's answer for a request (waiting for it if it is on its way, ``answer_timeout_s`` unless told),
+        taken: None if none was asked."""
         future = self.ahead.pop(req_id, None)  # one dict operation: atomic, and ``prefetch`` only adds
         if future is None:
             return None
         began = time.perf_counter()
+        wait_s = self.answer_timeout_s if timeout_s is None else timeout_s
         try:
-            return future.result(self.answer_timeout_s)
+            return future.result(wait_s)
         except FutureTimeout:
-            log.warning("kvpool: no answer from the pool for %s in %.0f s; computing it", req_id, self.answer_timeout_s)
+            log.warning("kvpool: no answer from the pool for %s in %.0f s; computing it", req_id, wait_s)
             future.add_done_callback(lambda f: self._release_ids(f.result().ids))
             return NO_HIT
         finally:

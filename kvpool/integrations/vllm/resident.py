@@ -17,6 +17,7 @@ to start and names the flag (:func:`check_geometry`).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from kvpool.errors import LayoutMismatch
@@ -122,6 +123,9 @@ class ResidentScheduler:
         #: taken as it arrives so that the handover does not hash the prompt
         self.claims: dict[str, tuple[str, str]] = {}
         self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
+        #: requests vLLM is to leave waiting this step, their answer not back yet; and since when each has waited
+        self.later: set[str] = set()
+        self.since: dict[str, float] = {}
         self.block_pool: Any = None
         blockpool.install(self.residency, self._answer, self._bind)
 
@@ -147,11 +151,18 @@ class ResidentScheduler:
         rid = request.request_id
         if rid in self.asked:
             return None
-        self.asked.add(rid)
-        hit = self.residency.answer(rid)
-        if hit is None:  # it arrived without word to the connector (no arrival hook): ask now, once
+        ready = self.residency.ready(rid)
+        if ready is None:  # it arrived without word to the connector (no arrival hook): ask now, once
             self.arrive(request)
-            hit = self.residency.answer(rid)
+            ready = self.residency.ready(rid)
+        if ready is False:
+            since = self.since.setdefault(rid, time.monotonic())
+            if time.monotonic() - since < self.residency.answer_timeout_s:
+                self.later.add(rid)
+                return None
+        self.since.pop(rid, None)
+        self.asked.add(rid)
+        hit = self.residency.answer(rid, None if ready is not False else 0.0)
         if hit is None or not hit.ids:
             return None
         prompt = request.prompt_token_ids
@@ -166,6 +177,16 @@ class ResidentScheduler:
         usable = min(len(hit.ids), (len(prompt) - 1) // self.block_size)
         return hit, usable, claim is not None
 
+    def deferred(self, request: Any) -> bool:
+        """Whether vLLM is to leave ``request`` waiting this step (asked right after its hit search): the pool's
+        answer for it is on its way, and the scheduler takes the requests whose answers are back meanwhile, where
+        waiting for it would hold them all (a burst's first arrival would run alone while the others queue)."""
+        rid = request.request_id
+        if rid in self.later:
+            self.later.discard(rid)
+            return True
+        return False
+
     # -- a request's end ------------------------------------------------------------------------------------
 
     def after_alloc(self, request: Any) -> None:
@@ -175,8 +196,7 @@ class ResidentScheduler:
     def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
         """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
         decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
-        self.claims.pop(request.request_id, None)
-        self.asked.discard(request.request_id)
+        self._forget(request.request_id)
         self._leave(self.residency.finished(request.request_id))
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}
@@ -194,8 +214,14 @@ class ResidentScheduler:
 
     def finished_uncached(self, request: Any) -> None:
         """A request whose KV the pool does not share (LoRA, images, a salt) left: only its pins go."""
-        self.asked.discard(request.request_id)
+        self._forget(request.request_id)
         self._leave(self.residency.finished(request.request_id))
+
+    def _forget(self, rid: str) -> None:
+        self.claims.pop(rid, None)
+        self.asked.discard(rid)
+        self.later.discard(rid)
+        self.since.pop(rid, None)
 
     def _leave(self, blocks: list[int]) -> None:
         if blocks and self.block_pool is not None:
