@@ -47,7 +47,11 @@ LAYOUT = KVLayout(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM, bloc
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("tiny-llama")
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def tiny_llama(d: Path) -> Path:
+    """A model directory vLLM's config reads (no weights: nothing runs a forward here)."""
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": HEADS * 2 * HEAD_DIM,
         "intermediate_size": 128, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,

@@ -1,0 +1,97 @@
+"""Resident mode's scheduler side inside vLLM's own ``Scheduler`` (CPU: resident mode needs the arena on a GPU, so
+its start-up check is told this CPU pool will do; the scheduler side never touches KV bytes). Needs vLLM; skipped
+without it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.structured_output import StructuredOutputManager
+
+from kvpool.client import PoolClient
+from kvpool.integrations.vllm import resident
+from tests.conftest import PoolProcess, start_pool
+from tests.integrations.test_vllm_scheduler import (
+    BS,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    LAYOUT,
+    NAMES,
+    config,
+    request,
+    tiny_llama,
+)
+
+NUM_BLOCKS = 64
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def pool() -> Iterator[PoolProcess]:
+    flags = ["--num-blocks", str(NUM_BLOCKS), "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
+             "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32", "--order", "kv_packed",
+             "--slabs", "--slab-max-blocks", str(NUM_BLOCKS)]  # fmt: skip
+    proc = start_pool(*flags)
+    yield proc
+    proc.stop()
+
+
+def resident_scheduler(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> Scheduler:
+    monkeypatch.setattr(resident, "why_not", lambda *args: None)
+    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
+    cfg = config(model_dir, url)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=16)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    sched = Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
+    assert sched.connector is not None and sched.connector._resident_sched is not None, "resident mode started"
+    return sched
+
+
+def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedules_the_others(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefix = list(range(100, 100 + 3 * BS))
+    packed = LAYOUT.model_copy(update={"order": "kv_packed"})
+    with PoolClient(pool.url, name="writer", layout=packed) as writer:  # another engine computed the prefix
+        ids = writer.alloc(3)
+        writer.commit(ids, prefix)
+        writer.free(ids)
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        lookup_many, go = side.client.lookup_many, threading.Event()
+
+        def held_back(*args: Any, **kwargs: Any) -> Any:
+            go.wait(10)
+            return lookup_many(*args, **kwargs)
+
+        side.client.lookup_many = held_back
+        sched.add_request(request("slow", [*prefix, 7, 8, 9]))
+        sched.add_request(request("quick", [5] * (BS - 2)))  # under a block: nothing to ask the pool
+        first = sched.schedule()
+        assert [r.req_id for r in first.scheduled_new_reqs] == ["quick"], "the scheduler did not wait for the pool"
+        go.set()
+        side.residency._lookups.drain()
+        second = sched.schedule()
+        [slow] = second.scheduled_new_reqs
+        assert slow.req_id == "slow" and slow.num_computed_tokens == 3 * BS, "taken in the next step, with its hit"
+        assert list(slow.block_ids[0][:3]) == [i & 0xFFFFFFFF for i in ids], "the writer's arena blocks"
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
