@@ -374,7 +374,8 @@ class Slab:
 
     def _top_up(self) -> None:
         with self.lock:
-            self._reuse_handed()
+            if not self.closed:
+                self._reuse_handed()
             take = min(self.config.blocks - self.top, len(self.empty))
             if take <= 0 or self.closed:
                 self._topping = False
