@@ -18,6 +18,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,9 @@ from kvpool.transport import Transport
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: how long a slab waits before it asks again ahead of need, after the pool had nothing to give
+AHEAD_BACKOFF_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +126,7 @@ class Slab:
         self.closed = False
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
+        self._ahead_after = 0.0  # after a refill ahead failed (a full pool), none until then (monotonic)
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -367,6 +372,8 @@ class Slab:
         out = self.config.blocks - self.top
         if self._topping or self.closed or out < max(self.config.low, self.config.blocks // 4):
             return
+        if self._ahead_after and time.monotonic() < self._ahead_after:
+            return  # a full pool is not asked again every step
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvpool-slab-refill")
         self._topping = True
@@ -386,10 +393,12 @@ class Slab:
         try:
             req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
             ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
-        except PoolExhausted:
-            pass
         except Exception as exc:  # the next alloc that needs blocks asks again, under the lock, and raises there
-            log.warning("a slab refill ahead of need failed: %s: %s", type(exc).__name__, exc)
+            self._ahead_after = time.monotonic() + AHEAD_BACKOFF_S
+            if not isinstance(exc, PoolExhausted):
+                log.warning("a slab refill ahead of need failed: %s: %s", type(exc).__name__, exc)
+        else:
+            self._ahead_after = 0.0
         finally:
             with self.lock:
                 self._topping = False

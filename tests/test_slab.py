@@ -21,6 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvpool import slab as slab_module
 from kvpool import slabwire
 from kvpool.client import PoolClient
 from kvpool.errors import (
@@ -128,6 +129,35 @@ def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_fr
         assert slab.num_idle == SMALL.blocks
         assert stats(pool)["slabs"]["counters"]["grants"] == grants + 1, "one refill, not one per call"
         slab.refill_ahead()  # full: nothing to do
+        b.free(held)
+    assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProcess) -> None:
+    with PoolClient(pool.url, name="slab-ahead-full", slab=SMALL) as b:
+        slab = b.slab
+        assert slab is not None
+        held = [b.alloc(1)[0] for _ in range(SMALL.blocks - SMALL.low)]
+        fetch, calls = slab.transport.fetch, []
+
+        def full(*args: Any, **kwargs: Any) -> Any:
+            calls.append(args[1])
+            raise PoolExhausted("the arena is full")
+
+        slab.transport.fetch = full  # type: ignore[method-assign]
+        for _ in range(20):  # twenty scheduler steps, each waiting for the one before's refill to end
+            slab.refill_ahead()
+            deadline = time.monotonic() + 10
+            while slab._topping and time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert calls == ["/slabs/blocks"], "asked once, then left alone for a while"
+        time.sleep(slab_module.AHEAD_BACKOFF_S)
+        slab.refill_ahead()
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(calls) == 2, "and asked again after it"
+        slab.transport.fetch = fetch  # type: ignore[method-assign]
         b.free(held)
     assert wait_idle(pool)["in_use"] == 0
 
