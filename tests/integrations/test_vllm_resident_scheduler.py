@@ -95,3 +95,24 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
         assert list(slow.block_ids[0][:3]) == [i & 0xFFFFFFFF for i in ids], "the writer's arena blocks"
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_request_whose_answer_comes_within_the_brief_wait_is_taken_in_the_same_step(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone request is not put off a step for an answer that is nearly there (here the wait is made long enough
+    for any machine's round trip)."""
+    prefix = list(range(300, 300 + 2 * BS))
+    packed = LAYOUT.model_copy(update={"order": "kv_packed"})
+    with PoolClient(pool.url, name="writer", layout=packed) as writer:
+        ids = writer.alloc(2)
+        writer.commit(ids, prefix)
+        writer.free(ids)
+    monkeypatch.setattr(resident, "ANSWER_WAIT_S", 10.0)
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        sched.add_request(request("lone", [*prefix, 1, 2, 3]))
+        [lone] = sched.schedule().scheduled_new_reqs
+        assert lone.num_computed_tokens == 2 * BS
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]

@@ -31,6 +31,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -353,10 +354,15 @@ class Residency:
                 out.append(hit)
         return out
 
-    def ready(self, req_id: str) -> bool | None:
-        """Whether the pool's answer for a request is back (None: none was asked)."""
+    def ready(self, req_id: str, wait_s: float = 0.0) -> bool | None:
+        """Whether the pool's answer for a request is back, waiting up to ``wait_s`` for it (None: none was
+        asked)."""
         future = self.ahead.get(req_id)
-        return None if future is None else future.done()
+        if future is None:
+            return None
+        if wait_s > 0 and not future.done():
+            futures_wait((future,), wait_s)
+        return future.done()
 
     def answer(self, req_id: str, timeout_s: float | None = None) -> Hit | None:
         """The pool's answer for a request (waiting for it if it is on its way, ``answer_timeout_s`` unless told),

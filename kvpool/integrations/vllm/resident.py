@@ -34,6 +34,10 @@ log = logging.getLogger("vllm.kvpool")
 #: kv_transfer_params keys, as copy mode names them: a prefill engine's answer carries the handoff to its decode
 HANDOFF_KEY = "kvpool_handoff"
 DIGEST_KEY = "kvpool_digest"
+#: how long the scheduler waits for a request's answer the first time it would take it in, before it leaves it
+#: waiting a step: a lone request's answer is usually this close, and a step of the idle engine loop costs a
+#: millisecond; a burst's first arrival then holds the others back this long at most
+ANSWER_WAIT_S = 0.002
 
 
 def arena_on(descriptor: ArenaDescriptor, gpu_uuid: str | None) -> ArenaDescriptor | None:
@@ -151,10 +155,11 @@ class ResidentScheduler:
         rid = request.request_id
         if rid in self.asked:
             return None
-        ready = self.residency.ready(rid)
+        first = rid not in self.since
+        ready = self.residency.ready(rid, ANSWER_WAIT_S if first else 0.0)
         if ready is None:  # it arrived without word to the connector (no arrival hook): ask now, once
             self.arrive(request)
-            ready = self.residency.ready(rid)
+            ready = self.residency.ready(rid, ANSWER_WAIT_S if first else 0.0)
         if ready is False:
             since = self.since.setdefault(rid, time.monotonic())
             if time.monotonic() - since < self.residency.answer_timeout_s:
