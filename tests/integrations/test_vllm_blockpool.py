@@ -118,7 +118,7 @@ def pool() -> Iterator[PoolProcess]:
     proc.stop()
 
 
-def test_vllm_s_own_hit_search_finds_another_engine_s_prefix_in_the_same_blocks(pool: PoolProcess) -> None:
+def test_a_prefix_another_engine_computed_is_the_request_s_hit_in_the_same_blocks(pool: PoolProcess) -> None:
     a = FakeClientEngine(pool.url, "a")
     b = FakeClientEngine(pool.url, "b")
     try:
@@ -127,7 +127,7 @@ def test_vllm_s_own_hit_search_finds_another_engine_s_prefix_in_the_same_blocks(
         assert 0 not in a_blocks
         req = b.request("r2", [*prompt[: 5 * BS], 7, 7, 7, 7, 7])
         blocks, hit = b.schedule(req)
-        assert hit == 5 * BS and blocks[:5] == a_blocks[:5], "vLLM's own hit search gave engine a's arena blocks"
+        assert hit == 5 * BS and blocks[:5] == a_blocks[:5], "engine a's arena blocks"
         assert holds(b.arena, blocks[:5], prompt)
         assert b.sched.residency.counters.installed_blocks == 5 and b.sched.residency.counters.copied_blocks == 0
         req.num_computed_tokens = req.num_tokens
@@ -189,6 +189,34 @@ def test_a_hit_larger_than_the_slab_s_idle_blocks_is_scheduled(pool: PoolProcess
     finally:
         p.close()
         d.close()
+
+
+def test_a_lookup_s_hit_goes_on_with_blocks_this_engine_has_not_committed_yet(
+    pool: PoolProcess,
+) -> None:
+    """The pool knows the prefix another engine committed; this engine's running request computed the next blocks,
+    which only vLLM's own map knows: a new request's hit is both, as vLLM's own search would find it."""
+    a, b = FakeClientEngine(pool.url, "a", slab_blocks=16), FakeClientEngine(pool.url, "b", slab_blocks=16)
+    try:
+        prompt = list(range(2000, 2000 + 6 * BS + 1))
+        a.run(a.request("r1", prompt[: 3 * BS + 1]))  # a's 3 blocks, committed
+        running = b.request("x", prompt)
+        x_blocks, x_hit = b.schedule(running)  # a's 3 blocks, then 3 of its own, not committed while it runs
+        assert x_hit == 3 * BS
+        b.compute(x_blocks, prompt, 3)
+        later = b.request("y", [*prompt[: 6 * BS], 5, 5])
+        blocks, hit = b.schedule(later)
+        assert hit == 6 * BS and blocks[:6] == x_blocks[:6], "the pool's three, then the engine's own three"
+        assert holds(b.arena, blocks[:6], prompt)
+        for req, ids in ((later, blocks), (running, x_blocks)):
+            req.num_computed_tokens = req.num_tokens
+            b.sched.finished(req, ids)
+            b.manager.free(req)
+        b.sched.residency.drain()
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1
 
 
 def test_a_request_whose_pool_answer_is_not_back_waits_a_step_while_the_others_go_on(pool: PoolProcess) -> None:

@@ -3,12 +3,13 @@
 The scheduler-side connector is built before vLLM's ``KVCacheManager``, so it can swap, for this process, the
 ``BlockPool`` class that ``kv_cache_coordinator`` builds (vLLM 0.26: the one construction site) for a subclass
 that keeps its free blocks in the engine's slab (:class:`.residency.Residency`) instead of a private queue, and
-wraps two ``KVCacheManager`` methods: ``get_computed_blocks`` installs what the pool answered for a request (another
-engine's prefix, a claimed handoff) into vLLM's own prefix-cache map first, so that vLLM's own hit path takes those
-arena blocks as if this engine had computed them; ``allocate_slots`` refills the slab once before it says no.
+wraps two ``KVCacheManager`` methods: ``get_computed_blocks`` hands vLLM what the pool answered for a request
+(another engine's prefix, a claimed handoff) as the request's hit, arena blocks taken as if this engine had
+computed them, followed by what vLLM's own map holds past them; ``allocate_slots`` refills the slab once before it
+says no.
 
-Everything else of vLLM's (hashing, its hit search, ref counts, caching of full blocks, the scheduler) runs
-unchanged. vLLM's map holds only blocks the engine holds a pool ref on, so a hit in it is never a recycled block.
+Everything else of vLLM's (hashing, ref counts, caching of full blocks, the scheduler) runs unchanged. vLLM's map
+holds only blocks the engine holds a pool ref on, so a hit in it is never a recycled block.
 """
 
 from __future__ import annotations
@@ -124,13 +125,9 @@ class ResidentBlockPool(BlockPool):
 
     # -- hits from the pool ---------------------------------------------------------------------------------
 
-    def install(self, request: Any) -> list[KVCacheBlock] | None:
-        """Put what the pool answered for ``request`` into vLLM's map under the request's own block hashes (vLLM's
-        hash seed differs between engines; the pool's chains are over token ids), before vLLM searches it.
-
-        A claimed handoff is the whole prompt's KV: its blocks are returned instead, for the caller to hand to vLLM
-        as the request's hit without a search (where it knows how), as its own hits would be. Its handover then
-        costs one pass over the ids, not a hash-map insert and a search per block."""
+    def install(self, request: Any) -> tuple[list[int], bool] | None:
+        """Take what the pool answered for ``request`` (held and pinned for it): the engine's blocks of the hit, and
+        whether it is a claimed handoff (the whole prompt's KV); None if there is nothing to take."""
         answer = self.on_request(request)
         if answer is None:
             return None
@@ -140,14 +137,31 @@ class ResidentBlockPool(BlockPool):
         for block_id in again:
             if self.blocks[block_id].ref_cnt:
                 self.waiting.discard(block_id)
-        if claimed and _ARITY:
-            return list(map(self.blocks.__getitem__, blocks))
+        return blocks, claimed
+
+    def hit_blocks(self, request: Any, blocks: list[int], claimed: bool) -> list[KVCacheBlock]:
+        """The request's hit as vLLM's search would give it, without the search: the pool's blocks, then (after a
+        lookup) whatever of the request's next blocks vLLM's own map holds, blocks this engine computed and has not
+        committed yet. A handover then costs one pass over the ids, not a hash-map insert and a search per block."""
+        found = list(map(self.blocks.__getitem__, blocks))
+        if claimed:
+            return found
+        hashes = request.block_hashes
+        for i in range(len(found), min(len(hashes), (request.num_tokens - 1) // self.hash_block_size)):
+            got = self.get_cached_block(hashes[i], [0])
+            if got is None:
+                break
+            found.append(got[0])
+        return found
+
+    def insert(self, request: Any, blocks: list[int]) -> None:
+        """Put the pool's hit into vLLM's map under the request's own block hashes (vLLM's hash seed differs between
+        engines; the pool's chains are over token ids), for vLLM's own search to find."""
         hashes = request.block_hashes
         size = self.hash_block_size
         for i, block_id in enumerate(blocks):
             key = make_block_hash_with_group_id(hashes[i], 0)
             self._insert_block_hash(key, self.blocks[block_id], num_tokens=(i + 1) * size)
-        return None
 
 
 def _arity() -> int:
@@ -199,19 +213,31 @@ def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
         if not isinstance(pool, ResidentBlockPool) or not manager.enable_caching:
             return original(manager, request)
         began = time.perf_counter()
-        claimed = pool.install(request)
-        if claimed is None or getattr(request, "skip_reading_prefix_cache", False):
+        taken = pool.install(request)
+        if taken is None:
             return original(manager, request)
-        tokens = len(claimed) * pool.hash_block_size
+        blocks, claimed = taken
+        if not _ARITY or getattr(request, "skip_reading_prefix_cache", False) or _reports_hits(manager, request):
+            pool.insert(request, blocks)  # vLLM's own hit path, whatever it does besides the search
+            return original(manager, request)
+        found = pool.hit_blocks(request, blocks, claimed)
+        tokens = len(found) * pool.hash_block_size
         if manager.log_stats and manager.prefix_cache_stats is not None:
             manager.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=tokens,
                                               preempted=request.num_preemptions > 0)  # fmt: skip
-        hit = manager.create_kv_cache_blocks((claimed,))
-        pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
+        hit = manager.create_kv_cache_blocks((found,))
+        if claimed:
+            pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
         return (hit, tokens, 0)[:_ARITY]
 
     setattr(get_computed_blocks, _WRAPPED, True)
     return get_computed_blocks
+
+
+def _reports_hits(manager: Any, request: Any) -> bool:
+    """Whether vLLM emits a KV event for each block of this request's hit (``kv_cache_report_mode`` "full"), which
+    its own hit path does."""
+    return bool(manager.enable_kv_cache_events) and getattr(request, "kv_cache_report_mode", "") == "full"
 
 
 def _refilling(original: Callable[..., Any]) -> Callable[..., Any]:
