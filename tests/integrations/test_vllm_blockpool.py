@@ -250,3 +250,17 @@ def test_a_request_whose_pool_answer_is_not_back_waits_a_step_while_the_others_g
         a.close()
         b.close()
     assert books(pool.url)["in_use"] == 1
+
+
+def test_an_engine_s_slab_fills_as_it_starts_before_any_request(pool: PoolProcess) -> None:
+    e = FakeClientEngine(pool.url, "e", slab_blocks=16)
+    try:
+        slab = e.client.slab
+        assert slab is not None
+        deadline = time.monotonic() + 10
+        while slab.num_idle < 16 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert slab.num_idle == 16, "the first burst's allocs find their blocks there"
+    finally:
+        e.close()
+    assert books(pool.url)["in_use"] == 1

@@ -132,6 +132,7 @@ class ResidentScheduler:
         self.since: dict[str, float] = {}
         self.block_pool: Any = None
         blockpool.install(self.residency, self._answer, self._bind)
+        slab.refill_ahead()  # the slab starts full, and its refill thread exists before the first burst
 
     def _bind(self, block_pool: Any) -> None:
         self.block_pool = block_pool
