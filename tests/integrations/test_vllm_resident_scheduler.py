@@ -83,7 +83,13 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
             return lookup_many(*args, **kwargs)
 
         side.client.lookup_many = held_back
+        searched: list[int] = []
+        coordinator = sched.kv_cache_manager.coordinator
+        find = coordinator.find_longest_cache_hit
+        monkeypatch.setattr(coordinator, "find_longest_cache_hit", lambda *a: searched.append(1) or find(*a))
         sched.add_request(request("slow", [*prefix, 7, 8, 9]))
+        first = sched.schedule()
+        assert not first.scheduled_new_reqs and not searched, "left waiting, and not searched for in vain"
         sched.add_request(request("quick", [5] * (BS - 2)))  # under a block: nothing to ask the pool
         first = sched.schedule()
         assert [r.req_id for r in first.scheduled_new_reqs] == ["quick"], "the scheduler did not wait for the pool"

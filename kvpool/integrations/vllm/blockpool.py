@@ -43,6 +43,8 @@ class ResidentBlockPool(BlockPool):
     on_request: Callable[[Any], tuple[Any, int, bool] | None]
     #: told of the block pool once it is built (the connector's scheduler side frees through it)
     on_built: Callable[[ResidentBlockPool], None]
+    #: whether vLLM is to leave a request waiting this step (its pool answer on the way): it needs no search
+    waits: Callable[[Any], bool]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -185,6 +187,7 @@ def install(
     residency: Residency,
     on_request: Callable[[Any], tuple[Any, int, bool] | None],
     on_built: Callable[[ResidentBlockPool], None],
+    waits: Callable[[Any], bool] = lambda request: False,
 ) -> None:
     """From now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is a resident one bound to
     ``residency``; and ``KVCacheManager`` installs pool answers and refills the slab (once per process)."""
@@ -195,6 +198,7 @@ def install(
     Bound.residency = residency
     Bound.on_request = staticmethod(on_request)  # type: ignore[assignment]
     Bound.on_built = staticmethod(on_built)  # type: ignore[assignment]
+    Bound.waits = staticmethod(waits)  # type: ignore[assignment]
     kv_cache_coordinator.BlockPool = Bound  # type: ignore[misc]
     if not getattr(KVCacheManager.get_computed_blocks, _WRAPPED, False):
         KVCacheManager.get_computed_blocks = _installing(KVCacheManager.get_computed_blocks)  # type: ignore[method-assign]
@@ -215,6 +219,8 @@ def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
         began = time.perf_counter()
         taken = pool.install(request)
         if taken is None:
+            if _ARITY and pool.waits(request):  # vLLM leaves it waiting this step: its search would go to waste
+                return (manager.empty_kv_cache_blocks, 0, 0)[:_ARITY]
             return original(manager, request)
         blocks, claimed = taken
         if not _ARITY or getattr(request, "skip_reading_prefix_cache", False) or _reports_hits(manager, request):

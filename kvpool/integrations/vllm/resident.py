@@ -131,7 +131,7 @@ class ResidentScheduler:
         self.later: set[str] = set()
         self.since: dict[str, float] = {}
         self.block_pool: Any = None
-        blockpool.install(self.residency, self._answer, self._bind)
+        blockpool.install(self.residency, self._answer, self._bind, lambda request: request.request_id in self.later)
         slab.refill_ahead()  # the slab starts full, and its refill thread exists before the first burst
 
     def _bind(self, block_pool: Any) -> None:
