@@ -86,13 +86,18 @@ class FakeClientEngine:
     def run(self, req: Request) -> list[int]:
         """Schedule, 'compute' what was not a hit, finish, free: the request's whole life in one engine."""
         blocks, hit = self.schedule(req)
-        prompt = list(req.prompt_token_ids)
-        self.compute(blocks, prompt, hit // BS)
-        req.num_computed_tokens = len(prompt)
+        self.compute(blocks, list(req.prompt_token_ids), hit // BS)
+        params = self.finish(req, blocks)
+        return blocks if params is None else [params]  # type: ignore[list-item]
+
+    def finish(self, req: Request, blocks: list[int]) -> dict | None:
+        """The request's end as vLLM's scheduler has it: every token computed, the connector told, then vLLM frees
+        its blocks; the calls to the pool that follow reach it before this returns."""
+        req.num_computed_tokens = req.num_tokens
         params = self.sched.finished(req, blocks)
         self.manager.free(req)
         self.sched.residency.drain()
-        return blocks if params is None else [params]  # type: ignore[list-item]
+        return params
 
     def prefill(self, rid: str, prompt: list[int]) -> tuple[list[int], dict]:
         """A prefill engine's request: computed, finished with ``do_remote_decode`` (parked), freed; its blocks and
@@ -100,10 +105,7 @@ class FakeClientEngine:
         req = self.request(rid, prompt, {"do_remote_decode": True})
         blocks, _ = self.schedule(req)
         self.compute(blocks, prompt)
-        req.num_computed_tokens = len(prompt)
-        params = self.sched.finished(req, blocks)
-        self.manager.free(req)
-        self.sched.residency.drain()
+        params = self.finish(req, blocks)
         assert params is not None and params["num_tokens"] == len(prompt)
         return blocks, params
 
@@ -130,10 +132,7 @@ def test_a_prefix_another_engine_computed_is_the_request_s_hit_in_the_same_block
         assert hit == 5 * BS and blocks[:5] == a_blocks[:5], "engine a's arena blocks"
         assert holds(b.arena, blocks[:5], prompt)
         assert b.sched.residency.counters.installed_blocks == 5 and b.sched.residency.counters.copied_blocks == 0
-        req.num_computed_tokens = req.num_tokens
-        b.sched.finished(req, blocks)  # as vLLM's scheduler does: the connector hears of the end, then vLLM frees
-        b.manager.free(req)
-        b.sched.residency.drain()
+        b.finish(req, blocks)
         assert not b.sched.residency.held, "every block went back: the hits and its own full block to the pool"
     finally:
         a.close()
@@ -208,11 +207,8 @@ def test_a_lookup_s_hit_goes_on_with_blocks_this_engine_has_not_committed_yet(
         blocks, hit = b.schedule(later)
         assert hit == 6 * BS and blocks[:6] == x_blocks[:6], "the pool's three, then the engine's own three"
         assert holds(b.arena, blocks[:6], prompt)
-        for req, ids in ((later, blocks), (running, x_blocks)):
-            req.num_computed_tokens = req.num_tokens
-            b.sched.finished(req, ids)
-            b.manager.free(req)
-        b.sched.residency.drain()
+        b.finish(later, blocks)
+        b.finish(running, x_blocks)
     finally:
         a.close()
         b.close()
@@ -242,10 +238,8 @@ def test_a_request_whose_pool_answer_is_not_back_waits_a_step_while_the_others_g
         go.set()
         blocks, hit = b.schedule(slow)
         assert hit == 3 * BS and holds(b.arena, blocks[:3], prompt), "the next step took it in with its hit"
-        for req in (slow, quick):
-            b.sched.finished(req, list(b.manager.get_block_ids(req.request_id)[0]) if req is slow else [])
-            b.manager.free(req)
-        b.sched.residency.drain()
+        b.finish(slow, blocks)
+        b.finish(quick, [])
     finally:
         a.close()
         b.close()
