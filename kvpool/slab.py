@@ -381,10 +381,11 @@ class Slab:
 
     def _top_up(self) -> None:
         with self.lock:
+            take = 0
             if not self.closed:
                 self._reuse_handed()
-            take = min(self.config.blocks - self.top, len(self.empty))
-            if take <= 0 or self.closed:
+                take = min(self.config.blocks - self.top, len(self.empty))
+            if take <= 0:
                 self._topping = False
                 return
             reserved = self.empty[len(self.empty) - take :]

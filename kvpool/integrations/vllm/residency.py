@@ -258,7 +258,8 @@ class Residency:
 
     def free_count(self) -> int:
         """Blocks the engine can take without a round trip (its slab's idle ones). vLLM asks once a request a step:
-        this only reads the count; refills go ahead of need (``step``), or once vLLM found too few (``grow``)."""
+        this only reads the count; refills go ahead of need (``step``), or once vLLM found too few (``grow``), or
+        under the slab's lock where an alloc would leave it below ``low``."""
         self.check()
         try:
             return self._free_count()

@@ -156,11 +156,9 @@ class ResidentScheduler:
         rid = request.request_id
         if rid in self.asked:
             return None
-        first = rid not in self.since
-        ready = self.residency.ready(rid, ANSWER_WAIT_S if first else 0.0)
-        if ready is None:  # it arrived without word to the connector (no arrival hook): ask now, once
+        if self.residency.ready(rid) is None:  # it arrived without word to the connector (no arrival hook): ask now
             self.arrive(request)
-            ready = self.residency.ready(rid, ANSWER_WAIT_S if first else 0.0)
+        ready = self.residency.ready(rid, ANSWER_WAIT_S if rid not in self.since else 0.0)
         if ready is False:
             since = self.since.setdefault(rid, time.monotonic())
             if time.monotonic() - since < self.residency.answer_timeout_s:
