@@ -122,3 +122,39 @@ def test_a_request_whose_answer_comes_within_the_brief_wait_is_taken_in_the_same
         assert lone.num_computed_tokens == 2 * BS
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_step_waits_for_answers_once_not_once_a_request(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst's answers come back together: each of its requests waiting in turn would hold the step that many
+    times over."""
+    monkeypatch.setattr(resident, "ANSWER_WAIT_S", 0.5)
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        lookup_many, go = side.client.lookup_many, threading.Event()
+
+        def held_back(*args: Any, **kwargs: Any) -> Any:
+            go.wait(10)
+            return lookup_many(*args, **kwargs)
+
+        side.client.lookup_many = held_back
+        ready, waits = side.residency.ready, []
+
+        def timed(rid: str, wait_s: float = 0.0) -> bool | None:
+            waits.append(wait_s)
+            return ready(rid, wait_s)
+
+        monkeypatch.setattr(side.residency, "ready", timed)
+        for i in range(3):
+            sched.add_request(request(f"r{i}", list(range(10 * i, 10 * i + 3 * BS))))
+        assert not sched.schedule().scheduled_new_reqs, "all three left waiting"
+        assert sum(waits) < 0.75, f"the step waited {waits}: once in all, not once a request"
+        waits.clear()
+        assert not sched.schedule().scheduled_new_reqs and not any(waits), "a request waits in its first step only"
+        go.set()
+        side.residency._lookups.drain()
+        assert len(sched.schedule().scheduled_new_reqs) == 3
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
