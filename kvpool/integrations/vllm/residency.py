@@ -291,13 +291,13 @@ class Residency:
             self._lose(exc)
             self.check()
             raise
-        out = []
-        for fenced in ids:
-            block = self.local(fenced)
-            if not 0 < block < self.num_blocks or block in self.held:
-                raise AssertionError(f"the pool gave block {block} (id {fenced}), which this engine cannot take")
-            self.held[block] = fenced
-            out.append(block)
+        first, held = self.first_block, self.held
+        out = [(fenced & BLOCK_MASK) - first for fenced in ids]
+        if out and (min(out) <= 0 or max(out) >= self.num_blocks or not held.keys().isdisjoint(out)
+                    or len(set(out)) < len(out)):  # fmt: skip
+            bad = next(b for i, b in enumerate(out) if not 0 < b < self.num_blocks or b in held or b in out[:i])
+            raise AssertionError(f"the pool gave block {bad}, which this engine cannot take")
+        held.update(zip(out, ids, strict=True))
         return out
 
     # -- hits -----------------------------------------------------------------------------------------------
@@ -438,11 +438,17 @@ class Residency:
         blocks = self.req_pins.pop(req_id, None)
         if not blocks:
             return []
+        pins = self.pins
+        if list(map(pins.__getitem__, blocks)).count(1) == len(blocks):  # each pinned by this request alone
+            drop = dict.__delitem__  # not Counter's, a Python method: this runs for every request vLLM takes in
+            for block in blocks:
+                drop(pins, block)
+            return blocks
         out = []
         for block in blocks:
-            self.pins[block] -= 1
-            if self.pins[block] <= 0:
-                del self.pins[block]
+            pins[block] -= 1
+            if pins[block] <= 0:
+                del pins[block]
                 out.append(block)
         return out
 
