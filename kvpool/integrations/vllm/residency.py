@@ -220,14 +220,17 @@ class Residency:
         self.pins: Counter[int] = Counter()  # held blocks waiting requests installed, by how many requests
         self.req_pins: dict[str, list[int]] = {}
         self.ahead: dict[str, Future[Hit]] = {}
+        #: the answers that are back, put here by the thread that read them before their futures are done: taking
+        #: one is a dict operation, where a future's ``done`` and ``result`` each take its lock
+        self.back: dict[str, Hit] = {}
         self.counters = ResidentCounters()
         self.handovers = Handovers()
         self._claimed: dict[str, float] = {}  # request -> its claim's round trip (us), until it is installed
         #: refs a hit took past what its request uses, released at the next step: a handover wakes no thread
         self._spare: list[int] = []
         self.gone: Exception | None = None
-        self._lookups: Batcher[list[int], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
-        self._claims: Batcher[str, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
+        self._lookups: Batcher[tuple[str, list[int]], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
+        self._claims: Batcher[tuple[str, str, float], Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
         self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
         self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
 
@@ -312,13 +315,9 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                future = self._claims.submit(claim)
-                arrived = time.perf_counter()
-                future.add_done_callback(
-                    lambda _: self._claimed.__setitem__(req_id, (time.perf_counter() - arrived) * 1e6)
-                )
+                future = self._claims.submit((req_id, claim, time.perf_counter()))
             else:
-                future = self._lookups.submit(tokens[:loadable])
+                future = self._lookups.submit((req_id, tokens[:loadable]))
             self.ahead[req_id] = future
 
     def _no_hit(self, exc: Exception) -> Hit:
@@ -328,8 +327,11 @@ class Residency:
                     type(exc).__name__, exc)  # fmt: skip
         return NO_HIT
 
-    def _lookup_many(self, prompts: list[list[int]]) -> list[Hit]:
-        return [self._hit(list(h.block_ids), h.num_tokens) for h in self.pool.lookup_many(prompts, self.device)]
+    def _lookup_many(self, asks: list[tuple[str, list[int]]]) -> list[Hit]:
+        found = self.pool.lookup_many([tokens for _, tokens in asks], self.device)
+        hits = [self._hit(list(h.block_ids), h.num_tokens) for h in found]
+        self.back.update(zip([rid for rid, _ in asks], hits, strict=True))
+        return hits
 
     def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None) -> Hit:
         first, n = self.first_block, self.num_blocks
@@ -337,7 +339,8 @@ class Residency:
         ok = not blocks or (min(blocks) > 0 and max(blocks) < n and len(set(blocks)) == len(blocks))
         return Hit(ids, num_tokens, meta or {}, blocks if ok else None)
 
-    def _claim_many(self, keys: list[str]) -> list[Hit]:
+    def _claim_many(self, asks: list[tuple[str, str, float]]) -> list[Hit]:
+        keys = [key for _, key, _ in asks]
         out = []
         for key, got in zip(keys, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
             if got is None:
@@ -353,22 +356,31 @@ class Residency:
                 out.append(NO_HIT)
             else:
                 out.append(hit)
+        now = time.perf_counter()
+        self._claimed.update((rid, (now - arrived) * 1e6) for rid, _, arrived in asks)
+        self.back.update(zip([rid for rid, _, _ in asks], out, strict=True))
         return out
 
     def ready(self, req_id: str, wait_s: float = 0.0) -> bool | None:
         """Whether the pool's answer for a request is back, waiting up to ``wait_s`` for it (None: none was
         asked)."""
+        if req_id in self.back:
+            return True
         future = self.ahead.get(req_id)
         if future is None:
             return None
-        if wait_s > 0 and not future.done():
+        if wait_s > 0:
             futures_wait((future,), wait_s)
         return future.done()
 
     def answer(self, req_id: str, timeout_s: float | None = None) -> Hit | None:
         """The pool's answer for a request (waiting for it if it is on its way, ``answer_timeout_s`` unless told),
         taken: None if none was asked."""
+        hit = self.back.pop(req_id, None)
         future = self.ahead.pop(req_id, None)  # one dict operation: atomic, and ``prefetch`` only adds
+        if hit is not None:
+            self.handovers.wait_us.append(0.0)
+            return hit
         if future is None:
             return None
         began = time.perf_counter()
@@ -377,10 +389,17 @@ class Residency:
             return future.result(wait_s)
         except FutureTimeout:
             log.warning("kvpool: no answer from the pool for %s in %.0f s; computing it", req_id, wait_s)
-            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+            future.add_done_callback(functools.partial(self._give_back, req_id))
             return NO_HIT
         finally:
+            self.back.pop(req_id, None)  # the answer came as the wait ended, or failed (then none was put here)
             self.handovers.wait_us.append((time.perf_counter() - began) * 1e6)
+
+    def _give_back(self, req_id: str, future: Future[Hit]) -> None:
+        """An answer nobody will take: its refs go back to the pool."""
+        self.back.pop(req_id, None)
+        self._claimed.pop(req_id, None)
+        self._release_ids(future.result().ids)
 
     def install(self, req_id: str, hit: Hit, usable: int) -> tuple[list[int], list[int]]:
         """Take the first ``usable`` blocks of ``hit`` for a request that has not run yet: each becomes held (one
@@ -524,8 +543,7 @@ class Residency:
         with self._lock:
             future = self.ahead.pop(req_id, None)
         if future is not None:
-            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
-            future.add_done_callback(lambda _: self._claimed.pop(req_id, None))  # a claim's time, never installed
+            future.add_done_callback(functools.partial(self._give_back, req_id))
         return self.unpin(req_id)
 
     def commit(self, blocks: Sequence[int], tokens: list[int]) -> int:
@@ -596,10 +614,10 @@ class Residency:
 
     def close(self) -> None:
         with self._lock:
-            pending = list(self.ahead.values())
+            pending = list(self.ahead.items())
             self.ahead.clear()
-        for future in pending:
-            future.add_done_callback(lambda f: self._release_ids(f.result().ids))
+        for req_id, future in pending:
+            future.add_done_callback(functools.partial(self._give_back, req_id))
         self._release_spare()
         for lane in (self._lookups, self._claims, self._writes):
             lane.close()

@@ -158,9 +158,12 @@ class ResidentScheduler:
         rid = request.request_id
         if rid in self.asked:
             return None
-        if self.residency.ready(rid) is None:  # it arrived without word to the connector (no arrival hook): ask now
+        ready = self.residency.ready(rid)
+        if ready is None:  # it arrived without word to the connector (no arrival hook): ask now
             self.arrive(request)
-        ready = self.residency.ready(rid, self._wait_s(rid))
+            ready = self.residency.ready(rid)
+        if ready is False:
+            ready = self.residency.ready(rid, self._wait_s(rid))
         if ready is False:
             since = self.since.setdefault(rid, time.monotonic())
             if time.monotonic() - since < self.residency.answer_timeout_s:
