@@ -217,8 +217,10 @@ class Residency:
         self.device = device  # the arena the engine's blocks and prefix chains are in, as the pool names its device
         self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
         self.committed: set[int] = set()  # held blocks the pool's prefix index holds (so they go back to the pool)
-        self.pins: Counter[int] = Counter()  # held blocks waiting requests installed, by how many requests
+        #: the held blocks each waiting request installed: a request is taken in within the step that installed its
+        #: hit, so pins are kept per request, not per block, and the set of pinned blocks is built only when asked
         self.req_pins: dict[str, list[int]] = {}
+        self._pinned: set[int] | None = set()  # every pinned block; None: to be built again from ``req_pins``
         self.ahead: dict[str, Future[Hit]] = {}
         #: the answers that are back, put here by the thread that read them before their futures are done: taking
         #: one is a dict operation, where a future's ``done`` and ``result`` each take its lock
@@ -422,7 +424,6 @@ class Residency:
         again: list[int] = []
         if held.keys().isdisjoint(blocks) and (hit.blocks is not None or len(set(blocks)) == len(blocks)):
             held.update(zip(blocks, ids, strict=True))
-            dict.update(self.pins, dict.fromkeys(blocks, 1))  # none pinned: none held
         else:
             extra = list(extra)
             for block, fenced in zip(blocks, ids, strict=True):
@@ -434,8 +435,8 @@ class Residency:
                 else:
                     extra.append(fenced)
                     again.append(block)
-            self.pins.update(blocks)
         self.committed.update(blocks)
+        self._pinned = None
         pinned = self.req_pins.get(req_id)
         if pinned is None:
             self.req_pins[req_id] = list(blocks)
@@ -457,22 +458,23 @@ class Residency:
         blocks = self.req_pins.pop(req_id, None)
         if not blocks:
             return []
-        pins = self.pins
-        if list(map(pins.__getitem__, blocks)).count(1) == len(blocks):  # each pinned by this request alone
-            drop = dict.__delitem__  # not Counter's, a Python method: this runs for every request vLLM takes in
-            for block in blocks:
-                drop(pins, block)
+        self._pinned = None
+        if not self.req_pins:  # the common case: no other request waits with a hit
             return blocks
-        out = []
-        for block in blocks:
-            pins[block] -= 1
-            if pins[block] <= 0:
-                del pins[block]
-                out.append(block)
-        return out
+        return [b for b in dict.fromkeys(blocks) if not self.pinned(b)]
 
     def pinned(self, block: int) -> bool:
-        return block in self.pins
+        """Whether a waiting request installed ``block``."""
+        if not self.req_pins:
+            return False
+        if self._pinned is None:
+            self._pinned = {b for blocks in self.req_pins.values() for b in blocks}
+        return block in self._pinned
+
+    @property
+    def pins(self) -> Counter[int]:
+        """How many waiting requests installed each pinned block (for tests and logs; built on each call)."""
+        return Counter(b for blocks in self.req_pins.values() for b in blocks)
 
     # -- blocks that leave --------------------------------------------------------------------------------
 
@@ -482,7 +484,7 @@ class Residency:
         to_pool: list[int] = []
         to_slab: list[int] = []
         for block in blocks:
-            if block in self.pins:
+            if self.pinned(block):
                 continue
             fenced = self.held.pop(block, None)
             if fenced is None:
