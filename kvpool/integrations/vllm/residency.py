@@ -153,12 +153,14 @@ class Handovers:
 
     claim_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     taken_in_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: how long the scheduler waited for any answer (lookup or claim) not back when it took the request in
+    #: each wait of the scheduler for an answer (lookup or claim) not back when it would take the request in: a
+    #: step's brief wait, or a wait past it
     wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
     def summary(self) -> dict[str, int]:
         out = {}
         if self.wait_us:
+            out["answer_waits"] = len(self.wait_us)
             out["answer_wait_p50_us"] = int(statistics.median(self.wait_us))
             out["answer_wait_max_us"] = int(max(self.wait_us))
         if self.taken_in_us:
@@ -372,7 +374,9 @@ class Residency:
         if future is None:
             return None
         if wait_s > 0:
+            began = time.perf_counter()
             futures_wait((future,), wait_s)
+            self.handovers.wait_us.append((time.perf_counter() - began) * 1e6)
         return future.done()
 
     def answer(self, req_id: str, timeout_s: float | None = None) -> Hit | None:
@@ -381,7 +385,6 @@ class Residency:
         hit = self.back.pop(req_id, None)
         future = self.ahead.pop(req_id, None)  # one dict operation: atomic, and ``prefetch`` only adds
         if hit is not None:
-            self.handovers.wait_us.append(0.0)
             return hit
         if future is None:
             return None
