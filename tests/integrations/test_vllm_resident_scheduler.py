@@ -64,6 +64,18 @@ def resident_scheduler(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatc
     return sched
 
 
+def hold_back_lookups(side: Any) -> threading.Event:
+    """The pool's answers to this scheduler's lookups wait until the returned event is set."""
+    lookup_many, go = side.client.lookup_many, threading.Event()
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        go.wait(10)
+        return lookup_many(*args, **kwargs)
+
+    side.client.lookup_many = held_back
+    return go
+
+
 def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedules_the_others(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -76,13 +88,7 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)
     try:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
-        lookup_many, go = side.client.lookup_many, threading.Event()
-
-        def held_back(*args: Any, **kwargs: Any) -> Any:
-            go.wait(10)
-            return lookup_many(*args, **kwargs)
-
-        side.client.lookup_many = held_back
+        go = hold_back_lookups(side)
         searched: list[int] = []
         coordinator = sched.kv_cache_manager.coordinator
         find = coordinator.find_longest_cache_hit
@@ -133,13 +139,7 @@ def test_a_step_waits_for_answers_once_not_once_a_request(
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)
     try:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
-        lookup_many, go = side.client.lookup_many, threading.Event()
-
-        def held_back(*args: Any, **kwargs: Any) -> Any:
-            go.wait(10)
-            return lookup_many(*args, **kwargs)
-
-        side.client.lookup_many = held_back
+        go = hold_back_lookups(side)
         ready, waits = side.residency.ready, []
 
         def timed(rid: str, wait_s: float = 0.0) -> bool | None:
