@@ -229,6 +229,30 @@ def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
         b.close()
 
 
+def test_answers_taken_or_given_back_leave_nothing_behind(pool: PoolProcess) -> None:
+    """An engine keeps an answer, and a claim's time, only until its request is installed or leaves: a claim the
+    pool had nothing for, and a lookup whose request left, leave no entry in a process that runs for weeks."""
+    a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
+    b.res.claim_timeout_s = 0.05
+    try:
+        prompt = list(range(70, 70 + 2 * BS + 1))
+        a.publish(prompt, 2)
+        b.res.prefetch("none", prompt, claim="a:never-parked")
+        none = b.res.answer("none")
+        assert none is not None and not none.ids, "nothing parked under that key"
+        b.res.prefetch("left", prompt)
+        b.res.drain()
+        assert b.res.ready("left") is True, "the lookup was answered before its request left"
+        b.res.finished("left")
+        b.res.prefetch("hit", prompt)
+        got, _ = b.res.install("hit", b.res.answer("hit"), 2)
+        assert len(got) == 2
+        assert b.res.back == {} and b.res.ahead == {} and b.res._claimed == {}
+    finally:
+        a.close()
+        b.close()
+
+
 def test_an_engine_learns_its_pool_stopped_from_its_heartbeat_with_no_call_of_its_own(pool: PoolProcess) -> None:
     a = Engine(pool.url, "a")
     try:

@@ -361,8 +361,10 @@ class Residency:
             else:
                 out.append(hit)
         now = time.perf_counter()
-        self._claimed.update((rid, (now - arrived) * 1e6) for rid, _, arrived in asks)
-        self.back.update(zip([rid for rid, _, _ in asks], out, strict=True))
+        for (rid, _, arrived), hit in zip(asks, out, strict=True):
+            if hit.ids:  # a claim's time is kept until its request is installed, so only where there is one
+                self._claimed[rid] = (now - arrived) * 1e6
+            self.back[rid] = hit
         return out
 
     def ready(self, req_id: str, wait_s: float = 0.0) -> bool | None:
