@@ -4,6 +4,7 @@ manager says no, a prefill parked and claimed by id."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -134,6 +135,30 @@ def test_a_prefix_another_engine_computed_is_the_request_s_hit_in_the_same_block
         assert b.sched.residency.counters.installed_blocks == 5 and b.sched.residency.counters.copied_blocks == 0
         b.finish(req, blocks)
         assert not b.sched.residency.held, "every block went back: the hits and its own full block to the pool"
+    finally:
+        a.close()
+        b.close()
+    assert books(pool.url)["in_use"] == 1
+
+
+def test_where_vllm_s_hit_path_is_not_known_the_pool_s_hits_go_through_its_search_and_it_says_so(
+    pool: PoolProcess, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A get_computed_blocks whose annotation resident mode does not know (another vLLM, or a profiler's wrapper
+    without functools.wraps): the hit goes into vLLM's map and vLLM's own search finds it, in the same blocks."""
+    monkeypatch.setattr(blockpool, "_ARITY", 0)
+    a = FakeClientEngine(pool.url, "a")
+    with caplog.at_level(logging.WARNING, logger="vllm.kvpool"):
+        b = FakeClientEngine(pool.url, "b")
+    try:
+        assert "go through vLLM's own prefix search" in caplog.text
+        prompt = list(range(3000, 3000 + 4 * BS + 3))
+        a_blocks = a.run(a.request("r1", prompt))
+        req = b.request("r2", [*prompt[: 4 * BS], 9, 9])
+        blocks, hit = b.schedule(req)
+        assert hit == 4 * BS and blocks[:4] == a_blocks[:4] and holds(b.arena, blocks[:4], prompt)
+        assert b.manager.block_pool.blocks[blocks[0]].block_hash is not None, "found by vLLM's search, in its map"
+        b.finish(req, blocks)
     finally:
         a.close()
         b.close()

@@ -151,7 +151,8 @@ def test_a_step_waits_for_answers_once_not_once_a_request(
             sched.add_request(request(f"r{i}", list(range(10 * i, 10 * i + 3 * BS))))
         assert not sched.schedule().scheduled_new_reqs, "all three left waiting"
         assert sum(waits) < 0.75, f"the step waited {waits}: once in all, not once a request"
-        assert len(side.residency.handovers.wait_us) == 1, "the wait is counted where the engine reports its waits"
+        counted = sum(side.residency.handovers.wait_us) / 1e6
+        assert 0.4 < counted < 0.75, f"the step's wait is counted where the engine reports its waits ({counted} s)"
         waits.clear()
         assert not sched.schedule().scheduled_new_reqs and not any(waits), "a request waits in its first step only"
         go.set()

@@ -200,6 +200,12 @@ def install(
     Bound.on_built = staticmethod(on_built)  # type: ignore[assignment]
     Bound.waits = staticmethod(waits)  # type: ignore[assignment]
     kv_cache_coordinator.BlockPool = Bound  # type: ignore[misc]
+    if not _ARITY:
+        log.warning(
+            "kvpool: this vLLM's KVCacheManager.get_computed_blocks is not annotated as resident mode knows it (or "
+            "something wrapped it without functools.wraps): the pool's hits go through vLLM's own prefix search, a "
+            "little slower, and a request whose answer is not back is searched for anyway"
+        )
     if not getattr(KVCacheManager.get_computed_blocks, _WRAPPED, False):
         KVCacheManager.get_computed_blocks = _installing(KVCacheManager.get_computed_blocks)  # type: ignore[method-assign]
         KVCacheManager.allocate_slots = _refilling(KVCacheManager.allocate_slots)  # type: ignore[method-assign]
