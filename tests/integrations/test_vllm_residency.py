@@ -105,6 +105,7 @@ def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: 
         assert a.res.commit(blocks, prompt[: 5 * BS]) == 5
         a.res.leave(blocks)  # vLLM freed them: the committed five go to the pool's LRU, the sixth to the slab
         a.res.drain()
+        assert (a.res.counters.left_to_pool, a.res.counters.left_to_slab) == (5, 1)
         b.res.prefetch("r1", prompt)
         hit = b.res.answer("r1")
         assert hit is not None and hit.num_tokens == 5 * BS
@@ -112,6 +113,13 @@ def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: 
         assert got == blocks[:5] and again == [], "the very blocks engine a wrote, not copies"
         assert holds(b.arena, got, prompt)
         assert a.res.counters.copied_blocks == b.res.counters.copied_blocks == 0
+        more = b.res.take(1)  # b's own block for the prompt's last token, never committed
+        b.res.unpin("r1")
+        b.res.leave([*got, *more])
+        assert (b.res.counters.left_to_pool, b.res.counters.left_to_slab) == (5, 1), (
+            "hits to the pool, its own to the slab"
+        )
+        assert b.res.held == {}
     finally:
         a.close()
         b.close()

@@ -218,7 +218,10 @@ class Residency:
         self._alive = alive
         self.device = device  # the arena the engine's blocks and prefix chains are in, as the pool names its device
         self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
-        self.committed: set[int] = set()  # held blocks the pool's prefix index holds (so they go back to the pool)
+        #: held blocks the pool's prefix index does not hold: taken from the slab, not committed yet (so they go back
+        #: to the slab). Every other held block is committed; kept this way round because a hit's blocks, installed
+        #: on the handover's path, are all committed, and a request's new blocks are few
+        self.uncommitted: set[int] = set()
         #: the held blocks each waiting request installed: a request is taken in within the step that installed its
         #: hit, so pins are kept per request, not per block, and the set of pinned blocks is built only when asked
         self.req_pins: dict[str, list[int]] = {}
@@ -305,6 +308,7 @@ class Residency:
             bad = next(b for i, b in enumerate(out) if not 0 < b < self.num_blocks or b in held or b in out[:i])
             raise AssertionError(f"the pool gave block {bad}, which this engine cannot take")
         held.update(zip(out, ids, strict=True))
+        self.uncommitted.update(out)
         return out
 
     # -- hits -----------------------------------------------------------------------------------------------
@@ -440,7 +444,6 @@ class Residency:
                 else:
                     extra.append(fenced)
                     again.append(block)
-        self.committed.update(blocks)
         self._pinned = None
         pinned = self.req_pins.get(req_id)
         if pinned is None:
@@ -494,11 +497,11 @@ class Residency:
             fenced = self.held.pop(block, None)
             if fenced is None:
                 continue
-            if block in self.committed:
-                self.committed.discard(block)
-                to_pool.append(fenced)
-            else:
+            if block in self.uncommitted:
+                self.uncommitted.discard(block)
                 to_slab.append(fenced)
+            else:
+                to_pool.append(fenced)
         if to_slab:
             self.counters.left_to_slab += len(to_slab)
             try:
@@ -558,7 +561,8 @@ class Residency:
         not hold yet; call only once every step that wrote them has finished. Returns how many were sent."""
         n = min(len(tokens) // self.block_size, len(blocks))
         start = 0
-        while start < n and blocks[start] in self.committed:
+        held, uncommitted = self.held, self.uncommitted
+        while start < n and blocks[start] in held and blocks[start] not in uncommitted:
             start += 1
         if start >= n:
             return 0
@@ -566,7 +570,7 @@ class Residency:
             fenced = [self.held[b] for b in blocks[start:n]]
         except KeyError as exc:
             raise AssertionError(f"commit of block {exc} that this engine does not hold") from None
-        self.committed.update(blocks[start:n])
+        uncommitted.difference_update(blocks[start:n])
         self.counters.committed_blocks += n - start
         self._writes.submit(Write("commit", fenced, tokens[: n * self.block_size], start))
         return n - start
