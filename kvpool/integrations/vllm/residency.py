@@ -263,8 +263,14 @@ class Residency:
 
     # -- blocks for new tokens -----------------------------------------------------------------------------
 
-    def local(self, fenced: int) -> int:
-        return (fenced & BLOCK_MASK) - self.first_block
+    def _blocks(self, ids: Sequence[int]) -> list[int]:
+        """The engine's block for each fenced id (its index in the engine's arena)."""
+        first = self.first_block
+        return [(fenced & BLOCK_MASK) - first for fenced in ids]
+
+    def _inside(self, blocks: list[int]) -> bool:
+        """Whether every block is one the engine can hold: inside its arena, never the null block 0."""
+        return not blocks or (min(blocks) > 0 and max(blocks) < self.num_blocks)
 
     def free_count(self) -> int:
         """Blocks the engine can take without a round trip (its slab's idle ones). vLLM asks once a request a step:
@@ -301,10 +307,9 @@ class Residency:
             self._lose(exc)
             self.check()
             raise
-        first, held = self.first_block, self.held
-        out = [(fenced & BLOCK_MASK) - first for fenced in ids]
-        if out and (min(out) <= 0 or max(out) >= self.num_blocks or not held.keys().isdisjoint(out)
-                    or len(set(out)) < len(out)):  # fmt: skip
+        held = self.held
+        out = self._blocks(ids)
+        if not (self._inside(out) and held.keys().isdisjoint(out) and len(set(out)) == len(out)):
             bad = next(b for i, b in enumerate(out) if not 0 < b < self.num_blocks or b in held or b in out[:i])
             raise AssertionError(f"the pool gave block {bad}, which this engine cannot take")
         held.update(zip(out, ids, strict=True))
@@ -342,9 +347,8 @@ class Residency:
         return hits
 
     def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None) -> Hit:
-        first, n = self.first_block, self.num_blocks
-        blocks = [(fenced & BLOCK_MASK) - first for fenced in ids]
-        ok = not blocks or (min(blocks) > 0 and max(blocks) < n and len(set(blocks)) == len(blocks))
+        blocks = self._blocks(ids)
+        ok = self._inside(blocks) and len(set(blocks)) == len(blocks)
         return Hit(ids, num_tokens, meta or {}, blocks if ok else None)
 
     def _claim_many(self, asks: list[tuple[str, str, float]]) -> list[Hit]:
@@ -356,7 +360,7 @@ class Residency:
                 out.append(NO_HIT)
                 continue
             hit = self._hit(list(got.block_ids), got.num_tokens, dict(got.meta))
-            if hit.blocks is None and not all(0 < self.local(fenced) < self.num_blocks for fenced in hit.ids):
+            if hit.blocks is None and not self._inside(self._blocks(hit.ids)):
                 log.warning("kvpool: handoff %s is in another GPU's arena; the decode engine computes the prompt "
                             "itself (a prefill engine hands over by block id only on its own GPU)", key)  # fmt: skip
                 self.counters.foreign_handoffs += 1
@@ -424,8 +428,8 @@ class Residency:
         if hit.blocks is not None:
             blocks = hit.blocks[:usable]
         else:
-            blocks = [(fenced & BLOCK_MASK) - self.first_block for fenced in ids]
-            if blocks and (min(blocks) <= 0 or max(blocks) >= self.num_blocks):
+            blocks = self._blocks(ids)
+            if not self._inside(blocks):
                 bad = next(b for b in blocks if not 0 < b < self.num_blocks)
                 raise AssertionError(f"the pool's hit names block {bad} outside this engine's arena")
         held = self.held
