@@ -392,8 +392,7 @@ class Slab:
             del self.empty[len(self.empty) - take :]
         ids = np.empty(0, np.int64)
         try:
-            req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
-            ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
+            ids = self._fetch(take)
         except Exception as exc:  # the next alloc that needs blocks asks again, under the lock, and raises there
             self._ahead_after = time.monotonic() + AHEAD_BACKOFF_S
             if not isinstance(exc, PoolExhausted):
@@ -413,10 +412,14 @@ class Slab:
         take = min(want, len(self.empty))
         if take <= 0:
             return
-        req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
-        ids = np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
+        ids = self._fetch(take)
         self._install(ids, self.empty[len(self.empty) - len(ids) :])
         del self.empty[len(self.empty) - len(ids) :]
+
+    def _fetch(self, take: int) -> np.ndarray:
+        """Up to ``take`` blocks from the pool for this slab (one round trip), as fenced ids."""
+        req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
+        return np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
 
     def _install(self, ids: np.ndarray, empty_slots: list[int]) -> None:
         # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
