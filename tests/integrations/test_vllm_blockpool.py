@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -119,6 +120,18 @@ def pool() -> Iterator[PoolProcess]:
     proc = start_pool(*RESIDENT_POOL)
     yield proc
     proc.stop()
+
+
+def hold_back_lookups(client: Any) -> threading.Event:
+    """The pool's answers to this client's lookups wait until the returned event is set."""
+    lookup_many, go = client.lookup_many, threading.Event()
+
+    def held_back(*args: Any, **kwargs: Any) -> Any:
+        go.wait(10)
+        return lookup_many(*args, **kwargs)
+
+    client.lookup_many = held_back
+    return go
 
 
 def test_a_prefix_another_engine_computed_is_the_request_s_hit_in_the_same_blocks(pool: PoolProcess) -> None:
@@ -246,13 +259,7 @@ def test_a_request_whose_pool_answer_is_not_back_waits_a_step_while_the_others_g
     try:
         prompt = list(range(4000, 4000 + 3 * BS + 1))
         a.run(a.request("r1", prompt))
-        lookup_many, go = b.client.lookup_many, threading.Event()
-
-        def held_back(*args, **kwargs):
-            go.wait(10)
-            return lookup_many(*args, **kwargs)
-
-        b.client.lookup_many = held_back  # type: ignore[method-assign]
+        go = hold_back_lookups(b.client)
         slow = b.request("slow", prompt)
         b.manager.get_computed_blocks(slow)
         assert b.sched.deferred(slow), "its answer is not back: vLLM leaves it waiting"

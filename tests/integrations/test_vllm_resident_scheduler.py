@@ -4,10 +4,8 @@ without it."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -21,6 +19,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvpool.client import PoolClient
 from kvpool.integrations.vllm import resident
 from tests.conftest import PoolProcess, start_pool
+from tests.integrations.test_vllm_blockpool import hold_back_lookups
 from tests.integrations.test_vllm_scheduler import (
     BS,
     HEAD_DIM,
@@ -64,18 +63,6 @@ def resident_scheduler(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatc
     return sched
 
 
-def hold_back_lookups(side: Any) -> threading.Event:
-    """The pool's answers to this scheduler's lookups wait until the returned event is set."""
-    lookup_many, go = side.client.lookup_many, threading.Event()
-
-    def held_back(*args: Any, **kwargs: Any) -> Any:
-        go.wait(10)
-        return lookup_many(*args, **kwargs)
-
-    side.client.lookup_many = held_back
-    return go
-
-
 def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedules_the_others(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,7 +75,7 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)
     try:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
-        go = hold_back_lookups(side)
+        go = hold_back_lookups(side.client)
         searched: list[int] = []
         coordinator = sched.kv_cache_manager.coordinator
         find = coordinator.find_longest_cache_hit
@@ -139,7 +126,7 @@ def test_a_step_waits_for_answers_once_not_once_a_request(
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)
     try:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
-        go = hold_back_lookups(side)
+        go = hold_back_lookups(side.client)
         ready, waits = side.residency.ready, []
 
         def timed(rid: str, wait_s: float = 0.0) -> bool | None:

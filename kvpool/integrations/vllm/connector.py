@@ -185,7 +185,7 @@ class KvpoolConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._resident_sched is not None:  # the pool's blocks are in vLLM's own prefix cache: nothing external
+        if self._resident_sched is not None:  # the pool's blocks are this engine's KV cache: nothing to load
             return (None, False) if self._resident_sched.deferred(request) else (0, False)
         assert self._sched is not None
         prompt = _tokens(request.prompt_token_ids)
