@@ -220,6 +220,36 @@ def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(
     assert books(pool.url)["in_use"] == 1
 
 
+def test_a_claim_is_checked_and_trimmed_as_its_answer_is_read(pool: PoolProcess) -> None:
+    """The decode engine's handover does no per-block work the answer's thread could do: a handoff that holds
+    another prompt's KV is released there, and so is the block of a prompt's last token, which vLLM computes."""
+    p, d = Engine(pool.url, "prefill"), Engine(pool.url, "decode")
+    try:
+        prompt = list(range(7, 7 + 3 * BS))  # three full blocks: the last one's last token is computed again
+        other = [1, *prompt[1:]]
+        for key, tokens in (("p:same", prompt), ("p:other", other)):
+            blocks = p.res.take(3)
+            p.compute(blocks, tokens)
+            p.res.park(key, blocks, tokens, {"digest": f"d{tokens[0]}"})
+            p.res.leave(blocks)
+        p.res.drain()
+        d.res.block_objects = [f"block {b}" for b in range(N)]
+        d.res.prefetch("same", prompt, claim="p:same", digest=f"d{prompt[0]}")
+        d.res.prefetch("wrong", prompt, claim="p:other", digest=f"d{prompt[0]}")
+        hit, wrong = d.res.answer("same"), d.res.answer("wrong")
+        assert wrong is not None and not wrong.ids, "another prompt's KV is never installed"
+        assert hit is not None and hit.claimed and hit.num_tokens == 3 * BS and len(hit.ids) == 2
+        assert hit.found == [f"block {b}" for b in hit.blocks or []]
+        got, _ = d.res.install("same", hit, len(hit.ids))
+        assert holds(d.arena, got, prompt)
+        d.res.drain()
+        assert held_by(pool, d) == set(got), "the last block's ref and the wrong handoff's went back at once"
+    finally:
+        p.close()
+        d.close()
+    assert books(pool.url)["in_use"] == 1  # only the null block
+
+
 def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:

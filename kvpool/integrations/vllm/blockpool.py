@@ -27,7 +27,7 @@ from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock, make_block_hash_with_group_id
 
-from kvpool.integrations.vllm.residency import Residency
+from kvpool.integrations.vllm.residency import Hit, Residency
 
 log = logging.getLogger("vllm.kvpool")
 
@@ -38,9 +38,8 @@ class ResidentBlockPool(BlockPool):
     """A ``BlockPool`` whose free blocks are the engine's slab in the pool's arena (block id == arena block)."""
 
     residency: Residency
-    #: the pool's answer for a request (a hit, how many of its blocks to use, whether it is a claimed handoff),
-    #: taken once
-    on_request: Callable[[Any], tuple[Any, int, bool] | None]
+    #: the pool's answer for a request (a hit, how many of its blocks to use), taken once
+    on_request: Callable[[Any], tuple[Hit, int] | None]
     #: told of the block pool once it is built (the connector's scheduler side frees through it)
     on_built: Callable[[ResidentBlockPool], None]
     #: whether vLLM is to leave a request waiting this step (its pool answer on the way): it needs no search
@@ -50,6 +49,7 @@ class ResidentBlockPool(BlockPool):
         super().__init__(*args, **kwargs)
         # block 0 is the null block (popped by the base class); the rest are the pool's until it gives them
         self.free_block_queue = FreeKVCacheBlockQueue([])
+        self.residency.block_objects = self.blocks  # an answer's blocks are looked up on the thread that read it
         #: held blocks no request uses (ref 0) that a waiting request pinned: what vLLM's own pool would count as
         #: evictable, and what vLLM counts as taken from the free blocks when a request's hit touches them
         self.waiting: set[int] = set()
@@ -127,27 +127,30 @@ class ResidentBlockPool(BlockPool):
 
     # -- hits from the pool ---------------------------------------------------------------------------------
 
-    def install(self, request: Any) -> tuple[list[int], bool] | None:
+    def install(self, request: Any) -> tuple[list[int], Hit] | None:
         """Take what the pool answered for ``request`` (held and pinned for it): the engine's blocks of the hit, and
-        whether it is a claimed handoff (the whole prompt's KV); None if there is nothing to take."""
+        the answer; None if there is nothing to take."""
         answer = self.on_request(request)
         if answer is None:
             return None
-        hit, usable_blocks, claimed = answer
+        hit, usable_blocks = answer
         blocks, again = self.residency.install(request.request_id, hit, usable_blocks)
         self.waiting.update(blocks)  # blocks new to the engine: no request uses them
         for block_id in again:
             if self.blocks[block_id].ref_cnt:
                 self.waiting.discard(block_id)
-        return blocks, claimed
+        return blocks, hit
 
-    def hit_blocks(self, request: Any, blocks: list[int], claimed: bool) -> list[KVCacheBlock]:
+    def hit_blocks(self, request: Any, blocks: list[int], hit: Hit) -> list[KVCacheBlock]:
         """The request's hit as vLLM's search would give it, without the search: the pool's blocks, then (after a
         lookup) whatever of the request's next blocks vLLM's own map holds, blocks this engine computed and has not
-        committed yet. A handover then costs one pass over the ids, not a hash-map insert and a search per block."""
-        found = list(map(self.blocks.__getitem__, blocks))
-        if claimed:
+        committed yet. A handover then costs no pass over the ids: the answer's thread looked its blocks up."""
+        found = hit.found
+        if found is None or len(found) != len(blocks):
+            found = list(map(self.blocks.__getitem__, blocks))
+        if hit.claimed:
             return found
+        found = list(found)
         hashes = request.block_hashes
         for i in range(len(found), min(len(hashes), (request.num_tokens - 1) // self.hash_block_size)):
             got = self.get_cached_block(hashes[i], [0])
@@ -228,19 +231,19 @@ def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
             if _ARITY and pool.waits(request):  # vLLM leaves it waiting this step: its search would go to waste
                 return (manager.empty_kv_cache_blocks, 0, 0)[:_ARITY]
             return original(manager, request)
-        blocks, claimed = taken
+        blocks, hit = taken
         if not _ARITY or getattr(request, "skip_reading_prefix_cache", False) or _reports_hits(manager, request):
             pool.insert(request, blocks)  # vLLM's own hit path, whatever it does besides the search
             return original(manager, request)
-        found = pool.hit_blocks(request, blocks, claimed)
+        found = pool.hit_blocks(request, blocks, hit)
         tokens = len(found) * pool.hash_block_size
         if manager.log_stats and manager.prefix_cache_stats is not None:
             manager.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=tokens,
                                               preempted=request.num_preemptions > 0)  # fmt: skip
-        hit = manager.create_kv_cache_blocks((found,))
-        if claimed:
+        computed = manager.create_kv_cache_blocks((found,))
+        if hit.claimed:
             pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
-        return (hit, tokens, 0)[:_ARITY]
+        return (computed, tokens, 0)[:_ARITY]
 
     setattr(get_computed_blocks, _WRAPPED, True)
     return get_computed_blocks

@@ -74,6 +74,9 @@ class Hit:
     #: the engine's block for each id (distinct, inside its arena), worked out on the thread that read the answer
     #: so that a handover does not; None: worked out at install
     blocks: list[int] | None = None
+    #: the engine's own object for each of ``blocks`` (vLLM's ``KVCacheBlock``), looked up on that thread too
+    found: list[Any] | None = None
+    claimed: bool = False  # a parked handoff's blocks (the whole prompt's KV), not a lookup's prefix
 
 
 NO_HIT = Hit([], 0)
@@ -173,6 +176,17 @@ class Handovers:
 
 
 @dataclass
+class Claim:
+    """A decode engine's claim of the handoff ``key`` for a request, and what its answer must hold."""
+
+    req_id: str
+    key: str
+    arrived: float  # perf_counter at the request's arrival
+    num_tokens: int  # the prompt's
+    digest: str | None = None  # what the handoff's meta must say it holds (None: not checked)
+
+
+@dataclass
 class Write:
     """One thing the engine tells the pool (a release, a commit, a park), sent in order with those around it."""
 
@@ -218,6 +232,8 @@ class Residency:
         self._alive = alive
         self.device = device  # the arena the engine's blocks and prefix chains are in, as the pool names its device
         self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
+        #: the engine's own object for each block (vLLM's block pool's list, never resized), if it has one
+        self.block_objects: Sequence[Any] | None = None
         #: held blocks the pool's prefix index does not hold: taken from the slab, not committed yet (so they go back
         #: to the slab). Every other held block is committed; kept this way round because a hit's blocks, installed
         #: on the handover's path, are all committed, and a request's new blocks are few
@@ -237,7 +253,7 @@ class Residency:
         self._spare: list[int] = []
         self.gone: Exception | None = None
         self._lookups: Batcher[tuple[str, list[int]], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
-        self._claims: Batcher[tuple[str, str, float], Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
+        self._claims: Batcher[Claim, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
         self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
         self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
 
@@ -318,9 +334,11 @@ class Residency:
 
     # -- hits -----------------------------------------------------------------------------------------------
 
-    def prefetch(self, req_id: str, tokens: list[int], claim: str | None = None) -> None:
+    def prefetch(self, req_id: str, tokens: list[int], claim: str | None = None, digest: str | None = None) -> None:
         """Start the pool's answer for a request as it arrives (any thread): the lookup of its prompt's loadable
-        prefix, or the claim of the handoff its prefill engine parked."""
+        prefix, or the claim of the handoff its prefill engine parked. Either answer holds at most the blocks
+        before the prompt's last token (vLLM computes that one). ``digest``: what the handoff's meta must say it
+        holds, checked as the answer is read, where a mismatch releases the handoff and answers nothing."""
         loadable = (len(tokens) - 1) // self.block_size * self.block_size
         if loadable <= 0 or self.gone is not None:
             return
@@ -328,7 +346,7 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                future = self._claims.submit((req_id, claim, time.perf_counter()))
+                future = self._claims.submit(Claim(req_id, claim, time.perf_counter(), len(tokens), digest))
             else:
                 future = self._lookups.submit((req_id, tokens[:loadable]))
             self.ahead[req_id] = future
@@ -346,33 +364,49 @@ class Residency:
         self.back.update(zip([rid for rid, _ in asks], hits, strict=True))
         return hits
 
-    def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None) -> Hit:
+    def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None, claimed: bool = False) -> Hit:
+        """An answer as the scheduler will install it, with what can be worked out ahead done on this thread."""
         blocks = self._blocks(ids)
-        ok = self._inside(blocks) and len(set(blocks)) == len(blocks)
-        return Hit(ids, num_tokens, meta or {}, blocks if ok else None)
+        if not (self._inside(blocks) and len(set(blocks)) == len(blocks)):
+            return Hit(ids, num_tokens, meta or {}, None, None, claimed)
+        objects = self.block_objects
+        found = None if objects is None else list(map(objects.__getitem__, blocks))
+        return Hit(ids, num_tokens, meta or {}, blocks, found, claimed)
 
-    def _claim_many(self, asks: list[tuple[str, str, float]]) -> list[Hit]:
-        keys = [key for _, key, _ in asks]
+    def _claim_many(self, asks: list[Claim]) -> list[Hit]:
+        keys = [ask.key for ask in asks]
         out = []
-        for key, got in zip(keys, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
+        for ask, got in zip(asks, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
             if got is None:
-                log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+                log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", ask.key)
                 out.append(NO_HIT)
                 continue
-            hit = self._hit(list(got.block_ids), got.num_tokens, dict(got.meta))
+            ids = list(got.block_ids)
+            full = ask.num_tokens // self.block_size * self.block_size
+            if ask.digest is not None and (got.num_tokens != full or got.meta.get("digest") != ask.digest):
+                log.warning("kvpool: handoff %s holds another prompt's KV; the decode engine computes the prompt "
+                            "itself", ask.key)  # fmt: skip
+                self._release_ids(ids)
+                out.append(NO_HIT)
+                continue
+            usable = (ask.num_tokens - 1) // self.block_size
+            if len(ids) > usable:  # the block of the prompt's last token: vLLM computes it again
+                self._release_ids(ids[usable:])
+                del ids[usable:]
+            hit = self._hit(ids, got.num_tokens, dict(got.meta), claimed=True)
             if hit.blocks is None and not self._inside(self._blocks(hit.ids)):
                 log.warning("kvpool: handoff %s is in another GPU's arena; the decode engine computes the prompt "
-                            "itself (a prefill engine hands over by block id only on its own GPU)", key)  # fmt: skip
+                            "itself (a prefill engine hands over by id only on its own GPU)", ask.key)  # fmt: skip
                 self.counters.foreign_handoffs += 1
                 self._release_ids(hit.ids)
                 out.append(NO_HIT)
             else:
                 out.append(hit)
         now = time.perf_counter()
-        for (rid, _, arrived), hit in zip(asks, out, strict=True):
+        for ask, hit in zip(asks, out, strict=True):
             if hit.ids:  # a claim's time is kept until its request is installed, so only where there is one
-                self._claimed[rid] = (now - arrived) * 1e6
-            self.back[rid] = hit
+                self._claimed[ask.req_id] = (now - ask.arrived) * 1e6
+            self.back[ask.req_id] = hit
         return out
 
     def ready(self, req_id: str, wait_s: float = 0.0) -> bool | None:
@@ -424,16 +458,17 @@ class Residency:
 
         On a decode engine's handover path: a request's blocks go in whole, not one Python step per block, where
         that can be helped (the common case: none of them held yet, worked out on the answer's thread)."""
-        ids = hit.ids[:usable]
+        whole = usable >= len(hit.ids)
+        ids = hit.ids if whole else hit.ids[:usable]
         if hit.blocks is not None:
-            blocks = hit.blocks[:usable]
+            blocks = hit.blocks if whole else hit.blocks[:usable]
         else:
             blocks = self._blocks(ids)
             if not self._inside(blocks):
                 bad = next(b for b in blocks if not 0 < b < self.num_blocks)
                 raise AssertionError(f"the pool's hit names block {bad} outside this engine's arena")
         held = self.held
-        extra = hit.ids[usable:]
+        extra = [] if whole else hit.ids[usable:]
         again: list[int] = []
         if held.keys().isdisjoint(blocks) and (hit.blocks is not None or len(set(blocks)) == len(blocks)):
             held.update(zip(blocks, ids, strict=True))
@@ -450,10 +485,7 @@ class Residency:
                     again.append(block)
         self._pinned = None
         pinned = self.req_pins.get(req_id)
-        if pinned is None:
-            self.req_pins[req_id] = list(blocks)
-        else:
-            pinned.extend(blocks)
+        self.req_pins[req_id] = blocks if pinned is None else pinned + blocks  # never changed in place
         if extra:
             self._spare.extend(extra)
         claimed = self._claimed.pop(req_id, None)

@@ -124,9 +124,6 @@ class ResidentScheduler:
             claim_timeout_s=claim_timeout_s, device=device,
             alive=lambda: client.session.lost or client.session.unreachable,
         )  # fmt: skip
-        #: request -> the digest its handoff must carry (from the request's params, "" if none) and its prompt's own,
-        #: taken as it arrives so that the handover does not hash the prompt
-        self.claims: dict[str, tuple[str, str]] = {}
         self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
         #: requests vLLM is to leave waiting this step, their answer not back yet; and since when each has waited
         self.later: set[str] = set()
@@ -148,13 +145,14 @@ class ResidentScheduler:
         if key is None and not self.load:
             return
         prompt = request.prompt_token_ids
-        if key is not None:
-            self.claims[request.request_id] = (str(params.get(DIGEST_KEY) or ""), prompt_digest(prompt))
-        self.residency.prefetch(request.request_id, prompt, claim=str(key) if key is not None else None)
+        if key is None:
+            self.residency.prefetch(request.request_id, prompt)
+            return
+        # the handoff must hold this prompt's KV: hashed as it arrives, checked as the claim's answer is read
+        self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt))
 
-    def _answer(self, request: Any) -> tuple[Hit, int, bool] | None:
-        """What to install for ``request`` before vLLM searches its prefix cache: its hit, how many blocks, and
-        whether it is a claimed handoff (the whole prompt's KV)."""
+    def _answer(self, request: Any) -> tuple[Hit, int] | None:
+        """What to install for ``request`` before vLLM searches its prefix cache: its hit and how many blocks."""
         rid = request.request_id
         if rid in self.asked:
             return None
@@ -174,17 +172,7 @@ class ResidentScheduler:
         hit = self.residency.answer(rid, None if ready is not False else 0.0)
         if hit is None or not hit.ids:
             return None
-        prompt = request.prompt_token_ids
-        claim = self.claims.pop(request.request_id, None)
-        if claim is not None:
-            want, digest = claim
-            full = len(prompt) // self.block_size * self.block_size
-            if hit.num_tokens != full or hit.meta.get("digest") != digest or (want and want != digest):
-                log.warning("kvpool: handoff for %s holds another prompt's KV; computing it", request.request_id)
-                self.residency.install(request.request_id, hit, 0)  # its refs go back at the next step
-                return None
-        usable = min(len(hit.ids), (len(prompt) - 1) // self.block_size)
-        return hit, usable, claim is not None
+        return hit, len(hit.ids)  # it holds no block past the prompt's last token's
 
     def _wait_s(self, rid: str) -> float:
         """How long to wait for ``rid``'s answer now: what is left of this step's wait, for a request not left
@@ -237,7 +225,6 @@ class ResidentScheduler:
         self._leave(self.residency.finished(request.request_id))
 
     def _forget(self, rid: str) -> None:
-        self.claims.pop(rid, None)
         self.asked.discard(rid)
         self.later.discard(rid)
         self.since.pop(rid, None)
