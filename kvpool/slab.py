@@ -167,42 +167,49 @@ class Slab:
 
     def free(self, ids: Sequence[int] | Any, in_pool: Callable[[list[int]], int]) -> int:
         """Free ``ids``: the slab's allocated blocks among them back into the slab, the others through
-        ``in_pool``, and none of either if the pool refuses its share (a rejected call changes nothing)."""
+        ``in_pool``, and none of either if the pool refuses its share (a rejected call changes nothing).
+
+        Where none is the slab's, the round trip runs without the lock: another thread's allocs and frees from the
+        slab go on meanwhile (an engine releases its refs on the pool's blocks off its scheduler's thread, which
+        must not wait for that). Ids this session holds are not free in the pool, so no refill can bring one into
+        the slab before the pool has them back."""
         if len(ids) == 1:
             fenced = int(ids[0])
             block = fenced & BLOCK_MASK
             with self.lock:
                 self._answer_want()
                 slot = self.slot_at[block] if 0 <= block < len(self.slot_at) and fenced >= 0 else -1
-                if slot < 0:
-                    return in_pool([fenced])
-                words = self.view.words
-                if words[8 + 4 * slot] != fenced:
-                    raise self._stale([fenced])
-                if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
-                    raise self._not_held([fenced])
-                nxt = fenced + GEN_STEP
-                words[8 + 4 * slot] = nxt if nxt <= MAX_ID else block
-                words[9 + 4 * slot] = IDLE
-                self.idle[self.top] = slot
-                self.top += 1
-                self._trim()
-                return 1
+                if slot >= 0:
+                    words = self.view.words
+                    if words[8 + 4 * slot] != fenced:
+                        raise self._stale([fenced])
+                    if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
+                        raise self._not_held([fenced])
+                    nxt = fenced + GEN_STEP
+                    words[8 + 4 * slot] = nxt if nxt <= MAX_ID else block
+                    words[9 + 4 * slot] = IDLE
+                    self.idle[self.top] = slot
+                    self.top += 1
+                    self._trim()
+                    return 1
+            return in_pool([fenced])
         arr = as_ids(ids)
-        with self.lock:  # held across the pool's share, so that nothing moves the slab's share meanwhile
+        with self.lock:
             self._answer_want()
             slots, at = self._owned(arr)
             local = slots >= 0
-            freed, mine = (0, slots) if local.all() else (in_pool(arr[~local].tolist()), slots[local])
-            old = self.block[at]
-            wrap = old > MAX_ID - GEN_STEP
-            self.block[at] = np.where(wrap, old & BLOCK_MASK, old + GEN_STEP) if wrap.any() else old + GEN_STEP
-            self.state[at] = IDLE
-            # a run goes back lowest slot on top, as refill stacks them: the next alloc of it is a run again
-            self.idle[self.top : self.top + len(mine)] = mine if type(at) is not slice else mine[::-1]
-            self.top += len(mine)
-            self._trim()
-            return freed + len(mine)
+            if local.any():  # held across the pool's share, so that nothing moves the slab's share meanwhile
+                freed, mine = (0, slots) if local.all() else (in_pool(arr[~local].tolist()), slots[local])
+                old = self.block[at]
+                wrap = old > MAX_ID - GEN_STEP
+                self.block[at] = np.where(wrap, old & BLOCK_MASK, old + GEN_STEP) if wrap.any() else old + GEN_STEP
+                self.state[at] = IDLE
+                # a run goes back lowest slot on top, as refill stacks them: the next alloc of it is a run again
+                self.idle[self.top : self.top + len(mine)] = mine if type(at) is not slice else mine[::-1]
+                self.top += len(mine)
+                self._trim()
+                return freed + len(mine)
+        return in_pool(arr.tolist())
 
     def _owned(self, arr: np.ndarray) -> tuple[np.ndarray, np.ndarray | slice]:
         """The slot of each id that names a block of this slab, else -1 (a block the pool has to answer for), and

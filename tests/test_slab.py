@@ -133,6 +133,38 @@ def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_fr
     assert wait_idle(pool)["in_use"] == 0
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: PoolProcess, n: int) -> None:
+    """An engine releases its refs on the pool's blocks off its scheduler's thread; the scheduler's own frees into
+    the slab, and its allocs, go on meanwhile rather than wait out that round trip."""
+    with PoolClient(pool.url, name="slab-release", slab=SMALL) as b:
+        committed = b.alloc(n)
+        b.commit(committed, list(range(500, 500 + 4 * n)))  # the pool's now: a free of them is a round trip
+        call, asked, answer = b.transport.call, threading.Event(), threading.Event()
+
+        def slow(op: bytes, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it through
+            if op == b"free":
+                asked.set()
+                answer.wait(10)
+            return call(op, *args, **kwargs)
+
+        b.transport.call = slow  # type: ignore[method-assign]
+        release = threading.Thread(target=b.free, args=(committed,))
+        release.start()
+        try:
+            assert asked.wait(10), "the release went to the pool"
+            began = time.monotonic()
+            mine = b.alloc(2)
+            assert b.free(mine) == 2  # into the slab, while the release waits for the pool
+            assert time.monotonic() - began < 5, "the slab's alloc and free waited for another thread's round trip"
+        finally:
+            answer.set()
+            release.join(10)
+            b.transport.call = call  # type: ignore[method-assign]
+        assert stats(pool)["cached"] >= n
+    assert wait_idle(pool)["in_use"] == 0
+
+
 def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProcess) -> None:
     with PoolClient(pool.url, name="slab-ahead-full", slab=SMALL) as b:
         slab = b.slab
