@@ -796,7 +796,7 @@ def across_gpus(report: harness.Report, name: str, by: dict[tuple[str, str], dic
             f"{name}: each prefix copied to the other GPU once (B's shared blocks are A's, copied between arenas)",
             f"{shared} a round", ", ".join(map(str, copied)),
             all(c == shared and h == shared for c, h in zip(copied, hits, strict=True)),
-            f"in {', '.join(map(str, copies))} batched copies; hits {', '.join(map(str, hits))}"))  # fmt: skip
+            f"for {', '.join(map(str, copies))} lookups; hits {', '.join(map(str, hits))}"))  # fmt: skip
 
 
 def body(report: harness.Report) -> str:

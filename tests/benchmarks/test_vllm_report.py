@@ -407,7 +407,7 @@ def test_two_gpus_have_no_pair_rows_and_are_compared_with_cold_and_offload(tmp_p
         "55.0 against 110.0 ms",
     )
     once = got["peers: each prefix copied to the other GPU once (B's shared blocks are A's, copied between arenas)"]
-    assert (once.goal, once.measured, once.met, once.detail) == ("2 a round", "2", True, "in 2 batched copies; hits 2")
+    assert (once.goal, once.measured, once.met, once.detail) == ("2 a round", "2", True, "for 2 lookups; hits 2")
     zero = got["peers: blocks copied between vLLM's cache and the arena"]
     assert (zero.measured, zero.met) == ("0 (6 installed by id)", True)
 
