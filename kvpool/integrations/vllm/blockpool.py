@@ -38,8 +38,8 @@ class ResidentBlockPool(BlockPool):
     """A ``BlockPool`` whose free blocks are the engine's slab in the pool's arena (block id == arena block)."""
 
     residency: Residency
-    #: the pool's answer for a request (a hit, how many of its blocks to use), taken once
-    on_request: Callable[[Any], tuple[Hit, int] | None]
+    #: the pool's answer for a request, taken once (it holds no block past the prompt's last token's)
+    on_request: Callable[[Any], Hit | None]
     #: told of the block pool once it is built (the connector's scheduler side frees through it)
     on_built: Callable[[ResidentBlockPool], None]
     #: whether vLLM is to leave a request waiting this step (its pool answer on the way): it needs no search
@@ -130,11 +130,10 @@ class ResidentBlockPool(BlockPool):
     def install(self, request: Any) -> tuple[list[int], Hit] | None:
         """Take what the pool answered for ``request`` (held and pinned for it): the engine's blocks of the hit, and
         the answer; None if there is nothing to take."""
-        answer = self.on_request(request)
-        if answer is None:
+        hit = self.on_request(request)
+        if hit is None:
             return None
-        hit, usable_blocks = answer
-        blocks, again = self.residency.install(request.request_id, hit, usable_blocks)
+        blocks, again = self.residency.install(request.request_id, hit, len(hit.ids))
         self.waiting.update(blocks)  # blocks new to the engine: no request uses them
         for block_id in again:
             if self.blocks[block_id].ref_cnt:

@@ -151,8 +151,8 @@ class ResidentScheduler:
         # the handoff must hold this prompt's KV: hashed as it arrives, checked as the claim's answer is read
         self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt))
 
-    def _answer(self, request: Any) -> tuple[Hit, int] | None:
-        """What to install for ``request`` before vLLM searches its prefix cache: its hit and how many blocks."""
+    def _answer(self, request: Any) -> Hit | None:
+        """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""
         rid = request.request_id
         if rid in self.asked:
             return None
@@ -170,9 +170,7 @@ class ResidentScheduler:
         self.since.pop(rid, None)
         self.asked.add(rid)
         hit = self.residency.answer(rid, None if ready is not False else 0.0)
-        if hit is None or not hit.ids:
-            return None
-        return hit, len(hit.ids)  # it holds no block past the prompt's last token's
+        return hit if hit is not None and hit.ids else None
 
     def _wait_s(self, rid: str) -> float:
         """How long to wait for ``rid``'s answer now: what is left of this step's wait, for a request not left
