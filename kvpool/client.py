@@ -259,13 +259,17 @@ class PoolClient:
         return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
 
     def commit_many(
-        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False
-    ) -> list[CommitResponse | None]:
-        """``commit(block_ids, token_ids, start=start, release=release)`` of each ``(block_ids, token_ids, start)``,
-        in order: over the fast channel all in one write (a step's saves in one round trip). ``None`` for each the
-        pool refused, whose blocks stay yours; an error about the session itself raises."""
+        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False,
+        salts: Sequence[str | None] | None = None,
+    ) -> list[CommitResponse | None]:  # fmt: skip
+        """``commit(block_ids, token_ids, salt, start=start, release=release)`` of each ``(block_ids, token_ids,
+        start)`` with the salt at its place in ``salts`` (none: no salt), in order: over the fast channel all in one
+        write (a step's saves in one round trip). ``None`` for each the pool refused, whose blocks stay yours; an
+        error about the session itself raises."""
+        salts = salts or [None] * len(commits)
         reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), **_tokens(tokens),
-                     start=start, release=release) for ids, tokens, start in commits]  # fmt: skip
+                     start=start, release=release, salt=salt)
+                for (ids, tokens, start), salt in zip(commits, salts, strict=True)]  # fmt: skip
         return self._many(b"commit", "/commit", reqs, CommitResponse)
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
@@ -276,10 +280,13 @@ class PoolClient:
         return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
 
     def lookup_many(
-        self, prompts: Sequence[Sequence[int]], device: int | None = None, salt: str | None = None
-    ) -> list[LookupResponse]:
-        """``lookup`` of each prompt, in one round trip (a scheduler step's arrivals)."""
-        items = [{**_tokens(t), "salt": salt} for t in prompts]
+        self, prompts: Sequence[Sequence[int]], device: int | None = None, salt: str | None = None,
+        salts: Sequence[str | None] | None = None,
+    ) -> list[LookupResponse]:  # fmt: skip
+        """``lookup`` of each prompt, in one round trip (a scheduler step's arrivals); with ``salt``, or each with
+        the salt at its place in ``salts``."""
+        each = salts if salts is not None else [salt] * len(prompts)
+        items = [{**_tokens(t), "salt": s} for t, s in zip(prompts, each, strict=True)]
         req = _req(LookupManyRequest, session_id=self.session_id, lookups=items, device=device)
         return self._call(b"lookups", "/lookups", req, LookupManyResponse)[0].hits
 

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -123,6 +123,7 @@ class Slab:
         self.empty = list(range(self.capacity - 1, -1, -1))
         self.handed = 0
         self.lock = threading.RLock()
+        self._holding = 0  # threads inside ``holding``: the pool's want waits until they are out
         self.closed = False
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
@@ -331,6 +332,19 @@ class Slab:
                 self._refill(max(n, self.config.blocks) - before)
             return self.top - before
 
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """Idle blocks counted inside this block stay idle until it ends, but for those this thread takes: the
+        pool's want is answered after it, not within. An engine's scheduler counts its free blocks and then takes
+        them within one allocation; blocks given back between the two would make it ask the pool for blocks that
+        a full pool does not have, in the middle of vLLM's books."""
+        with self.lock:
+            self._holding += 1
+            try:
+                yield
+            finally:
+                self._holding -= 1
+
     def answer_want(self) -> None:
         """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too; its
         thread may come by while the client closes, and then finds nothing to do)."""
@@ -351,6 +365,8 @@ class Slab:
         words = self.view.words
         if words[NONCE] != self.info.nonce:  # the same as ensure_mine(), inline: this is every call's path
             self.ensure_mine()
+        if self._holding:
+            return
         want = words[WANT]
         if want != words[DONE]:
             self._drain(0)

@@ -152,13 +152,14 @@ class SlabCalls:
         return self._through_pool(block_ids, lambda: commit(block_ids, token_ids, salt, start, release))
 
     def commit_many(
-        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False
-    ) -> list[CommitResponse | None]:
+        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False,
+        salts: Sequence[str | None] | None = None,
+    ) -> list[CommitResponse | None]:  # fmt: skip
         commit_many = super().commit_many  # type: ignore[misc]
         if self.slab is None:
-            return commit_many(commits, release)  # type: ignore[no-any-return]
+            return commit_many(commits, release, salts)  # type: ignore[no-any-return]
         self._settle()  # all in one write; the slab's blocks of each commit the pool took leave the slab
-        return self.slab.leave_many([c[0] for c in commits], lambda: commit_many(commits, release))
+        return self.slab.leave_many([c[0] for c in commits], lambda: commit_many(commits, release, salts))
 
     # -- handoffs ---------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.request import Request
 
 from kvpool.integrations.vllm import blockpool
+from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.resident import ResidentScheduler
 from tests.conftest import PoolProcess, start_pool
 from tests.integrations.test_vllm_residency import BS, LAYOUT, RESIDENT_POOL, N, books, holds, stamp
@@ -48,7 +49,7 @@ class FakeClientEngine:
             url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48, handoffs=False)
         )
         descriptor = self.client.descriptor()
-        self.sched = ResidentScheduler(self.client, descriptor, BS, claim_timeout_s=2.0)
+        self.sched = ResidentScheduler(self.client, descriptor, BS, 2.0, EngineIdentity({"model": "fake"}))
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers)]
         size = N * spec.page_size_bytes

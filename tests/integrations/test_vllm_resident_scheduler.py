@@ -18,6 +18,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool.client import PoolClient
 from kvpool.integrations.vllm import resident
+from kvpool.integrations.vllm.identity import EngineIdentity
 from tests.conftest import PoolProcess, start_pool
 from tests.integrations.test_vllm_blockpool import hold_back_lookups
 from tests.integrations.test_vllm_scheduler import (
@@ -70,7 +71,7 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
     packed = LAYOUT.model_copy(update={"order": "kv_packed"})
     with PoolClient(pool.url, name="writer", layout=packed) as writer:  # another engine computed the prefix
         ids = writer.alloc(3)
-        writer.commit(ids, prefix)
+        writer.commit(ids, prefix, salt=EngineIdentity.of_config(config(model_dir, pool.url)).salt)
         writer.free(ids)
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)
     try:
@@ -105,7 +106,7 @@ def test_a_request_whose_answer_comes_within_the_brief_wait_is_taken_in_the_same
     packed = LAYOUT.model_copy(update={"order": "kv_packed"})
     with PoolClient(pool.url, name="writer", layout=packed) as writer:
         ids = writer.alloc(2)
-        writer.commit(ids, prefix)
+        writer.commit(ids, prefix, salt=EngineIdentity.of_config(config(model_dir, pool.url)).salt)
         writer.free(ids)
     monkeypatch.setattr(resident, "ANSWER_WAIT_S", 10.0)
     sched = resident_scheduler(model_dir, pool.url, monkeypatch)

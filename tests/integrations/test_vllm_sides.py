@@ -14,7 +14,7 @@ from kvpool.integrations.vllm.kvviews import kv_views
 from kvpool.integrations.vllm.link import PoolLink
 from kvpool.integrations.vllm.plan import Save, prompt_digest
 from kvpool.integrations.vllm.saver import Job, Saver
-from kvpool.integrations.vllm.scheduler import DIGEST_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
+from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY, Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import ConnectorSettings, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
@@ -30,7 +30,7 @@ class Engine:
 
     def __init__(self, url: str, name: str, **settings: object) -> None:
         self.settings = ConnectorSettings(url=url, **settings)
-        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name)
+        self.sched = SchedulerSide(PoolLink(url, f"{name}-s"), self.settings, BS, name, f"{name}-w")
         self.worker = WorkerSide(PoolLink(url, f"{name}-w"), LAYOUT, reserve=8)
         shape = (ENGINE_BLOCKS, LAYOUT.num_kv_heads, BS, 2 * LAYOUT.head_dim)
         self.caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(LAYOUT.num_layers)}
@@ -131,7 +131,8 @@ def test_prefill_engine_hands_a_request_to_the_decode_engine(pool: PoolProcess) 
         prompt = prompt_of(5, 14)  # three full blocks and a partial one: the decode engine computes the last two
         blocks_p, _ = serve(p, "req", prompt, {"do_remote_decode": True})
         params = p.sched.finished("req")
-        assert params is not None and params[HANDOFF_KEY] == "p:req" and params["num_tokens"] == 14
+        assert params is not None and params["num_tokens"] == 14 and params[FROM_KEY] == "p-w"
+        assert len(params[HANDOFF_KEY]) >= 24 and "req" not in params[HANDOFF_KEY], "unguessable, names nobody"
         blocks_d, ext = serve(d, "other-id", prompt, params)
         assert ext == 12
         for kp, kd in zip(p.kv(blocks_p, 12), d.kv(blocks_d, 12), strict=True):

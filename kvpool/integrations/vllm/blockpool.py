@@ -14,12 +14,13 @@ holds only blocks the engine holds a pool ref on, so a hit in it is never a recy
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import time
 import typing
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from vllm.v1.core import kv_cache_coordinator
@@ -44,6 +45,8 @@ class ResidentBlockPool(BlockPool):
     on_built: Callable[[ResidentBlockPool], None]
     #: whether vLLM is to leave a request waiting this step (its pool answer on the way): it needs no search
     waits: Callable[[Any], bool]
+    #: told when vLLM resets the engine's prefix cache (a new epoch of the engine's KV)
+    on_reset: Callable[[], None]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -53,15 +56,38 @@ class ResidentBlockPool(BlockPool):
         #: held blocks no request uses (ref 0) that a waiting request pinned: what vLLM's own pool would count as
         #: evictable, and what vLLM counts as taken from the free blocks when a request's hit touches them
         self.waiting: set[int] = set()
+        #: what was installed for each request vLLM has not placed yet: found again when vLLM asks again (its first
+        #: allocation failed, or it did not get to it), not lost
+        self.installed: dict[str, tuple[list[int], Hit]] = {}
+        #: the request vLLM is allocating for, if it is (see ``allocating``)
+        self.asking: Any = None
         self.on_built(self)
 
     # -- allocation ---------------------------------------------------------------------------------------
 
     def get_num_free_blocks(self) -> int:
-        """The slab's idle blocks, and the hits waiting requests hold: vLLM asks for room for a request's new
-        blocks *and* its hit blocks no one uses yet (which its own pool keeps among the free ones), so without them
-        a hit larger than the slab's idle blocks would never fit."""
-        return self.residency.free_count() + len(self.waiting)
+        """The slab's idle blocks, and the hit blocks no request uses yet of the request vLLM is allocating for:
+        vLLM asks for room for a request's new blocks *and* those (which its own pool keeps among the free ones), so
+        without them a hit larger than the slab's idle blocks would never fit. Other waiting requests' hits are not
+        this request's to take: counting them let vLLM ask for blocks the slab did not have (outside an allocation,
+        for vLLM's usage figures, they count)."""
+        free = self.residency.free_count()
+        asking = self.asking
+        if asking is None:
+            return free + len(self.waiting)
+        pins = self.residency.req_pins.get(asking.request_id)
+        return free + (len(self.waiting.intersection(pins)) if pins else 0)
+
+    @contextlib.contextmanager
+    def allocating(self, request: Any) -> Iterator[None]:
+        """Within one of vLLM's allocations for ``request``: free blocks counted for it are its to take, and the
+        slab keeps them idle until it took them."""
+        self.asking = request
+        try:
+            with self.residency.hold():
+                yield
+        finally:
+            self.asking = None
 
     def get_usage(self) -> float:
         """The share of the arena this engine holds."""
@@ -118,11 +144,13 @@ class ResidentBlockPool(BlockPool):
         self.residency.leave(out)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget this engine's view of the prefix cache; the pool's index, shared with other engines, stays."""
+        """Forget this engine's view of the prefix cache, and move the engine to a new epoch: what it computes from
+        now on (after a weight update, say) is never found under what it or others computed before. The pool's
+        index, shared with other engines, stays."""
         for block in self.blocks:
             if block.ref_cnt == 0 and not block.is_null and block.block_hash is not None:
                 self._remove_cached_block_hashes(block)
-        log.info("kvpool: resident mode keeps the node's prefix cache in the pool; this engine's view was reset")
+        self.on_reset()
         return True
 
     # -- hits from the pool ---------------------------------------------------------------------------------
@@ -130,6 +158,9 @@ class ResidentBlockPool(BlockPool):
     def install(self, request: Any) -> tuple[list[int], Hit] | None:
         """Take what the pool answered for ``request`` (held and pinned for it): the engine's blocks of the hit, and
         the answer; None if there is nothing to take."""
+        kept = self.installed.get(request.request_id)
+        if kept is not None:
+            return kept
         hit = self.on_request(request)
         if hit is None:
             return None
@@ -138,6 +169,7 @@ class ResidentBlockPool(BlockPool):
         for block_id in again:
             if self.blocks[block_id].ref_cnt:
                 self.waiting.discard(block_id)
+        self.installed[request.request_id] = blocks, hit
         return blocks, hit
 
     def hit_blocks(self, request: Any, blocks: list[int], hit: Hit) -> list[KVCacheBlock]:
@@ -190,6 +222,7 @@ def install(
     on_request: Callable[[Any], tuple[Any, int, bool] | None],
     on_built: Callable[[ResidentBlockPool], None],
     waits: Callable[[Any], bool] = lambda request: False,
+    on_reset: Callable[[], None] = lambda: None,
 ) -> None:
     """From now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is a resident one bound to
     ``residency``; and ``KVCacheManager`` installs pool answers and refills the slab (once per process)."""
@@ -201,6 +234,7 @@ def install(
     Bound.on_request = staticmethod(on_request)  # type: ignore[assignment]
     Bound.on_built = staticmethod(on_built)  # type: ignore[assignment]
     Bound.waits = staticmethod(waits)  # type: ignore[assignment]
+    Bound.on_reset = staticmethod(on_reset)  # type: ignore[assignment]
     kv_cache_coordinator.BlockPool = Bound  # type: ignore[misc]
     if not _ARITY:
         log.warning(
@@ -257,19 +291,24 @@ def _reports_hits(manager: Any, request: Any) -> bool:
 def _refilling(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def allocate_slots(manager: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        blocks = original(manager, request, num_new_tokens, *args, **kwargs)
         pool = manager.block_pool
-        if blocks is not None or not isinstance(pool, ResidentBlockPool):
-            return blocks
-        # the slab ran short: take what this request could need from the pool in one call, then try once more
-        size = pool.hash_block_size
-        tokens = num_new_tokens + kwargs.get("num_lookahead_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
-        need = -(-tokens // size) + 1
-        if kwargs.get("full_sequence_must_fit"):
-            need = max(need, -(-request.num_tokens // size))
-        if pool.residency.grow(need):
+        if not isinstance(pool, ResidentBlockPool):
             return original(manager, request, num_new_tokens, *args, **kwargs)
-        return None
+        with pool.allocating(request):
+            blocks = original(manager, request, num_new_tokens, *args, **kwargs)
+            if blocks is not None:
+                return blocks
+            # the slab ran short: take what this request could need from the pool in one call, then try once more;
+            # a full pool is a full cache (None: vLLM preempts, or leaves the request waiting), never an error
+            size = pool.hash_block_size
+            tokens = (num_new_tokens + kwargs.get("num_lookahead_tokens", 0)
+                      + kwargs.get("num_external_computed_tokens", 0))  # fmt: skip
+            need = -(-tokens // size) + 1
+            if kwargs.get("full_sequence_must_fit"):
+                need = max(need, -(-request.num_tokens // size))
+            if pool.residency.grow(need):
+                return original(manager, request, num_new_tokens, *args, **kwargs)
+            return None
 
     setattr(allocate_slots, _WRAPPED, True)
     return allocate_slots

@@ -7,6 +7,7 @@ start-up that the engine's KV fits the pool's arena and refuse with one line nam
 
 from __future__ import annotations
 
+import secrets
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -21,11 +22,18 @@ from vllm.model_executor.models.utils import extract_layer_index
 
 from kvpool.errors import KvpoolError, LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm import arrivals, resident
+from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.integrations.vllm.resident import ResidentScheduler, ResidentWorker
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
-from kvpool.integrations.vllm.settings import ConnectorSettings, check_engine, layerwise_for
+from kvpool.integrations.vllm.settings import (
+    ConnectorSettings,
+    check_engine,
+    layerwise_for,
+    unsupported,
+    why_not_resident,
+)
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
@@ -89,9 +97,15 @@ class KvpoolConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.parse(tc.kv_connector_extra_config)
         LIVE.add(self)
         self.layout = engine_layout(vllm_config)
+        why = unsupported(vllm_config, kv_cache_config)
+        if why is not None:
+            raise LayoutMismatch(f"kvpool: {why}")
+        #: what the engine's KV is a function of: every chain it looks up, commits and parks is salted with it
+        self.identity = EngineIdentity.of_config(vllm_config)
         engine_id = str(tc.engine_id)
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
-        link = PoolLink(self.settings.url, f"{self.settings.name}-{engine_id[:8]}-{side}", self.settings.token)
+        names = {s: f"{self.settings.name}-{engine_id[:8]}-{s}" for s in ("scheduler", "worker")}
+        link = PoolLink(self.settings.url, names[side], self.settings.token)
         self._sched: SchedulerSide | None = None
         self._early = False
         self._worker: WorkerSide | None = None
@@ -104,7 +118,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                         "block that fails to load is computed again instead of failing its request")  # fmt: skip
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
-            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id)
+            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, names["worker"])
             self._early = self.settings.early_lookup and arrivals.install()
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
@@ -114,13 +128,21 @@ class KvpoolConnector(KVConnectorBase_V1):
     def _resident(self, config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, name: str) -> bool:
         """Start this side in resident mode; False, after one line saying why, where the engine cannot be
         resident (copy mode then starts). A pool that is not there, or a setting that differs, refuses to start."""
+        import vllm
+
         from kvpool.client import PoolClient
         from kvpool.slab import SlabConfig
 
         scheduler = role == KVConnectorRole.SCHEDULER
         s = self.settings
+        why = why_not_resident(config, vllm.__version__)
+        if why is not None:
+            log.warning("kvpool: this engine cannot be resident (%s); it runs in copy mode", why)
+            return False
+        key = secrets.token_urlsafe(24)  # the session's name is this engine's alone
         try:
-            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=False, reply_spin_s=0.0)
+            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=False, reply_spin_s=0.0,
+                                name_key=key)  # fmt: skip
         except KvpoolError as exc:
             raise PoolUnavailable(
                 f"kvpool: resident mode keeps this engine's KV in the pool's arena, and the pool cannot be reached "
@@ -142,9 +164,11 @@ class KvpoolConnector(KVConnectorBase_V1):
                 device = part.device.index if part.device is not None and len(descriptor.arenas) > 1 else None
                 slab = SlabConfig(s.slab_blocks, max(1, s.slab_blocks // 4), 1 << 20, handoffs=False, device=device)
                 client.close()
-                client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0)
+                client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0,
+                                    name_key=key)  # fmt: skip
                 self._resident_sched = ResidentScheduler(client, part, self.layout.block_size, s.claim_timeout_s,
-                                                         load=s.load, save=s.save, device=device)  # fmt: skip
+                                                         self.identity, load=s.load, save=s.save,
+                                                         device=device)  # fmt: skip
                 arrivals.install()
             else:
                 self._resident_worker = ResidentWorker(client, part, self.layout)
@@ -188,11 +212,19 @@ class KvpoolConnector(KVConnectorBase_V1):
         if self._resident_sched is not None:  # the pool's blocks are this engine's KV cache: nothing to load
             return (None, False) if self._resident_sched.deferred(request) else (0, False)
         assert self._sched is not None
-        prompt = _tokens(request.prompt_token_ids)
-        if not prompt or request.mm_features or request.lora_request is not None or _salted(request):
+        salt = self._copy_salt(request)
+        if salt is None:
             self._sched.skip(request.request_id)
             return 0, False
-        return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params), False
+        prompt = _tokens(request.prompt_token_ids)
+        return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params,
+                                 salt), False  # fmt: skip
+
+    def _copy_salt(self, request: Request) -> str | None:
+        """The request's KV identity where copy mode shares it: requests of the engine's own identity only (the
+        worker's copies name no adapter), so LoRA and salted requests are kept out as well."""
+        salt = self.identity.of(request)
+        return salt if salt == self.identity.salt else None
 
     def on_arrival(self, request: Request) -> None:
         """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
@@ -200,23 +232,22 @@ class KvpoolConnector(KVConnectorBase_V1):
         if getattr(request, "pooling_params", None) is not None:
             return
         if self._resident_sched is not None:
-            if _cacheable(request):
-                self._resident_sched.arrive(request)
+            self._resident_sched.arrive(request)
         elif self._early:
             self._prefetch(request)
 
     def on_new_request(self, request: Request) -> None:
         if self._resident_sched is not None:
-            if _cacheable(request):
-                self._resident_sched.arrive(request)  # a second call for one request starts nothing
+            self._resident_sched.arrive(request)  # a second call for one request starts nothing
             return
         self._prefetch(request)
 
     def _prefetch(self, request: Request) -> None:
         assert self._sched is not None
-        prompt = _tokens(request.prompt_token_ids)
-        if prompt and not (request.mm_features or request.lora_request is not None or _salted(request)):
-            self._sched.prefetch(request.request_id, prompt, request.kv_transfer_params)
+        salt = self._copy_salt(request)
+        if salt is not None:
+            self._sched.prefetch(request.request_id, _tokens(request.prompt_token_ids), request.kv_transfer_params,
+                                 salt)  # fmt: skip
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self._resident_sched is not None:
@@ -251,9 +282,6 @@ class KvpoolConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._resident_sched is not None:
-            if not _cacheable(request):
-                self._resident_sched.finished_uncached(request)
-                return False, None
             return False, self._resident_sched.finished(request, block_ids)
         assert self._sched is not None
         return False, self._sched.finished(request.request_id)
@@ -278,8 +306,11 @@ class KvpoolConnector(KVConnectorBase_V1):
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self._resident_worker is not None:  # nothing to load, the KV is where vLLM reads it; the lease is checked
+            self._resident_worker.check()
+            return
         if self._worker is None:
-            return  # resident: nothing to load, the KV is where vLLM reads it
+            return
         assert self._worker is not None
         self._worker.load(self._plan())
 
@@ -316,6 +347,18 @@ class KvpoolConnector(KVConnectorBase_V1):
             return self._worker.counters()
         return {}
 
+    def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: the engine moves to a new
+        epoch, and from now on shares nothing computed before (the pool's entries stay, for engines still on
+        them)."""
+        if self._resident_sched is not None:
+            self._resident_sched.reset()
+        else:
+            self.identity.renew()
+            log.info("kvpool: the engine's cache was reset: it shares nothing computed before (epoch %d)",
+                     self.identity.epoch)  # fmt: skip
+        return True
+
     def shutdown(self) -> None:
         for side in (self._sched, self._worker, self._resident_sched, self._resident_worker):
             if side is not None:
@@ -327,14 +370,3 @@ def _tokens(prompt: list[int] | None) -> list[int]:
     Each copy of a 1,024-token prompt touches 1,024 int objects; in a burst's step, three copies a request were a
     third of the scheduler side's time (vLLM's ``schedule()`` timed on the CPU: see the docs' benchmarks)."""
     return prompt if type(prompt) is list else list(prompt or [])
-
-
-def _salted(request: Request) -> bool:
-    return bool(getattr(request, "cache_salt", None))
-
-
-def _cacheable(request: Request) -> bool:
-    """Whether a request's KV is a function of its token ids alone (no LoRA, images or cache salt): only such KV is
-    shared through the pool."""
-    return bool(request.prompt_token_ids) and not (request.mm_features or request.lora_request is not None
-                                                     or _salted(request))  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,8 @@ class PoolLink:
         connect: Callable[..., PoolClient] = PoolClient,
     ) -> None:
         self.url, self.name, self.token, self.layout, self.retry_s = url, name, token, layout, retry_s
+        #: holds the name for this engine alone: the pool's word of who parked a handoff is then worth checking
+        self.name_key = secrets.token_urlsafe(24)
         self._connect = connect
         self.client: PoolClient | None = None
         self._next_try = 0.0
@@ -48,7 +51,7 @@ class PoolLink:
         if self.client is None:
             # no polling for answers whatever KVPOOL_REPLY_SPIN_US says: the engine's threads need the GIL meanwhile
             self.client = self._connect(self.url, name=self.name, role="other", token=self.token, layout=self.layout,
-                                        reply_spin_s=0.0)  # fmt: skip
+                                        reply_spin_s=0.0, name_key=self.name_key)  # fmt: skip
         return self.client
 
     def call(self, what: str, fn: Callable[[PoolClient], T], default: T) -> T:

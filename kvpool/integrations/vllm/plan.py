@@ -32,6 +32,7 @@ class Save:
     park: str | None = None
     digest: str = ""
     skip: int = 0  # leading blocks the pool held when the request was matched: not copied again
+    salt: str | None = None  # the chain's salt: the KV's identity (kvpool.integrations.vllm.identity)
 
 
 @dataclass
@@ -44,9 +45,11 @@ class StepPlan:
         return bool(self.loads or self.saves)
 
 
-def prompt_digest(token_ids: list[int]) -> str:
-    """Names a prompt, so that a decode engine loads a handoff only for the very prompt that was prefilled."""
-    return xxhash.xxh3_128_hexdigest(array("I", token_ids).tobytes())
+def prompt_digest(token_ids: list[int], salt: str | None = None) -> str:
+    """Names a prompt's KV (its tokens, and its identity where given), so that a decode engine loads a handoff only
+    for the very prompt, of the very identity, that was prefilled."""
+    digest = xxhash.xxh3_128_hexdigest(array("I", token_ids).tobytes())
+    return digest if salt is None else f"{digest}:{salt}"
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
@@ -66,3 +69,4 @@ class Tracked:
     saved: bool = False
     pool_blocks: int = 0  # leading blocks the pool held at the match
     lane: int = 0  # the scheduler's session whose refs ``held`` are
+    salt: str | None = None  # the request's KV identity: its chains' salt

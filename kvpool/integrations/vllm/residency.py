@@ -22,6 +22,7 @@ scheduler's thread never waits on a round trip except to refill the slab when it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import statistics
@@ -32,13 +33,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
-from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable
+from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable, UnknownSession
 from kvpool.ids import BLOCK_MASK
 
 log = logging.getLogger("vllm.kvpool")
+
+#: what tells the engine that the pool no longer answers for its session: its blocks may be another's from then on
+LOST = (PoolUnavailable, UnknownSession)
 
 
 class ResidentPool(Protocol):
@@ -52,15 +57,22 @@ class ResidentPool(Protocol):
 
     def lookup(self, token_ids: Sequence[int]) -> Any: ...
 
-    def lookup_many(self, prompts: Sequence[Sequence[int]], device: int | None = None) -> list[Any]: ...
+    def lookup_many(
+        self, prompts: Sequence[Sequence[int]], device: int | None = None, *, salts: Sequence[str | None] | None = None
+    ) -> list[Any]: ...
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
 
     def handoff_many(
-        self, handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]], keep: bool = False
+        self,
+        handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]],
+        keep: bool = False,
+        sealed: bool = False,
     ) -> list[Any]: ...
 
-    def commit_many(self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]]) -> list[Any]: ...
+    def commit_many(
+        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], *, salts: Sequence[str | None] | None = None
+    ) -> list[Any]: ...
 
 
 @dataclass
@@ -184,6 +196,7 @@ class Claim:
     arrived: float  # perf_counter at the request's arrival
     num_tokens: int  # the prompt's
     digest: str | None = None  # what the handoff's meta must say it holds (None: not checked)
+    parker: str | None = None  # the name of the session that must have parked it (None: not checked)
 
 
 @dataclass
@@ -196,6 +209,7 @@ class Write:
     start: int = 0
     key: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    salt: str | None = None
 
 
 class Residency:
@@ -215,6 +229,7 @@ class Residency:
         free_count: Callable[[], int],
         grow: Callable[[int], int],
         ahead: Callable[[], None] = lambda: None,
+        hold: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
         claim_timeout_s: float = 1.0,
         answer_timeout_s: float = 30.0,
         alive: Callable[[], Exception | None] = lambda: None,
@@ -227,6 +242,8 @@ class Residency:
         self._free_count = free_count
         self._grow = grow
         self._ahead = ahead  # starts a refill of the engine's idle blocks off this thread if they ran low
+        #: within it, the idle blocks ``free_count`` counted stay idle but for those ``take`` takes
+        self.hold = hold
         self.claim_timeout_s = claim_timeout_s
         self.answer_timeout_s = answer_timeout_s
         self._alive = alive
@@ -252,7 +269,9 @@ class Residency:
         #: refs a hit took past what its request uses, released at the next step: a handover wakes no thread
         self._spare: list[int] = []
         self.gone: Exception | None = None
-        self._lookups: Batcher[tuple[str, list[int]], Hit] = Batcher("kvpool-lookups", self._lookup_many, self._no_hit)
+        self._lookups: Batcher[tuple[str, list[int], str | None], Hit] = Batcher(
+            "kvpool-lookups", self._lookup_many, self._no_hit
+        )
         self._claims: Batcher[Claim, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
         self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
         self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
@@ -295,7 +314,7 @@ class Residency:
         self.check()
         try:
             return self._free_count()
-        except PoolUnavailable as exc:
+        except LOST as exc:
             self._lose(exc)
             self.check()
             raise
@@ -307,7 +326,7 @@ class Residency:
             got = self._grow(n)
         except PoolExhausted:
             return False
-        except PoolUnavailable as exc:
+        except LOST as exc:
             self._lose(exc)
             self.check()
             raise
@@ -319,7 +338,7 @@ class Residency:
         self.check()
         try:
             ids = self.pool.alloc(n) if self.device is None else self.pool.alloc(n, self.device)
-        except PoolUnavailable as exc:
+        except LOST as exc:
             self._lose(exc)
             self.check()
             raise
@@ -334,11 +353,15 @@ class Residency:
 
     # -- hits -----------------------------------------------------------------------------------------------
 
-    def prefetch(self, req_id: str, tokens: list[int], claim: str | None = None, digest: str | None = None) -> None:
+    def prefetch(
+        self, req_id: str, tokens: list[int], claim: str | None = None, digest: str | None = None,
+        salt: str | None = None, parker: str | None = None,
+    ) -> None:  # fmt: skip
         """Start the pool's answer for a request as it arrives (any thread): the lookup of its prompt's loadable
-        prefix, or the claim of the handoff its prefill engine parked. Either answer holds at most the blocks
-        before the prompt's last token (vLLM computes that one). ``digest``: what the handoff's meta must say it
-        holds, checked as the answer is read, where a mismatch releases the handoff and answers nothing."""
+        prefix among chains of ``salt`` (its KV's identity), or the claim of the handoff its prefill engine parked.
+        Either answer holds at most the blocks before the prompt's last token (vLLM computes that one). ``digest``:
+        what the handoff's meta must say it holds, and ``parker`` the session that must have parked it, checked as
+        the answer is read, where a mismatch releases the handoff and answers nothing."""
         loadable = (len(tokens) - 1) // self.block_size * self.block_size
         if loadable <= 0 or self.gone is not None:
             return
@@ -346,22 +369,22 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                future = self._claims.submit(Claim(req_id, claim, time.perf_counter(), len(tokens), digest))
+                future = self._claims.submit(Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker))
             else:
-                future = self._lookups.submit((req_id, tokens[:loadable]))
+                future = self._lookups.submit((req_id, tokens[:loadable], salt))
             self.ahead[req_id] = future
 
     def _no_hit(self, exc: Exception) -> Hit:
-        if isinstance(exc, PoolUnavailable):
+        if isinstance(exc, LOST):
             self._lose(exc)
         log.warning("kvpool: the pool's answer failed (%s: %s); those requests compute their prompts",
                     type(exc).__name__, exc)  # fmt: skip
         return NO_HIT
 
-    def _lookup_many(self, asks: list[tuple[str, list[int]]]) -> list[Hit]:
-        found = self.pool.lookup_many([tokens for _, tokens in asks], self.device)
+    def _lookup_many(self, asks: list[tuple[str, list[int], str | None]]) -> list[Hit]:
+        found = self.pool.lookup_many([tokens for _, tokens, _ in asks], self.device, salts=[s for *_, s in asks])
         hits = [self._hit(list(h.block_ids), h.num_tokens) for h in found]
-        self.back.update(zip([rid for rid, _ in asks], hits, strict=True))
+        self.back.update(zip([rid for rid, *_ in asks], hits, strict=True))
         return hits
 
     def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None, claimed: bool = False) -> Hit:
@@ -378,14 +401,22 @@ class Residency:
         out = []
         for ask, got in zip(asks, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
             if got is None:
-                log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", ask.key)
+                log.warning("kvpool: the handoff for %s was not found; the decode engine computes the prompt itself",
+                            ask.req_id)  # fmt: skip
                 out.append(NO_HIT)
                 continue
             ids = list(got.block_ids)
             full = ask.num_tokens // self.block_size * self.block_size
             if ask.digest is not None and (got.num_tokens != full or got.meta.get("digest") != ask.digest):
                 log.warning("kvpool: handoff %s holds another prompt's KV; the decode engine computes the prompt "
-                            "itself", ask.key)  # fmt: skip
+                            "itself", ask.req_id)  # fmt: skip
+                self._release_ids(ids)
+                out.append(NO_HIT)
+                continue
+            if ask.parker is not None and getattr(got, "parked_by", None) != ask.parker:
+                log.warning("kvpool: the handoff for %s was parked by %r, not by its prefill engine %r; the decode "
+                            "engine computes the prompt itself", ask.req_id, getattr(got, "parked_by", None),
+                            ask.parker)  # fmt: skip
                 self._release_ids(ids)
                 out.append(NO_HIT)
                 continue
@@ -395,8 +426,9 @@ class Residency:
                 del ids[usable:]
             hit = self._hit(ids, got.num_tokens, dict(got.meta), claimed=True)
             if hit.blocks is None and not self._inside(self._blocks(hit.ids)):
-                log.warning("kvpool: handoff %s is in another GPU's arena; the decode engine computes the prompt "
-                            "itself (a prefill engine hands over by id only on its own GPU)", ask.key)  # fmt: skip
+                log.warning("kvpool: the handoff for %s is in another GPU's arena; the decode engine computes the "
+                            "prompt itself (a prefill engine hands over by id only on its own GPU)",
+                            ask.req_id)  # fmt: skip
                 self.counters.foreign_handoffs += 1
                 self._release_ids(hit.ids)
                 out.append(NO_HIT)
@@ -542,7 +574,7 @@ class Residency:
             self.counters.left_to_slab += len(to_slab)
             try:
                 self.pool.free(to_slab)
-            except PoolUnavailable as exc:
+            except LOST as exc:
                 self._lose(exc)
             except KvpoolError as exc:
                 log.error("kvpool: freeing %d blocks into the slab failed: %s", len(to_slab), exc)
@@ -565,7 +597,7 @@ class Residency:
         frees = [i for w in writes if w.kind == "free" for i in w.ids]
         if commits:
             calls = [(w.ids, w.tokens, w.start) for w in commits]
-            self._quietly("commits", self.pool.commit_many, calls)
+            self._quietly("commits", functools.partial(self.pool.commit_many, salts=[w.salt for w in commits]), calls)
         if parks:
             self._park_many(parks)
         if frees:
@@ -575,7 +607,7 @@ class Residency:
     def _quietly(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except PoolUnavailable as exc:
+        except LOST as exc:
             self._lose(exc)
         except KvpoolError as exc:
             log.warning("kvpool: %s refused: %s", what, exc)
@@ -592,9 +624,10 @@ class Residency:
             future.add_done_callback(functools.partial(self._give_back, req_id))
         return self.unpin(req_id)
 
-    def commit(self, blocks: Sequence[int], tokens: list[int]) -> int:
-        """Give the pool's prefix index the full blocks of ``tokens``, held in ``blocks`` (in order), that it does
-        not hold yet; call only once every step that wrote them has finished. Returns how many were sent."""
+    def commit(self, blocks: Sequence[int], tokens: list[int], salt: str | None = None) -> int:
+        """Give the pool's prefix index the full blocks of ``tokens``, held in ``blocks`` (in order), under ``salt``
+        (the KV's identity), that it does not hold yet; call only once every step that wrote them has finished.
+        Returns how many were sent."""
         n = min(len(tokens) // self.block_size, len(blocks))
         start = 0
         held, uncommitted = self.held, self.uncommitted
@@ -608,34 +641,39 @@ class Residency:
             raise AssertionError(f"commit of block {exc} that this engine does not hold") from None
         uncommitted.difference_update(blocks[start:n])
         self.counters.committed_blocks += n - start
-        self._writes.submit(Write("commit", fenced, tokens[: n * self.block_size], start))
+        self._writes.submit(Write("commit", fenced, tokens[: n * self.block_size], start, salt=salt))
         return n - start
 
-    def park(self, key: str, blocks: Sequence[int], tokens: list[int], meta: dict[str, Any]) -> None:
+    def park(
+        self, key: str, blocks: Sequence[int], tokens: list[int], meta: dict[str, Any], salt: str | None = None
+    ) -> None:
         """Hand a prefilled request's full blocks to its decode engine under ``key``, without copying them: commit
-        them, then park them with refs of the handoff's own (``keep``: the engine keeps its refs while vLLM may
-        still use the blocks). All on the writes thread, after this request's commit."""
-        self.commit(blocks, tokens)
+        them (under ``salt``), then park them sealed (only a claim that names ``key`` takes them) with refs of the
+        handoff's own (``keep``: the engine keeps its refs while vLLM may still use the blocks). All on the writes
+        thread, after this request's commit."""
+        self.commit(blocks, tokens, salt)
         full = min(len(tokens) // self.block_size, len(blocks))
         if full == 0:
             return
         self.counters.parked_requests += 1
         fenced = [self.held[b] for b in blocks[:full]]
-        self._writes.submit(Write("park", fenced, tokens[: full * self.block_size], key=key, meta=meta))
+        self._writes.submit(Write("park", fenced, tokens[: full * self.block_size], key=key, meta=meta, salt=salt))
 
     def _park_many(self, parks: list[Write]) -> None:
         """Every park in one write. A park the pool refuses (one of its blocks was a duplicate of a block the
         index held, so not committed, and a kept handoff shares committed blocks only) is parked instead with the
         index's blocks for its tokens: a lookup takes refs for the handoff to move."""
         handoffs = [(w.key, w.ids, len(w.tokens), w.meta) for w in parks]
-        answers = self._quietly("parks", functools.partial(self.pool.handoff_many, keep=True), handoffs)
+        park = functools.partial(self.pool.handoff_many, keep=True, sealed=True)
+        answers = self._quietly("parks", park, handoffs)
         refused = [w for w, a in zip(parks, answers or [None] * len(parks), strict=True) if a is None]
         if not refused:
             return
-        hits = self._quietly("lookups for parks", self.pool.lookup_many, [w.tokens for w in refused], self.device) or []
+        look = functools.partial(self.pool.lookup_many, salts=[w.salt for w in refused])
+        hits = self._quietly("lookups for parks", look, [w.tokens for w in refused], self.device) or []
         moved = [(w.key, list(h.block_ids), h.num_tokens, w.meta) for w, h in zip(refused, hits, strict=False)
                  if h.block_ids]  # fmt: skip
-        answers = self._quietly("parks", self.pool.handoff_many, moved) if moved else []
+        answers = self._quietly("parks", functools.partial(self.pool.handoff_many, sealed=True), moved) if moved else []
         unused = [i for m, a in zip(moved, answers or [None] * len(moved), strict=True) if a is None for i in m[1]]
         if unused:
             self._quietly("release", self.pool.free, unused)

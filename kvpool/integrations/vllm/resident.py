@@ -17,12 +17,15 @@ to start and names the flag (:func:`check_geometry`).
 from __future__ import annotations
 
 import logging
+import secrets
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import LayoutMismatch
+from kvpool.errors import KvpoolError, LayoutMismatch
+from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.plan import prompt_digest
-from kvpool.integrations.vllm.residency import Hit, Residency
+from kvpool.integrations.vllm.residency import Hit, PoolGone, Residency
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 
@@ -34,11 +37,15 @@ log = logging.getLogger("vllm.kvpool")
 #: kv_transfer_params keys, as copy mode names them: a prefill engine's answer carries the handoff to its decode
 HANDOFF_KEY = "kvpool_handoff"
 DIGEST_KEY = "kvpool_digest"
+#: the name of the prefill engine's session, which the pool must say parked the handoff
+FROM_KEY = "kvpool_from"
 #: how long one scheduler step waits, in all, for answers of requests it would take in for the first time, before it
 #: leaves those waiting: a lone request's answer is usually this close, and a step of the idle engine loop costs a
 #: millisecond. One wait a step, not one a request: a burst's answers come back together, and 32 requests waiting
 #: in turn held a step for 10-16 ms
 ANSWER_WAIT_S = 0.002
+#: this process's resident scheduler sides: a worker in the same process checks their leases before each launch
+SCHEDULERS: weakref.WeakSet[ResidentScheduler] = weakref.WeakSet()
 
 
 def arena_on(descriptor: ArenaDescriptor, gpu_uuid: str | None) -> ArenaDescriptor | None:
@@ -109,7 +116,8 @@ class ResidentScheduler:
     """The scheduler side in resident mode: a :class:`Residency` under vLLM's block pool, fed at arrival."""
 
     def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
-                 load: bool = True, save: bool = True, device: int | None = None) -> None:  # fmt: skip
+                 identity: EngineIdentity, load: bool = True, save: bool = True,
+                 device: int | None = None) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool
 
         slab = client.slab
@@ -117,21 +125,26 @@ class ResidentScheduler:
             raise LayoutMismatch("the pool gave this engine no slab (all slab regions taken?): raise --slab-regions")
         self.client = client
         self.block_size = block_size
+        self.identity = identity
         self.load, self.save = load, save
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
-            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead,
+            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead, hold=slab.holding,
             claim_timeout_s=claim_timeout_s, device=device,
-            alive=lambda: client.session.lost or client.session.unreachable,
+            alive=lambda: _lapse(client),
         )  # fmt: skip
-        self.asked: set[str] = set()  # requests the pool has answered (each is asked once, however often scheduled)
+        #: requests the pool has answered, with their preemptions then: each is asked once, however often vLLM
+        #: schedules it, and again after a preemption (its blocks went, its prefix may be a hit again)
+        self.asked: dict[str, int] = {}
         #: requests vLLM is to leave waiting this step, their answer not back yet; and since when each has waited
         self.later: set[str] = set()
         self.since: dict[str, float] = {}
         self._wait_until: float | None = None  # the end of this step's wait for answers, once a request began it
         self.block_pool: Any = None
-        blockpool.install(self.residency, self._answer, self._bind, lambda request: request.request_id in self.later)
+        blockpool.install(self.residency, self._answer, self._bind, lambda request: request.request_id in self.later,
+                          self.reset)  # fmt: skip
         slab.refill_ahead()  # the slab starts full, and its refill thread exists before the first burst
+        SCHEDULERS.add(self)
 
     def _bind(self, block_pool: Any) -> None:
         self.block_pool = block_pool
@@ -139,23 +152,32 @@ class ResidentScheduler:
     # -- arrivals -----------------------------------------------------------------------------------------
 
     def arrive(self, request: Any) -> None:
-        """Start the pool's answer: the claim of a handed-over prefill, else a lookup of the prompt's prefix."""
+        """Start the pool's answer: the claim of a handed-over prefill, else a lookup of the prompt's prefix among
+        the chains of its identity. A request kept out of the pool (:meth:`EngineIdentity.of`) asks nothing."""
+        salt = self.identity.of(request)
+        if salt is None:
+            return
         params = request.kv_transfer_params or {}
         key = params.get(HANDOFF_KEY)
         if key is None and not self.load:
             return
         prompt = request.prompt_token_ids
         if key is None:
-            self.residency.prefetch(request.request_id, prompt)
+            self.residency.prefetch(request.request_id, prompt, salt=salt)
             return
-        # the handoff must hold this prompt's KV: hashed as it arrives, checked as the claim's answer is read
-        self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt))
+        # the handoff must hold this prompt's KV of this identity, parked by the engine that says it prefilled it:
+        # hashed as it arrives, checked as the claim's answer is read
+        self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt, salt),
+                                parker=str(params.get(FROM_KEY, "")))  # fmt: skip
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""
         rid = request.request_id
-        if rid in self.asked:
-            return None
+        asked = self.asked.get(rid)
+        if asked is not None:
+            if request.num_preemptions <= asked:
+                return None
+            self.arrive(request)  # preempted since: its blocks went back, and the pool may hold its prefix
         ready = self.residency.ready(rid)
         if ready is None:  # it arrived without word to the connector (no arrival hook): ask now
             self.arrive(request)
@@ -168,7 +190,7 @@ class ResidentScheduler:
                 self.later.add(rid)
                 return None
         self.since.pop(rid, None)
-        self.asked.add(rid)
+        self.asked[rid] = request.num_preemptions
         hit = self.residency.answer(rid, None if ready is not False else 0.0)
         return hit if hit is not None and hit.ids else None
 
@@ -196,6 +218,8 @@ class ResidentScheduler:
 
     def after_alloc(self, request: Any) -> None:
         """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
+        if self.block_pool is not None:
+            self.block_pool.installed.pop(request.request_id, None)
         self._leave(self.residency.unpin(request.request_id))
 
     def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
@@ -205,31 +229,39 @@ class ResidentScheduler:
         self._leave(self.residency.finished(request.request_id))
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}
+        salt = self.identity.of(request)
+        if salt is None:
+            return None
         if params.get("do_remote_decode"):
             prompt = list(request.prompt_token_ids)
             if done < len(prompt) or len(prompt) < self.block_size:
                 return None
-            key = f"{self.client.session_id}:{request.request_id}"
-            digest = prompt_digest(prompt)
-            self.residency.park(key, block_ids, prompt, {"digest": digest})
-            return {HANDOFF_KEY: key, DIGEST_KEY: digest, "num_tokens": len(prompt)}
+            # unguessable and sealed: only the claim that names it takes it, and it says nothing of this engine
+            key = secrets.token_urlsafe(18)
+            digest = prompt_digest(prompt, salt)
+            self.residency.park(key, block_ids, prompt, {"digest": digest}, salt)
+            return {HANDOFF_KEY: key, DIGEST_KEY: digest, FROM_KEY: self.client.session.name, "num_tokens": len(prompt)}
         if self.save and done >= self.block_size:
-            self.residency.commit(block_ids, list(request.all_token_ids[:done]))
+            self.residency.commit(block_ids, list(request.all_token_ids[:done]), salt)
         return None
 
-    def finished_uncached(self, request: Any) -> None:
-        """A request whose KV the pool does not share (LoRA, images, a salt) left: only its pins go."""
-        self._forget(request.request_id)
-        self._leave(self.residency.finished(request.request_id))
-
     def _forget(self, rid: str) -> None:
-        self.asked.discard(rid)
+        if self.block_pool is not None:
+            self.block_pool.installed.pop(rid, None)
+        self.asked.pop(rid, None)
         self.later.discard(rid)
         self.since.pop(rid, None)
 
     def _leave(self, blocks: list[int]) -> None:
         if blocks and self.block_pool is not None:
             self.block_pool.leave(blocks)
+
+    def reset(self) -> None:
+        """The engine's prefix cache was reset (a weight update, or asked): a new epoch, sharing nothing computed
+        before."""
+        self.identity.renew()
+        log.info("kvpool: the engine's prefix cache was reset: it shares nothing computed before (epoch %d)",
+                 self.identity.epoch)  # fmt: skip
 
     def step(self) -> None:
         """The end of a scheduler step (vLLM builds the connector's metadata once per ``schedule``)."""
@@ -258,6 +290,16 @@ class ResidentWorker:
         self.kv = kvmemory.ArenaKV(arena.raw.view(torch.int8), descriptor.layout, descriptor.num_blocks)
         self.runners = kvmemory.install(self.kv, _layer_index)
 
+    def check(self) -> None:
+        """Before each launch: raise ``PoolGone`` unless the blocks this step writes are still this engine's (the
+        scheduler's lease proven, in this process; the worker's own session too), so that an engine that stalled
+        past its lease never writes a block the pool may have given to another."""
+        for scheduler in list(SCHEDULERS):
+            scheduler.residency.check()
+        why = _lapse(self.client)
+        if why is not None:
+            raise PoolGone(f"kvpool: this engine's pool session lapsed ({why}); it launches nothing more. Restart it")
+
     def register(self, kv_caches: dict[str, Any]) -> None:
         self.kv.check(kv_caches)
         log.info("kvpool: resident mode: vLLM's KV cache is the arena's %d layer regions (model runners patched: %s)",
@@ -265,6 +307,20 @@ class ResidentWorker:
 
     def close(self) -> None:
         self.client.close()  # the mapping stays while the process lives: CUDA graphs hold its addresses
+
+
+def _lapse(client: PoolClient) -> Exception | None:
+    """Why this engine can no longer prove that the pool holds its blocks for it: its session lost, the pool not
+    answering, its lease not renewed in time (a stall: the pool may have taken its blocks back), or its slab taken
+    back. Checked every step and before every launch."""
+    session = client.session
+    why = session.lost or session.unreachable or session.lapsed()
+    if why is None and client.slab is not None:
+        try:
+            client.slab.ensure_mine()
+        except KvpoolError as exc:
+            return exc
+    return why
 
 
 def _layer_index(name: str) -> int:

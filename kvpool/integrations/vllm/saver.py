@@ -90,7 +90,8 @@ class Saver:
             return
         bs = self.block_size
         commits = [(job.new, job.save.token_ids[: len(job.save.token_ids) // bs * bs], job.skip) for job in jobs]
-        done = self.link.call("commit", lambda c: c.commit_many(commits, release=True), [None] * len(jobs))
+        salts = [job.save.salt for job in jobs]
+        done = self.link.call("commit", lambda c: c.commit_many(commits, release=True, salts=salts), [None] * len(jobs))
         refused: list[int] = []  # or the pool is gone: then it releases the session's refs itself
         for job, got in zip(jobs, done, strict=True):
             if got is None:
@@ -109,7 +110,8 @@ class Saver:
         prefixes = [job.save.token_ids[: job.skip * bs] for job in held]
         found = []  # a pool that cannot answer gives no hits: those prompts are not parked, their blocks freed
         if held:
-            found = self.link.call("lookup", lambda c: c.lookup_many(prefixes), [])
+            salts = [job.save.salt for job in held]
+            found = self.link.call("lookup", lambda c: c.lookup_many(prefixes, salts=salts), [])
         hits = {id(job): list(hit.block_ids) for job, hit in zip(held, found, strict=False)}
         ready: list[tuple[Job, list[int]]] = []
         gone: list[int] = []
@@ -124,17 +126,18 @@ class Saver:
             return
         full = [len(job.save.token_ids) // bs * bs for job, _ in ready]
         commits = [(ids, job.save.token_ids[:n], 0) for (job, ids), n in zip(ready, full, strict=True)]
-        self.link.call("commit", lambda c: c.commit_many(commits), [])
+        salts = [job.save.salt for job, _ in ready]
+        self.link.call("commit", lambda c: c.commit_many(commits, salts=salts), [])
         parks = [(str(job.save.park), array("q", ids), n, {"digest": job.save.digest})
                  for (job, ids), n in zip(ready, full, strict=True)]  # fmt: skip
-        done = self.link.call("handoff", lambda c: c.handoff_many(parks), [None] * len(ready))
+        done = self.link.call("handoff", lambda c: c.handoff_many(parks, sealed=True), [None] * len(ready))
         failed: list[int] = []
         for (job, ids), parked in zip(ready, done, strict=True):
             self.stats["saved_blocks"] += len(job.new)
             if parked is not None:
                 self.stats["parked"] += 1
                 continue
-            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", job.save.park)
+            log.warning("kvpool: parking %s failed; its decode engine computes the prompt itself", job.save.req_id)
             failed += ids
         self._free(failed)
 

@@ -12,6 +12,7 @@ an engine loads can never be evicted and rewritten while it is being read.
 
 from __future__ import annotations
 
+import secrets
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -26,6 +27,7 @@ from kvpool.integrations.vllm.settings import ConnectorSettings
 #: kv_transfer_params keys: a prefill engine's answer carries the handoff to the decode engine's request
 HANDOFF_KEY = "kvpool_handoff"
 DIGEST_KEY = "kvpool_digest"
+FROM_KEY = "kvpool_from"  # the name of the session that parked it (the prefill engine's worker side)
 
 
 @dataclass
@@ -41,8 +43,11 @@ class Scheduled:
 
 
 class SchedulerSide:
-    def __init__(self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str) -> None:
+    def __init__(
+        self, link: PoolLink, settings: ConnectorSettings, block_size: int, engine_id: str, parker: str = ""
+    ) -> None:
         self.link, self.settings, self.block_size, self.engine_id = link, settings, block_size, engine_id
+        self.parker = parker  # the session that parks this engine's prefills: its worker side's
         self.reqs: dict[str, Tracked] = {}
         self._loads: list[Load] = []
         # lanes: a burst of arrivals looks up on several sessions at once; a lane's refs go back through it
@@ -54,8 +59,9 @@ class SchedulerSide:
         self._next_lane = 0
         self._frees: deque[list[tuple[int, list[int]]]] = deque([[] for _ in range(settings.free_delay_steps)])
         self._ahead: dict[str, Future[tuple[list[int], int, int]]] = {}
-        self._batch: list[tuple[list[int], Future[tuple[list[int], int, int]]]] = []  # lookups not sent yet
-        self._claims: list[tuple[list[int], dict[str, Any], Future[tuple[list[int], int, int]]]] = []
+        #: lookups not sent yet (the prompt's loadable prefix, its salt)
+        self._batch: list[tuple[list[int], str | None, Future[tuple[list[int], int, int]]]] = []
+        self._claims: list[tuple[list[int], dict[str, Any], str | None, Future[tuple[list[int], int, int]]]] = []
         self._batch_lock = threading.Lock()
         self.epoch = ""
 
@@ -66,18 +72,21 @@ class SchedulerSide:
         loaded from the pool, never saved to it."""
         self.reqs[req_id] = Tracked(prompt=[], saved=True)
 
-    def match(self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None) -> int:
-        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them). A
-        lookup started on arrival is waited for: its answer is the pool's, and vLLM must not schedule without it."""
+    def match(
+        self, req_id: str, prompt: list[int], num_computed: int, params: dict[str, Any] | None, salt: str | None = None
+    ) -> int:
+        """Tokens past ``num_computed`` that the pool can fill for this request (0: none; it computes them), from
+        chains of ``salt`` (the request's KV identity). A lookup started on arrival is waited for: its answer is the
+        pool's, and vLLM must not schedule without it."""
         old = self.reqs.get(req_id)
         if old is not None:
             self._release(old.held, lane=old.lane)  # asked again (vLLM could not place it, or it was preempted)
-        t = self.reqs[req_id] = Tracked(prompt=prompt, saved=old is not None and old.saved)
+        t = self.reqs[req_id] = Tracked(prompt=prompt, saved=old is not None and old.saved, salt=salt)
         params = params or {}
         if params.get("do_remote_decode"):
-            t.park = f"{self.engine_id}:{req_id}"
+            t.park = old.park if old is not None and old.park else secrets.token_urlsafe(18)  # unguessable, sealed
         ahead = self._ahead.pop(req_id, None)
-        ids, tokens, lane = ahead.result() if ahead is not None else self._find(prompt, params, 0)
+        ids, tokens, lane = ahead.result() if ahead is not None else self._find(prompt, params, 0, salt)
         usable = min(self._loadable(prompt), tokens)
         t.pool_blocks = len(ids)
         if not ids or usable <= num_computed:
@@ -86,7 +95,7 @@ class SchedulerSide:
         t.held, t.lane, t.first_block, t.external = ids, lane, num_computed // self.block_size, usable - num_computed
         return t.external
 
-    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None) -> None:
+    def prefetch(self, req_id: str, prompt: list[int], params: dict[str, Any] | None, salt: str | None = None) -> None:
         """Start the pool's answer for a request as it arrives, so that ``match`` finds it ready: the pool
         calls of a burst of arrivals then overlap with each other and with vLLM taking the requests in.
 
@@ -101,10 +110,10 @@ class SchedulerSide:
         future: Future[tuple[list[int], int, int]] = Future()
         with self._batch_lock:
             if params.get(HANDOFF_KEY):
-                self._claims.append((prompt, params, future))
+                self._claims.append((prompt, params, salt, future))
                 start, run = len(self._claims) == 1, self._claim_batch
             else:
-                self._batch.append((prompt[: self._loadable(prompt)], future))
+                self._batch.append((prompt[: self._loadable(prompt)], salt, future))
                 start, run = len(self._batch) == 1, self._lookup_batch
         self._ahead[req_id] = future
         if start:
@@ -125,9 +134,10 @@ class SchedulerSide:
             batch, self._batch = self._batch, []
         hits = None
         try:
-            hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, [p for p, _ in batch]), None)
+            prompts, salts = [p for p, _, _ in batch], [s for _, s, _ in batch]
+            hits = self.links[lane].call("lookup", lambda c: self._lookup_many(c, prompts, salts), None)
         finally:  # every request gets its answer, "nothing in the pool" at worst: none waits forever
-            for i, (_, future) in enumerate(batch):
+            for i, (_, _, future) in enumerate(batch):
                 future.set_result((hits[i][0], hits[i][1], lane) if hits is not None else ([], 0, lane))
 
     def _claim_batch(self, lane: int) -> None:
@@ -136,32 +146,37 @@ class SchedulerSide:
             batch, self._claims = self._claims, []
         claims: list[Any] = [None] * len(batch)
         try:
-            keys = [str(params[HANDOFF_KEY]) for _, params, _ in batch]
+            keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
             claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
         finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
-            for claim, (prompt, params, future) in zip(claims, batch, strict=True):
-                future.set_result((self._claimed(claim, params, prompt, lane), self._loadable(prompt), lane))
+            for claim, (prompt, params, salt, future) in zip(claims, batch, strict=True):
+                ids = self._claimed(claim, params, prompt, lane, salt)
+                future.set_result((ids, self._loadable(prompt), lane))
 
-    def _find(self, prompt: list[int], params: dict[str, Any], lane: int) -> tuple[list[int], int, int]:
+    def _find(
+        self, prompt: list[int], params: dict[str, Any], lane: int, salt: str | None = None
+    ) -> tuple[list[int], int, int]:
         """The pool's blocks for the prompt's loadable prefix (refs taken on ``lane``'s session), the tokens they
         hold, and the lane."""
         usable = self._loadable(prompt)
         if usable <= 0:
             return [], 0, lane
         if params.get(HANDOFF_KEY):
-            return self._claim(params, prompt, lane), usable, lane
+            return self._claim(params, prompt, lane, salt), usable, lane
         if self.settings.load:
-            ids, tokens = self.links[lane].call("lookup", lambda c: self._lookup(c, prompt[:usable]), ([], 0))
+            ids, tokens = self.links[lane].call("lookup", lambda c: self._lookup(c, prompt[:usable], salt), ([], 0))
             return ids, tokens, lane
         return [], 0, lane
 
-    def _lookup(self, client: Any, tokens: list[int]) -> tuple[list[int], int]:
-        hit = client.lookup(tokens)
+    def _lookup(self, client: Any, tokens: list[int], salt: str | None) -> tuple[list[int], int]:
+        hit = client.lookup(tokens, salt=salt)
         self.epoch = client.epoch
         return list(hit.block_ids), hit.num_tokens
 
-    def _lookup_many(self, client: Any, prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-        hits = client.lookup_many(prompts)
+    def _lookup_many(
+        self, client: Any, prompts: list[list[int]], salts: list[str | None]
+    ) -> list[tuple[list[int], int]]:
+        hits = client.lookup_many(prompts, salts=salts)
         self.epoch = client.epoch
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
@@ -170,23 +185,29 @@ class SchedulerSide:
         self.epoch = client.epoch
         return claims
 
-    def _claim(self, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
+    def _claim(self, params: dict[str, Any], prompt: list[int], lane: int, salt: str | None) -> list[int]:
         key = str(params[HANDOFF_KEY])
         claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key]), [None])
-        return self._claimed(claims[0], params, prompt, lane)
+        return self._claimed(claims[0], params, prompt, lane, salt)
 
-    def _claimed(self, got: Any, params: dict[str, Any], prompt: list[int], lane: int) -> list[int]:
-        """The claimed handoff's ids if there is one and it holds this prompt's KV; otherwise its refs go back and
-        nothing loads."""
-        key = params[HANDOFF_KEY]
+    def _claimed(
+        self, got: Any, params: dict[str, Any], prompt: list[int], lane: int, salt: str | None = None
+    ) -> list[int]:
+        """The claimed handoff's ids if there is one, it holds this prompt's KV of this identity, and the pool says
+        the prefill engine named in ``params`` parked it; otherwise its refs go back and nothing loads."""
         if got is None:
-            log.warning("kvpool: handoff %s not found; the decode engine computes the prompt itself", key)
+            log.warning("kvpool: a handoff was not found; the decode engine computes the prompt itself")
             return []
         ids = list(got.block_ids)
         want = params.get(DIGEST_KEY) or got.meta.get("digest")
         full = len(prompt) // self.block_size * self.block_size
-        if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt):
-            log.warning("kvpool: handoff %s holds another prompt's KV; computing the prompt instead", key)
+        if got.num_tokens != full or got.meta.get("digest") != want or want != prompt_digest(prompt, salt):
+            log.warning("kvpool: a handoff holds another prompt's KV; computing the prompt instead")
+            self._release(ids, now=True, lane=lane)
+            return []
+        if getattr(got, "parked_by", None) != params.get(FROM_KEY):
+            log.warning("kvpool: a handoff was parked by %r, not by the prefill engine %r; computing the prompt "
+                        "instead", getattr(got, "parked_by", None), params.get(FROM_KEY))  # fmt: skip
             self._release(ids, now=True, lane=lane)
             return []
         return ids
@@ -214,7 +235,7 @@ class SchedulerSide:
             if t is None:
                 if s.prompt is None:
                     continue
-                t = self.reqs[s.req_id] = Tracked(prompt=s.prompt)
+                t = self.reqs[s.req_id] = Tracked(prompt=s.prompt, saved=True)  # its identity unknown: not saved
             t.blocks = list(s.new_blocks) if s.replace_blocks else t.blocks + list(s.new_blocks)
             save = self._save_of(s, t)
             if save is not None:
@@ -235,8 +256,8 @@ class SchedulerSide:
         if len(t.blocks) < need or need == 0:
             t.park = None
             return None
-        digest = prompt_digest(t.prompt) if t.park else ""
-        return Save(s.req_id, t.prompt, t.blocks[:need], t.park, digest, min(t.pool_blocks, need))
+        digest = prompt_digest(t.prompt, t.salt) if t.park else ""
+        return Save(s.req_id, t.prompt, t.blocks[:need], t.park, digest, min(t.pool_blocks, need), t.salt)
 
     def finished(self, req_id: str) -> dict[str, Any] | None:
         """Let go of the request; a parked prefill answers with what its decode engine needs to claim it."""
@@ -248,7 +269,8 @@ class SchedulerSide:
             return None
         self._release(t.held, lane=t.lane)
         if t.park and t.saved:
-            return {HANDOFF_KEY: t.park, DIGEST_KEY: prompt_digest(t.prompt), "num_tokens": len(t.prompt)}
+            return {HANDOFF_KEY: t.park, DIGEST_KEY: prompt_digest(t.prompt, t.salt), FROM_KEY: self.parker,
+                    "num_tokens": len(t.prompt)}  # fmt: skip
         return None
 
     def _release(self, ids: list[int], now: bool = False, lane: int = 0) -> None:

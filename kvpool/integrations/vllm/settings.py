@@ -6,7 +6,7 @@ read silently wrong KV, so the connector refuses to start with one line naming t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -108,3 +108,53 @@ def check_engine(pool: KVLayout, engine: KVLayout, pool_model: str, engine_model
             f"the kvpool pool hashes prefixes for model {pool_model!r}, this engine serves {engine_models[0]!r}: "
             f"start the pool with `kvpool serve --model {engine_models[0]}` (one pool per model)"
         )
+
+
+#: vLLM releases resident mode was proven on, on a GPU (tokens against vLLM's own cache): elsewhere copy mode
+RESIDENT_VLLM = ("0.26.",)
+#: speculative methods that add no KV layers of their own (a drafter model does)
+NO_DRAFT_KV = ("ngram", "suffix")
+
+
+def unsupported(config: Any, kv_cache_config: Any) -> str | None:
+    """What of this engine neither mode can hold (None: nothing): KV that is not one full-attention cache per layer
+    (sliding windows, chunked local attention, sinks, MLA, state spaces: their blocks are not the pool's blocks),
+    and drafters with KV layers of their own. Read by attribute, so that it runs against any vLLM's configs."""
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        kind = type(spec).__name__
+        if (
+            kind != "FullAttentionSpec"
+            or getattr(spec, "sliding_window", None)
+            or getattr(spec, "attention_chunk_size", None)
+        ):
+            return (
+                f"this model's KV cache has {kind} layers (sliding window, chunked, sink, MLA or state-space "
+                "attention); kvpool holds full-attention KV only: serve it without --kv-transfer-config"
+            )
+    draft = getattr(config, "speculative_config", None)
+    method = getattr(draft, "method", None) if draft is not None else None
+    if draft is not None and method not in NO_DRAFT_KV:
+        return (
+            f"speculative decoding with a drafter ({method}) adds KV layers kvpool does not hold: use ngram or "
+            "suffix speculation, or serve without --kv-transfer-config"
+        )
+    return None
+
+
+def why_not_resident(config: Any, vllm_version: str) -> str | None:
+    """Why this engine runs in copy mode although resident mode was asked for (None: it need not)."""
+    if not vllm_version.startswith(RESIDENT_VLLM):
+        return (
+            f"resident mode is proven on vLLM {', '.join(v + 'x' for v in RESIDENT_VLLM)} only, this is {vllm_version}"
+        )
+    if not config.cache_config.enable_prefix_caching:
+        return "prefix caching is off: resident mode hands the pool's blocks to vLLM through its prefix cache"
+    if getattr(config.model_config, "enable_sleep_mode", False):
+        return "sleep mode is on: waking an engine up zeroes its KV cache, which in resident mode is every engine's"
+    if config.kv_transfer_config.kv_role == "kv_producer":
+        return (
+            'kv_role "kv_producer": vLLM then frees blocks a step may still write, and other engines could take '
+            'them; use "kv_both"'
+        )
+    return None
