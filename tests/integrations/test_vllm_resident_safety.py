@@ -105,7 +105,7 @@ def first_hit(sched: Scheduler, request: Request) -> int:
     sched.add_request(request)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        out = sched.schedule()
+        out = step(sched)
         for new in out.scheduled_new_reqs:
             if new.req_id == request.request_id:
                 return int(new.num_computed_tokens)
@@ -145,7 +145,6 @@ def test_requests_of_one_adapter_or_salt_share_with_each_other_across_engines(
             hit = first_hit(sched, request)
             if rid == "b":
                 assert hit == 3 * BS, "the same adapter's KV is shared"
-            step(sched)
             sched.connector._resident_sched.residency.drain()  # type: ignore[union-attr]
         other = LoRARequest("other", 2, "/adapters/b")
         assert first_hit(b, req("b-other", [*prefix, 1, 2], lora_request=other)) == 0, "another adapter's is not"
@@ -162,6 +161,44 @@ def test_prompt_embeds_and_multimodal_requests_are_kept_out() -> None:
     assert ident.of(plain) == ident.salt and ident.of(embeds) is None
     plain.mm_features = [object()]
     assert ident.of(plain) is None
+
+
+def test_a_prompt_embeds_request_gets_no_kv_of_its_placeholder_ids(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 2, under vLLM's scheduler: the same placeholder ids over other embeddings are other KV."""
+    prefix = list(range(200, 200 + 3 * BS))
+    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    sched = engine(model_dir, pool.url, monkeypatch)
+    try:
+        embeds = torch.zeros(len(prefix) + 2, 8)
+        assert first_hit(sched, req("embeds", [*prefix, 1, 2], prompt_embeds=embeds)) == 0
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_an_engine_with_other_rope_finds_none_of_another_engine_s_kv(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 4, under vLLM's scheduler: the pool started without --model, and two engines of one model name whose
+    KV differs (a RoPE override here) do not share it."""
+    prefix = list(range(500, 500 + 3 * BS))
+    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    original = config
+
+    def other_rope(*args: Any, **kwargs: Any) -> Any:
+        cfg = original(*args, **kwargs)
+        cfg.model_config.hf_config.rope_theta = 1234.0
+        return cfg
+
+    import tests.integrations.test_vllm_resident_safety as this
+
+    monkeypatch.setattr(this, "config", other_rope)
+    sched = engine(model_dir, pool.url, monkeypatch)
+    try:
+        assert first_hit(sched, req("r", [*prefix, 1, 2])) == 0
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def test_engines_share_only_interchangeable_kv(model_dir: Path) -> None:
@@ -244,6 +281,8 @@ def test_a_burst_that_needs_more_than_the_arena_finishes_without_an_error(
 ) -> None:
     """Finding 7: with two engines on one small arena, vLLM preempts and waits as with its own cache; every
     request finishes, no exception comes out of ``schedule()``, and the books balance after."""
+    with PoolClient(pool.url, name="books") as c:
+        before = c.stats()["in_use"]
     a = engine(model_dir, pool.url, monkeypatch, slab_blocks=16)
     b = engine(model_dir, pool.url, monkeypatch, slab_blocks=16)
     try:
@@ -264,7 +303,7 @@ def test_a_burst_that_needs_more_than_the_arena_finishes_without_an_error(
             sched.connector.shutdown()  # type: ignore[union-attr]
     with PoolClient(pool.url, name="books") as c:
         stats = c.stats()
-    assert stats.blocks_in_use == 0, f"blocks still held after every engine closed: {stats}"
+    assert stats["in_use"] == before, f"blocks still held after every engine closed: {stats}"
 
 
 def test_a_hit_stays_the_request_s_when_its_first_allocation_fails(
@@ -323,3 +362,40 @@ def test_what_resident_mode_does_not_hold_runs_in_copy_mode_and_says_why(
     change(cfg)
     assert why in (why_not_resident(cfg, "0.26.0") or "")
     assert "0.27.1" in (why_not_resident(config(model_dir, pool.url), "0.27.1") or ""), "an untested vLLM too"
+
+
+def test_a_full_arena_preempts_and_waits_where_it_raised_and_the_waiting_hit_is_kept(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Finding 7 at its cause: a waiting request's pinned hit counted as free for every allocation, so once the slab
+    and the pool were dry a running request's next block came out of ``schedule()`` as ``PoolExhausted``."""
+    prefix = list(range(1600, 1600 + 4 * BS))
+    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    sched = engine(model_dir, pool.url, monkeypatch, slab_blocks=16)
+    hog = PoolClient(pool.url, name="hog", layout=PACKED)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while side.client.slab.num_idle < 16 and time.monotonic() < deadline:  # the slab's first refill, ahead
+            time.sleep(0.01)
+        held = hog.alloc(hog.stats()["free"])  # the rest of the arena is another engine's
+        sched.add_request(req("runs", list(range(2000, 2000 + BS - 1)), max_tokens=30 * BS))
+        step(sched)
+        sched.add_request(req("waits", [*prefix, *range(3000, 3000 + 17 * BS)], max_tokens=2))
+        seen: dict[str, int] = {}
+        for _ in range(30 * BS):  # the running request outgrows the slab's 16 blocks: vLLM preempts, not raises
+            out = step(sched)
+            for new in out.scheduled_new_reqs:
+                seen.setdefault(new.req_id, new.num_computed_tokens)
+        assert "waits" not in seen, "no room for it while the arena is full"
+        hog.free(held)
+        deadline = time.monotonic() + 30
+        while sched.has_requests() and time.monotonic() < deadline:
+            out = step(sched)
+            for new in out.scheduled_new_reqs:
+                seen.setdefault(new.req_id, new.num_computed_tokens)
+        assert not sched.has_requests(), "both finished once the arena had room"
+        assert seen["waits"] == 4 * BS, "the waiting request's pool hit was kept for it"
+    finally:
+        hog.close()
+        sched.connector.shutdown()  # type: ignore[union-attr]

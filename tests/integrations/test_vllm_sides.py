@@ -331,9 +331,9 @@ def batch_sizes(e: Engine, kind: str) -> list[int]:
     name = f"_{kind}_many"
     send = getattr(e.sched, name)
 
-    def counted(client: object, batch: list) -> object:
+    def counted(client: object, batch: list, *rest: object) -> object:
         sizes.append(len(batch))
-        return send(client, batch)
+        return send(client, batch, *rest)
 
     setattr(e.sched, name, counted)
     return sizes
