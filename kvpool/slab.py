@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -124,6 +124,7 @@ class Slab:
         self.handed = 0
         self.lock = threading.RLock()
         self._holding = 0  # threads inside ``holding``: the pool's want waits until they are out
+        self._hold = _Holding(self)
         self.closed = False
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
@@ -332,18 +333,13 @@ class Slab:
                 self._refill(max(n, self.config.blocks) - before)
             return self.top - before
 
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """Idle blocks counted inside this block stay idle until it ends, but for those this thread takes: the
+    def holding(self) -> _Holding:
+        """Idle blocks counted inside this ``with`` stay idle until it ends, but for those this thread takes: the
         pool's want is answered after it, not within. An engine's scheduler counts its free blocks and then takes
         them within one allocation; blocks given back between the two would make it ask the pool for blocks that
-        a full pool does not have, in the middle of vLLM's books."""
-        with self.lock:
-            self._holding += 1
-            try:
-                yield
-            finally:
-                self._holding -= 1
+        a full pool does not have, in the middle of vLLM's books. (A plain object, not a generator: vLLM allocates
+        for every running request every step.)"""
+        return self._hold
 
     def answer_want(self) -> None:
         """Give idle blocks back if the pool asked (the heartbeat calls this, so that an idle client answers too; its
@@ -483,3 +479,18 @@ class Slab:
             self._ahead.shutdown(wait=True)
         with self.lock:
             self.view.close()
+
+
+class _Holding:
+    __slots__ = ("slab",)
+
+    def __init__(self, slab: Slab) -> None:
+        self.slab = slab
+
+    def __enter__(self) -> None:
+        self.slab.lock.acquire()
+        self.slab._holding += 1
+
+    def __exit__(self, *_: object) -> None:
+        self.slab._holding -= 1
+        self.slab.lock.release()

@@ -14,13 +14,12 @@ holds only blocks the engine holds a pool ref on, so a hit in it is never a recy
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
 import time
 import typing
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from vllm.v1.core import kv_cache_coordinator
@@ -77,17 +76,6 @@ class ResidentBlockPool(BlockPool):
             return free + len(self.waiting)
         pins = self.residency.req_pins.get(asking.request_id)
         return free + (len(self.waiting.intersection(pins)) if pins else 0)
-
-    @contextlib.contextmanager
-    def allocating(self, request: Any) -> Iterator[None]:
-        """Within one of vLLM's allocations for ``request``: free blocks counted for it are its to take, and the
-        slab keeps them idle until it took them."""
-        self.asking = request
-        try:
-            with self.residency.hold():
-                yield
-        finally:
-            self.asking = None
 
     def get_usage(self) -> float:
         """The share of the arena this engine holds."""
@@ -294,21 +282,31 @@ def _refilling(original: Callable[..., Any]) -> Callable[..., Any]:
         pool = manager.block_pool
         if not isinstance(pool, ResidentBlockPool):
             return original(manager, request, num_new_tokens, *args, **kwargs)
-        with pool.allocating(request):
-            blocks = original(manager, request, num_new_tokens, *args, **kwargs)
-            if blocks is not None:
-                return blocks
-            # the slab ran short: take what this request could need from the pool in one call, then try once more;
-            # a full pool is a full cache (None: vLLM preempts, or leaves the request waiting), never an error
-            size = pool.hash_block_size
-            tokens = (num_new_tokens + kwargs.get("num_lookahead_tokens", 0)
-                      + kwargs.get("num_external_computed_tokens", 0))  # fmt: skip
-            need = -(-tokens // size) + 1
-            if kwargs.get("full_sequence_must_fit"):
-                need = max(need, -(-request.num_tokens // size))
-            if pool.residency.grow(need):
-                return original(manager, request, num_new_tokens, *args, **kwargs)
-            return None
+        # within the allocation: the free blocks counted are this request's to take, and the slab keeps them idle
+        pool.asking = request
+        try:
+            with pool.residency.hold():
+                return _allocate(original, manager, pool, request, num_new_tokens, *args, **kwargs)
+        finally:
+            pool.asking = None
 
     setattr(allocate_slots, _WRAPPED, True)
     return allocate_slots
+
+
+def _allocate(original: Callable[..., Any], manager: Any, pool: ResidentBlockPool, request: Any, num_new_tokens: int,
+              *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+    """vLLM's allocation; where the slab ran short, what this request could need taken from the pool in one call and
+    the allocation tried once more. A full pool is a full cache (None: vLLM preempts, or leaves the request
+    waiting), never an error."""
+    blocks = original(manager, request, num_new_tokens, *args, **kwargs)
+    if blocks is not None:
+        return blocks
+    size = pool.hash_block_size
+    tokens = num_new_tokens + kwargs.get("num_lookahead_tokens", 0) + kwargs.get("num_external_computed_tokens", 0)
+    need = -(-tokens // size) + 1
+    if kwargs.get("full_sequence_must_fit"):
+        need = max(need, -(-request.num_tokens // size))
+    if pool.residency.grow(need):
+        return original(manager, request, num_new_tokens, *args, **kwargs)
+    return None
