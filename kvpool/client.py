@@ -299,21 +299,25 @@ class PoolClient:
         ttl_s: float | None = None,
         to: str | None = None,
         keep: bool = False,
+        sealed: bool = False,
     ) -> HandoffResponse:
         """Park the blocks under ``request_id`` for a consumer; your refs on them move to the handoff (``keep``: the
-        handoff takes refs of its own and you keep yours, for committed blocks you still use).
+        handoff takes refs of its own and you keep yours, for committed blocks you still use). ``sealed``: only a
+        claim that names ``request_id`` takes it (park under an unguessable id and tell it to the consumer alone).
 
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         From a slab to a session with a slab, the ids go straight to it and the pool settles the refs later.
         """
-        if self.transport.fast_path is not None and to is not None and not keep:
+        if self.transport.fast_path is not None and to is not None and not keep and not sealed:
             ids = pack_ids(block_ids)
             if ids is not None:
                 return self.direct.send(request_id, ids, num_tokens, meta or {}, ttl_s, to)
         fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
         if keep:
             fields["keep"] = True
+        if sealed:
+            fields["sealed"] = True
         req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
         return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
 
@@ -322,12 +326,14 @@ class PoolClient:
         handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]],
         ttl_s: float | None = None,
         keep: bool = False,
+        sealed: bool = False,
     ) -> list[HandoffResponse | None]:
-        """``handoff(request_id, block_ids, num_tokens, meta, ttl_s, keep=keep)`` of each, parked in the pool for any
-        consumer, in order: over the fast channel all in one write. ``None`` for each the pool refused, whose blocks
+        """``handoff(request_id, block_ids, num_tokens, meta, ttl_s, keep=keep, sealed=sealed)`` of each, parked in
+        the pool, in order: over the fast channel all in one write. ``None`` for each the pool refused, whose blocks
         stay yours; an error about the session itself raises."""
         reqs = [_req(HandoffRequest, session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
-                     meta=meta or {}, ttl_s=ttl_s, keep=keep) for r, ids, n, meta in handoffs]  # fmt: skip
+                     meta=meta or {}, ttl_s=ttl_s, keep=keep, sealed=sealed)
+                for r, ids, n, meta in handoffs]  # fmt: skip
         return self._many(b"handoff", "/handoff", reqs, HandoffResponse)
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:

@@ -70,7 +70,7 @@ class Claim:
     then still on its way (see :meth:`kvpool.client.PoolClient.confirm`).
     """
 
-    __slots__ = ("_list", "direct", "ids", "meta", "num_tokens", "request_id")
+    __slots__ = ("_list", "direct", "ids", "meta", "num_tokens", "parked_by", "request_id")
 
     def __init__(
         self,
@@ -80,8 +80,10 @@ class Claim:
         ids: array,
         block_ids: list[int] | None = None,
         direct: bool = False,
+        parked_by: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.parked_by = parked_by  # the parking session's name, as the pool says (None: not from the pool)
         self.num_tokens = num_tokens
         self.meta = meta
         self.ids = ids
@@ -209,7 +211,7 @@ class DirectHandoffs:
                 while len(self.claimed) > CLAIMED_KEPT:
                     self.claimed.popitem(last=False)
         packed = ids if ids is not None else array("q", resp.block_ids)
-        return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids)
+        return Claim(resp.request_id, resp.num_tokens, resp.meta, packed, resp.block_ids, parked_by=resp.parked_by)
 
     def claim_many_in_pool(self, reqs: list[ClaimRequest], wait_s: float) -> list[Claim | None]:
         """Claims answered by the pool, all sent in one write; ``None`` where it refused one (see :func:`granted`)."""

@@ -248,6 +248,11 @@ class HandoffRequest(_Request):
         description="the handoff takes refs of its own on the blocks and the session keeps its refs (default: the "
         "session's refs move to the handoff)",
     )
+    sealed: bool = Field(
+        False,
+        description="only a claim that names request_id takes it: a claim with no request_id never does (park under "
+        "an unguessable request_id, and pass it to the consumer alone)",
+    )
 
 
 class HandoffResponse(BaseModel):
@@ -274,6 +279,9 @@ class ClaimResponse(BaseModel):
     block_ids: list[int]
     num_tokens: int
     meta: dict[str, Any]
+    parked_by: str | None = Field(
+        None, description="the name of the session that parked it, as the pool knows it (null from an older pool)"
+    )
 
 
 class AcceptResponse(BaseModel):

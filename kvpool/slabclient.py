@@ -172,10 +172,15 @@ class SlabCalls:
         ttl_s: float | None = None,
         to: str | None = None,
         keep: bool = False,
+        sealed: bool = False,
     ) -> HandoffResponse:
         handoff = super().handoff  # type: ignore[misc]
         if keep:  # the blocks stay this session's: nothing leaves the slab, nothing goes slab to slab
-            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True)  # type: ignore[no-any-return]
+            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True,  # type: ignore[no-any-return]
+                           sealed=sealed)  # fmt: skip
+        if sealed:  # the pool keeps what a slab box cannot: who parked it, and that only its id takes it
+            return self._through_pool(block_ids, lambda: handoff(request_id, block_ids, num_tokens, meta, ttl_s, to,
+                                                                 sealed=True))  # fmt: skip
         if to is not None and to != self.name and self.slab_sender is not None:  # to itself: through the pool,
             # where the refs wait for its claim
             sent = self._send(request_id, block_ids, num_tokens, meta, to)
@@ -188,11 +193,12 @@ class SlabCalls:
         handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]],
         ttl_s: float | None = None,
         keep: bool = False,
+        sealed: bool = False,
     ) -> list[HandoffResponse | None]:
         if self.slab is None or keep:  # kept blocks stay in the slab: all in one write
-            return super().handoff_many(handoffs, ttl_s, keep)  # type: ignore[misc,no-any-return]
+            return super().handoff_many(handoffs, ttl_s, keep, sealed)  # type: ignore[misc,no-any-return]
         # a slab's blocks leave it handoff by handoff
-        return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s))
+        return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s, sealed=sealed))
 
     def _send(
         self, request_id: str, ids: Sequence[int] | Any, num_tokens: int, meta: dict[str, Any] | None, to: str

@@ -39,6 +39,7 @@ class Parking:
     handoffs: dict[str, Handoff]
     refused: OrderedDict[str, Refusal]
     _open: dict[str, None]
+    _sealed: dict[str, None]
     _addressed: dict[str, dict[str, None]]
     _parked_by: dict[str, set[str]]
     _handoff_deadlines: list[tuple[float, int, str]]
@@ -63,10 +64,14 @@ class Parking:
         ttl_s: float | None = None,
         to: str | None = None,
         keep: bool = False,
+        sealed: bool = False,
     ) -> Handoff:
         """Park the blocks under ``request_id``, moving the session's refs to the handoff (``keep``: the handoff
         takes refs of its own on blocks the session holds, and the session keeps its refs: a producer that still uses
         the blocks, as a resident engine does while other requests share them).
+
+        ``sealed``: only a claim that names ``request_id`` takes it (a claim of the oldest handoff never does), so a
+        producer that parks under an unguessable id hands it to whoever it tells that id, and nobody else.
 
         ``to`` names the one session that may claim it: the one live session of that name now. The pool may deliver
         it the ids at once (to its inbox), and it may read them before its claim reaches the pool, so an addressed
@@ -127,6 +132,8 @@ class Parking:
                 seq=self._seq,
                 meta_json=meta_json,
                 blocks=blocks,
+                sealed=sealed,
+                parked_by=session.name,
             )
             if keep:
                 self.allocator.check_held(session.holder, blocks)
@@ -155,7 +162,7 @@ class Parking:
         rid = handoff.request_id
         self.handoffs[rid] = handoff
         if handoff.to is None:
-            self._open[rid] = None
+            (self._sealed if handoff.sealed else self._open)[rid] = None
             self._push_deadline(handoff)
         else:
             self._addressed.setdefault(handoff.to, {})[rid] = None
@@ -164,6 +171,7 @@ class Parking:
         rid = handoff.request_id
         del self.handoffs[rid]
         self._open.pop(rid, None)
+        self._sealed.pop(rid, None)
         if handoff.to is not None:
             waiting = self._addressed.get(handoff.to)
             if waiting is not None:
@@ -177,8 +185,9 @@ class Parking:
     def _push_deadline(self, handoff: Handoff) -> None:
         heap = self._handoff_deadlines
         heapq.heappush(heap, (handoff.expires_at, handoff.seq, handoff.request_id))
-        if len(heap) > 2 * len(self._open) + 1024:  # claimed handoffs leave entries behind: drop them now and then
-            live = (self.handoffs[r] for r in self._open)
+        unaddressed = len(self._open) + len(self._sealed)
+        if len(heap) > 2 * unaddressed + 1024:  # claimed handoffs leave entries behind: drop them now and then
+            live = (self.handoffs[r] for r in (*self._open, *self._sealed))
             self._handoff_deadlines = [(h.expires_at, h.seq, h.request_id) for h in live]
             heapq.heapify(self._handoff_deadlines)
 
@@ -260,7 +269,7 @@ class Parking:
         return True
 
     def _oldest_for(self, session_id: str) -> str | None:
-        """The oldest handoff the session may claim: addressed to it, or to nobody."""
+        """The oldest handoff the session may claim: addressed to it, or to nobody and not sealed."""
         mine = next(iter(self._addressed.get(session_id, ())), None)
         anyones = next(iter(self._open), None)
         if mine is None or anyones is None:

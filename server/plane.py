@@ -285,7 +285,7 @@ class ControlPlane:
         """
         pool = self.pool
         h = pool.handoff(req.session_id, req.request_id, req.block_ids, req.num_tokens, req.meta, req.ttl_s, req.to,
-                         req.keep)  # fmt: skip
+                         req.keep, req.sealed)  # fmt: skip
         addressee = pool.addressee(h)
         if addressee is None or addressee.inbox is None:
             return HandoffResponse(request_id=h.request_id, num_blocks=len(h.block_ids))
@@ -312,7 +312,7 @@ class ControlPlane:
         see :meth:`ClaimWaits.claim`)."""
         h = await self.claims.claim(self.pool, req, watch)
         return ClaimResponse.model_construct(
-            request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta
+            request_id=h.request_id, block_ids=h.block_ids, num_tokens=h.num_tokens, meta=h.meta, parked_by=h.parked_by
         )
 
     async def accept(self, req: ClaimRequest, watch: Watch | None = None) -> AcceptResponse:

@@ -107,6 +107,7 @@ class Pool(Parking, PoolStats):
         self._by_name: dict[str, dict[str, None]] = {}
         self._name_keys: OrderedDict[str, bytes] = OrderedDict()  # name -> its key's digest, least recent first
         self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
+        self._sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
         self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
         self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease

@@ -75,6 +75,8 @@ class Handoff:
     seq: int = 0
     meta_json: bytes = b""  # meta as compact JSON (empty for {}): what its size limit and a delivery's seal cover
     blocks: list[int] = field(default_factory=list)  # the blocks block_ids (fenced) name, as the allocator knows them
+    sealed: bool = False  # taken only by a claim that names it
+    parked_by: str = ""  # the name of the session that parked it, for the claimer to check
 
     @property
     def holder(self) -> str:

@@ -87,6 +87,25 @@ def test_expired_session_releases_everything_and_is_refused_after():
     assert pool.free(live, kept) == 2
 
 
+def test_a_sealed_handoff_is_taken_only_by_a_claim_that_names_it_and_says_who_parked_it():
+    """Issue 46, findings 1 and 2: a resident prefill's park was anyone's to take with a claim of the oldest, and its
+    claimer could not tell whether the engine it expected had parked it."""
+    clock = Clock()
+    pool = make_pool(clock)
+    p = pool.open_session("prefill-0", "prefill").session_id
+    d = pool.open_session("decode-0", "decode").session_id
+    ids = pool.alloc(p, 2)
+    pool.handoff(p, "unguessable", ids, 8, sealed=True)
+    with pytest.raises(HandoffNotFound):
+        pool.claim(d)  # the oldest claimable: a sealed handoff is not among them
+    got = pool.claim(d, "unguessable")
+    assert got.block_ids == ids and got.parked_by == "prefill-0"
+    pool.handoff(p, "expires", pool.alloc(p, 1), 4, ttl_s=1.0, sealed=True)
+    clock.now += 1.5
+    assert pool.expire() == (0, 1), "a sealed handoff nobody claims is released after its TTL"
+    assert pool.free(d, ids) == 2 and balanced(pool)
+
+
 def test_unclaimed_handoff_is_released_after_its_ttl():
     clock = Clock()
     pool = make_pool(clock)
