@@ -84,8 +84,12 @@ class Quarantine:
         refs: the holder to move ``writable``'s refs to, or None where they are released at once (no known process,
         or nothing to fence). Logs one line saying which."""
         who = f"session {session_id} ({name!r})"
-        if peer is None or not writable:
-            why = "no known process (opened over TCP)" if peer is None else "nothing it could write"
+        if peer is None or not writable or not self.processes.alive(peer):
+            why = (
+                "no known process (opened over TCP)" if peer is None
+                else "nothing it could write" if not writable
+                else f"its process ({peer}) gone"
+            )  # fmt: skip
             log.info("%s lapsed with %s: %d blocks released, %d committed blocks kept as prefix hits",
                      who, why, len(writable), released)  # fmt: skip
             return None
