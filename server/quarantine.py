@@ -116,7 +116,8 @@ class Quarantine:
 
     def gone(self) -> list[Fenced]:
         """The entries whose process is gone, taken out of the quarantine: their holders' refs may be released."""
-        done = [entry for entry in self.fenced.values() if not self.processes.alive(entry.peer)]
+        alive = {peer: self.processes.alive(peer) for peer in {e.peer for e in self.fenced.values()}}  # one look each
+        done = [entry for entry in self.fenced.values() if not alive[entry.peer]]
         for entry in done:
             del self.fenced[entry.holder]
             self._held.subtract(entry.blocks.keys())
