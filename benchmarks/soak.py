@@ -182,10 +182,11 @@ def check_balance(stats: dict[str, Any], tally: Tally, when: str) -> None:
         tally.max_in_use = max(tally.max_in_use, stats["in_use"])
     for tier, t in [("", stats), *stats.get("tiers", {}).items()]:  # the whole pool, then each tier of it
         free, in_use, cached, total = t["free"], t["in_use"], t["cached"], t["num_blocks"]
-        if free + in_use + cached != total or min(free, in_use, cached) < 0:
+        fenced = t.get("quarantined", 0)  # held back from a lapsed session's live process
+        if free + in_use + cached + fenced != total or min(free, in_use, cached, fenced) < 0:
             books = f"the {tier} tier's books" if tier else "books"
-            tally.violation(f"{when}: {books} do not balance: free {free} + in_use {in_use} + cached {cached} != "
-                            f"{total}")  # fmt: skip
+            tally.violation(f"{when}: {books} do not balance: free {free} + in_use {in_use} + cached {cached} + "
+                            f"quarantined {fenced} != {total}")  # fmt: skip
 
 
 def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = None) -> int:

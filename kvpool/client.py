@@ -19,6 +19,8 @@ other slab sessions with no round trip. Every other client is this class alone, 
 from __future__ import annotations
 
 import os
+import sys
+import time
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -88,6 +90,18 @@ def slab_asked(slab: SlabConfig | bool | None) -> bool:
     if slab is None:
         return os.environ.get("KVPOOL_SLAB_BLOCKS", "").strip() not in ("", "0")
     return bool(slab)
+
+
+def settle_device(devices: Sequence[Any] = ()) -> None:
+    """Wait for the kernels in flight on the current CUDA device and on ``devices`` (the arenas' devices), where
+    this process initialised CUDA: a shutdown or a crash that closes the session must not leave a kernel writing
+    into blocks the pool is about to give to another engine. torch is not imported where it was not already."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize()
+    for device in {d for d in devices if getattr(d, "type", None) == "cuda"}:
+        torch.cuda.synchronize(device)
 
 
 def _req(model: type[R], **fields: Any) -> R:
@@ -211,9 +225,12 @@ class PoolClient:
                 forget_mappings(old_epoch)
 
     def close(self) -> None:
+        """End the session: once kernels this process launched have finished (see :func:`settle_device`), since
+        the pool gives its blocks to others as soon as the session is closed."""
         if self._closed:
             return
         self._closed = True
+        settle_device([arena.device for arena in self._arenas.values()])
         self.session.close()
         self.direct.close()
         self.transport.close()
@@ -400,7 +417,9 @@ class PoolClient:
 
     def heartbeat(self) -> None:
         req = _req(SessionRef, session_id=self.session_id)
+        sent = time.monotonic()
         self._call(b"heartbeat", f"/sessions/{self.session_id}/heartbeat", req, SessionInfo)
+        self.session.renewed(sent)
 
     def stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = self.transport.request("GET", "/stats")

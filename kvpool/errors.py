@@ -120,6 +120,12 @@ class PoolTimeout(PoolUnavailable):
     client only: the call may or may not have taken effect in the pool."""
 
 
+class LeaseLapsed(KvpoolError):
+    """This process cannot prove that its session's lease still runs: no renewal the pool acknowledged within the
+    lease (less a margin). The pool may have ended the session and given its blocks to another engine, so nothing
+    may be written into them. Raised by the client only (:meth:`kvpool.session.Session.lapsed`)."""
+
+
 ERRORS: dict[str, type[KvpoolError]] = {
     cls.__name__: cls
     for cls in (

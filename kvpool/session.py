@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 from collections.abc import Callable
 from typing import NoReturn, TypeVar
 
@@ -17,7 +19,15 @@ import httpx
 from pydantic import ValidationError
 
 from kvpool.arena import forget_mappings
-from kvpool.errors import InvalidRequest, KvpoolError, PoolRestarted, PoolTimeout, PoolUnavailable, UnknownSession
+from kvpool.errors import (
+    InvalidRequest,
+    KvpoolError,
+    LeaseLapsed,
+    PoolRestarted,
+    PoolTimeout,
+    PoolUnavailable,
+    UnknownSession,
+)
 from kvpool.layout import KVLayout
 from kvpool.protocol import Health, Role, SessionCreate, SessionInfo
 from kvpool.transport import Transport
@@ -25,6 +35,13 @@ from kvpool.transport import Transport
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+#: how much earlier than the pool a client gives up its lease: at least this, or a tenth of the lease
+LEASE_MARGIN_S = 0.5
+
+
+def lease_margin(lease_ttl_s: float) -> float:
+    return max(LEASE_MARGIN_S, lease_ttl_s / 10)
 
 
 class Session:
@@ -49,6 +66,10 @@ class Session:
         self.epoch = ""
         self.lease_ttl_s = 0.0
         self.lost: KvpoolError | None = None
+        #: until when (time.monotonic) this process knows its lease runs: the send of the last open or heartbeat
+        #: the pool acknowledged, plus the lease, less a margin (see :meth:`lapsed`)
+        self.proven_until = -math.inf
+        self._proven_at = -math.inf  # the send behind proven_until
         #: why the last heartbeat did not reach the pool (None once one does): a pool that stopped answering
         self.unreachable: Exception | None = None
         self.lock = threading.Lock()  # orders a reopen against the heartbeat marking a session lost
@@ -61,12 +82,42 @@ class Session:
             req = SessionCreate(name=self.name, role=self.role, layout=self.layout, inbox=inbox, name_key=self.name_key)
         except ValidationError as exc:
             raise InvalidRequest(f"cannot open a session: {exc}") from None
+        sent = time.monotonic()
         info = self.transport.fetch("POST", "/sessions", req, SessionInfo)
         self.session_id = info.session_id
         self.epoch = info.epoch
         self.lease_ttl_s = info.lease_ttl_s
         self.lost = None
+        self._proven_at = -math.inf
+        self.renewed(sent)
         return info
+
+    def renewed(self, sent: float) -> None:
+        """The pool acknowledged a renewal of the lease sent at ``sent`` (time.monotonic): the pool extended the
+        lease at some moment after that, so the lease runs at least until ``sent`` plus its length."""
+        if sent > self._proven_at:
+            self._proven_at = sent
+            self.proven_until = sent + self.lease_ttl_s - lease_margin(self.lease_ttl_s)
+
+    def lapsed(self) -> KvpoolError | None:
+        """Why this process may no longer write into its blocks, or None while its lease is proven.
+
+        Cheap (a clock read and a comparison): an engine calls it every step and again right before it launches
+        kernels that write KV. The pool's own clock decides when a lease runs out, and a process that was stalled
+        (stopped, swapped out, starved of CPU) learns nothing from its heartbeat thread until that thread runs
+        again, so only a deadline from the last renewal the pool acknowledged is proof."""
+        if self.lost is not None:
+            return self.lost
+        now = time.monotonic()
+        if now <= self.proven_until:
+            return None
+        since = now - self._proven_at
+        return LeaseLapsed(
+            f"kvpool session {self.session_id or '(not open)'}: no lease renewal acknowledged for {since:.1f} s "
+            f"(lease {self.lease_ttl_s:g} s, less a margin of {lease_margin(self.lease_ttl_s):g} s): the pool may "
+            "have ended the session and given its blocks to another engine. Write nothing more into the arena: stop "
+            "scheduling, and go on only once a heartbeat is acknowledged again (or reconnect() after it is lost)"
+        )
 
     def start_heartbeat(self) -> None:
         self._beat = threading.Thread(target=self._heartbeat_loop, name=f"kvpool-heartbeat-{self.name}", daemon=True)
@@ -78,7 +129,11 @@ class Session:
                 continue
             session_id = self.session_id
             try:
+                sent = time.monotonic()
                 self.transport.fetch("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
+                with self.lock:  # not for a session a reopen replaced meanwhile
+                    if self.session_id == session_id:
+                        self.renewed(sent)
                 self.unreachable = None
                 if self.on_beat is not None:
                     self.on_beat()

@@ -38,6 +38,7 @@ from kvpool.protocol import (
     SessionInfo,
     SessionList,
 )
+from kvpool.server.connections import request_peer
 from kvpool.server.gates import BodyLimit, Receive, RequireToken
 from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
 from kvpool.server.metrics import registry_for, time_operations
@@ -115,11 +116,12 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return plane.descriptor
 
     @api.post("/sessions")
-    async def open_session(req: SessionCreate) -> SessionInfo:
+    async def open_session(req: SessionCreate, request: Request) -> SessionInfo:
         """Open a session: the owner of the blocks it allocates, kept alive by heartbeats; a layout that
         differs from the arena's is refused (409), and so is a name held under another name key (or under one,
-        when none is given)."""
-        return plane.open_session(req)
+        when none is given). Over the Unix socket, the pool notes the calling process: if the lease runs out, the
+        blocks it could still write stay quarantined until it exits."""
+        return plane.open_session(req, request_peer(request.scope))
 
     @api.get("/sessions")
     async def list_sessions(name: str | None = Query(None, max_length=128)) -> SessionList:
@@ -127,9 +129,9 @@ def create_app(plane: ControlPlane) -> FastAPI:
         return plane.sessions(name)
 
     @api.post("/sessions/{session_id}/heartbeat")
-    async def heartbeat(session_id: str) -> SessionInfo:
+    async def heartbeat(session_id: str, request: Request) -> SessionInfo:
         """Extend the session's lease; an unknown or expired session is 404."""
-        return plane.heartbeat(session_id)
+        return plane.heartbeat(session_id, request_peer(request.scope))
 
     @api.get("/sessions/{session_id}/blocks")
     async def held_blocks(session_id: str) -> HeldBlocks:

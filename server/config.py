@@ -90,6 +90,11 @@ class PoolSettings(BaseSettings):
 
     lease_ttl_s: float = Field(10.0, gt=0, description="a session without heartbeat for this long expires")
     handoff_ttl_s: float = Field(60.0, gt=0, description="an unclaimed handoff is released after this long")
+    lapsed_sessions: Literal["quarantine", "kill"] = Field(
+        "quarantine",
+        description="a session whose lease ran out while its process (known over the Unix socket) lives: its "
+        "uncommitted blocks stay quarantined until that process exits, or the pool kills it (SIGKILL) first",
+    )
     token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
     max_body_bytes: ByteSize = Field(ByteSize(16 << 20), ge=1024, description="largest accepted request body")
     max_sessions: int = Field(1024, ge=1, description="live sessions at once; more are refused with 429")
@@ -285,9 +290,9 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "network and security": ("host", "port", "socket", "socket_mode", "fast_channel", "token"),
     "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes", "peer_copy"),
     "sessions and limits": (
-        "lease_ttl_s", "handoff_ttl_s", "max_body_bytes", "max_sessions", "max_handoffs", "max_handoffs_per_session",
-        "max_meta_bytes", "max_claims_per_session", "max_fast_connections", "hello_timeout_s",
-        "max_http_connections", "read_timeout_s", "max_fast_buffer_bytes",
+        "lease_ttl_s", "handoff_ttl_s", "lapsed_sessions", "max_body_bytes", "max_sessions", "max_handoffs",
+        "max_handoffs_per_session", "max_meta_bytes", "max_claims_per_session", "max_fast_connections",
+        "hello_timeout_s", "max_http_connections", "read_timeout_s", "max_fast_buffer_bytes",
     ),
     "slabs (docs/operations.md)": ("slabs", "slab_regions", "slab_max_blocks"),
     "KV events (docs/kv-events.md)": (

@@ -24,6 +24,7 @@ from typing import Any
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from kvpool.errors import LimitExceeded, body_for, error_body
+from kvpool.server.processes import Peer, peer_of
 
 log = logging.getLogger("kvpool")
 
@@ -32,6 +33,8 @@ log = logging.getLogger("kvpool")
 RESERVED_FDS = 256
 #: how often the refusals are logged at most (each line counts those since the last)
 LOG_EVERY_S = 10.0
+#: where a request's ASGI scope carries the process at the other end of its Unix-socket connection (scope["state"])
+PEER = "kvpool.peer"
 
 
 def open_files_limit() -> int:
@@ -185,6 +188,9 @@ class HTTPGuard:
                     return
                 self._listener = listener
                 super().connection_made(transport)
+                peer = peer_of(transport.get_extra_info("socket"))
+                if peer is not None:  # each request's scope["state"] is a copy of this: the peer goes with it
+                    self.app_state = {**self.app_state, PEER: peer}
                 self._arm()
 
             def data_received(self, data: bytes) -> None:
@@ -225,6 +231,12 @@ class HTTPGuard:
                 self.transport.close()
 
         return GuardedHTTPProtocol
+
+
+def request_peer(scope: dict[str, Any]) -> Peer | None:
+    """The process that sent a request, where it came over the Unix socket (:class:`HTTPGuard` notes it)."""
+    peer = scope.get("state", {}).get(PEER)
+    return peer if isinstance(peer, Peer) else None
 
 
 def _response(status: int, reason: str, body: dict[str, Any]) -> bytes:

@@ -45,6 +45,7 @@ from kvpool.protocol import (
 from kvpool.server.connections import RefusalLog
 from kvpool.server.fdpass import send_with_fd
 from kvpool.server.plane import ControlPlane
+from kvpool.server.processes import Peer, peer_of
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ Handler = Callable[[Any], Any]
 HELLO_MAX = 16 << 10
 #: ops that may wait: they stop waiting when their connection closes
 WAITS = frozenset({b"claim", b"accept"})
+#: ops whose handler also takes the connection's peer (a session opened over TCP takes the process that renews it)
+PEERED = frozenset({b"heartbeat"})
 #: ops whose handler takes attached ids as they came (an ``array('q')``): the books unfence them without a list
 PACKED = frozenset({b"free"})
 
@@ -116,7 +119,7 @@ class FastChannel:
             b"handoff": (HandoffRequest, plane.handoff),
             b"claim": (ClaimRequest, plane.claim),
             b"accept": (ClaimRequest, plane.accept),
-            b"heartbeat": (SessionRef, lambda req: plane.heartbeat(req.session_id)),
+            b"heartbeat": (SessionRef, lambda req, peer: plane.heartbeat(req.session_id, peer)),
         }
 
     async def start(self) -> None:
@@ -161,6 +164,7 @@ class FastChannel:
         if task is not None:
             self._serving[task] = writer
         authorized = False
+        peer = peer_of(writer.get_extra_info("socket"))
         head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
         def watch() -> asyncio.Future[bytes]:
@@ -202,7 +206,7 @@ class FastChannel:
                         await self._arena_fd(body, writer)
                         continue
                     else:
-                        reply = await self._call(op, body, watch if op in WAITS else None)
+                        reply = await self._call(op, body, watch if op in WAITS else None, peer)
                     del body
                 finally:  # before the reply waits for its reader: a client that does not read holds no budget
                     self.buffered -= held
@@ -300,7 +304,13 @@ class FastChannel:
             return _error(Unauthorized("missing or wrong token in hello"))
         return _encode(200, b'{"epoch": "%s"}' % self.plane.epoch.encode())
 
-    async def _call(self, op: bytes, body: bytes, watch: Callable[[], asyncio.Future[bytes]] | None = None) -> bytes:
+    async def _call(
+        self,
+        op: bytes,
+        body: bytes,
+        watch: Callable[[], asyncio.Future[bytes]] | None = None,
+        peer: Peer | None = None,
+    ) -> bytes:
         entry = self.ops.get(op)
         if entry is None:
             return _error(KvpoolError(f"unknown op {op[:32]!r}; ops: {sorted(o.decode() for o in self.ops)}"))
@@ -311,6 +321,8 @@ class FastChannel:
                 result = handler(req, watch)
             elif op == b"handoff":
                 result = handler(req, ids)  # the ids as they came, for the delivery to an inbox
+            elif op in PEERED:
+                result = handler(req, peer)
             else:
                 result = handler(req)
             if isinstance(result, Awaitable):

@@ -40,6 +40,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "peer_copied_blocks": ("kvpool_peer_copied_blocks", "prefix blocks copied from one GPU's arena to another's"),
 }
 
+#: the fence's counters (kvpool.server.quarantine)
+QUARANTINE: dict[str, tuple[str, str]] = {
+    "quarantines": ("kvpool_quarantines", "lapsed sessions whose uncommitted blocks were quarantined"),
+    "released": ("kvpool_quarantines_released", "quarantines released because their process was gone"),
+    "killed": ("kvpool_lapsed_killed", "lapsed sessions' processes sent SIGKILL (--lapsed-sessions kill)"),
+    "kills_refused": ("kvpool_lapsed_kills_refused", "lapsed processes the pool may not kill: quarantined instead"),
+}
+
 #: the KV-event feed's counters (present when --kv-events-endpoint is set)
 KV_EVENTS: dict[str, tuple[str, str]] = {
     "published": ("kvpool_kv_events_published", "KV events sent to subscribers"),
@@ -58,7 +66,7 @@ class PoolCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self.get_stats()
         blocks = GaugeMetricFamily("kvpool_blocks", "blocks by state", labels=["state"])
-        for state in ("free", "in_use", "cached"):
+        for state in ("free", "in_use", "cached", "quarantined"):
             blocks.add_metric([state], s[state])
         yield blocks
         yield GaugeMetricFamily("kvpool_arena_blocks", "blocks in the arena", value=s["num_blocks"])
@@ -77,6 +85,12 @@ class PoolCollector(Collector):
         for limit, count in sorted(s["limits_exceeded"].items()):
             refused.add_metric([limit], count)
         yield refused
+        fence = s.get("quarantine")
+        if fence is not None:
+            yield GaugeMetricFamily("kvpool_quarantined_blocks", "blocks held back from lapsed sessions' live "
+                                    "processes (--lapsed-sessions)", value=fence["blocks"])  # fmt: skip
+            for field, (name, doc) in QUARANTINE.items():
+                yield CounterMetricFamily(name, doc, value=fence[field])
         events = s.get("kv_events")
         if events is not None:
             for field, (name, doc) in KV_EVENTS.items():
@@ -104,8 +118,9 @@ def tier_metrics(tiers: dict[str, dict[str, Any]]) -> Iterator[Metric]:
     hits = CounterMetricFamily("kvpool_tier_hit_blocks", "blocks found by lookups, by the tier they were in",
                                labels=["tier"])  # fmt: skip
     for tier, t in tiers.items():
-        for state in ("free", "in_use", "cached"):
-            blocks.add_metric([tier, state], t[state])
+        for state in ("free", "in_use", "cached", "quarantined"):
+            if state in t:
+                blocks.add_metric([tier, state], t[state])
         hits.add_metric([tier], t["hit_blocks"])
     yield blocks
     yield hits

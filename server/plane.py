@@ -47,6 +47,8 @@ from kvpool.server.config import PoolSettings
 from kvpool.server.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS, token_bytes
+from kvpool.server.processes import Peer, ProcTable
+from kvpool.server.quarantine import Quarantine
 from kvpool.server.records import Limits, Session
 from kvpool.server.slabs import SlabBooks, open_slab_table
 from kvpool.server.tiercopy import ArenaCopier
@@ -123,6 +125,7 @@ class ControlPlane:
             index_listener=self.kv_events.listener if self.kv_events is not None else None,
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
             peer_copy=peer_copy,
+            quarantine=Quarantine(ProcTable(), s.lapsed_sessions),
         )
         self.slabs = open_slab_table(s, self._pool)
         if self.slabs is not None:
@@ -188,12 +191,14 @@ class ControlPlane:
 
     # -- handlers ---------------------------------------------------------------------------------------
 
-    def open_session(self, req: SessionCreate) -> SessionInfo:
+    def open_session(self, req: SessionCreate, peer: Peer | None = None) -> SessionInfo:
         fast = self.descriptor.fast_socket
         # The pool names the inbox (in its own socket directory), so that it may delete it when the session ends.
         inbox = str(Path(fast).with_name(f"inbox-{secrets.token_hex(8)}.sock")) if req.inbox and fast else None
-        session = self.pool.open_session(req.name, req.role, req.layout, inbox, req.name_key)
-        log.debug("session %s opened by %s (%s)", session.session_id, req.name, req.role)
+        session = self.pool.open_session(req.name, req.role, req.layout, inbox, req.name_key, peer)
+        log.debug(
+            "session %s opened by %s (%s), %s", session.session_id, req.name, req.role, peer or "no known process"
+        )
         return SessionInfo(
             session_id=session.session_id,
             lease_ttl_s=self.pool.lease_ttl_s,
@@ -217,8 +222,8 @@ class ControlPlane:
             ]
         )
 
-    def heartbeat(self, session_id: str) -> SessionInfo:
-        self.pool.heartbeat(session_id)
+    def heartbeat(self, session_id: str, peer: Peer | None = None) -> SessionInfo:
+        self.pool.heartbeat(session_id, peer)
         return SessionInfo(session_id=session_id, lease_ttl_s=self.pool.lease_ttl_s, epoch=self.epoch)
 
     def held(self, session_id: str) -> HeldBlocks:

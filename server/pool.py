@@ -32,6 +32,8 @@ from kvpool.server.parking import Parking
 from kvpool.server.peers import PeerCopies, PeerCopy
 from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
+from kvpool.server.processes import Peer
+from kvpool.server.quarantine import Quarantine
 from kvpool.server.records import (
     NAMES_KEPT,
     RESERVED,
@@ -75,6 +77,8 @@ class Pool(Parking, PoolStats):
     host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
     #: copies blocks between the arenas (several GPUs): lookups on one arena are served from the others too
     peer_copy: PeerCopy | None = None
+    #: the fence (see kvpool.server.quarantine); None: a lapsed session's blocks are all released at once
+    quarantine: Quarantine | None = None
 
     def __post_init__(self) -> None:
         self.index = PrefixIndex(self.index_listener)
@@ -123,6 +127,7 @@ class Pool(Parking, PoolStats):
         layout: KVLayout | None = None,
         inbox: str | None = None,
         name_key: str | None = None,
+        peer: Peer | None = None,
     ) -> Session:
         """A new session called ``name``; with ``name_key``, the name is held under that key from then on.
 
@@ -139,7 +144,7 @@ class Pool(Parking, PoolStats):
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
-        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox, key)
+        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox, key, peer=peer)
         self.sessions[sid] = session
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
@@ -191,13 +196,19 @@ class Pool(Parking, PoolStats):
                 )
             raise UnknownSession(
                 f"unknown session {session_id!r}: closed, or expired after {self.lease_ttl_s}s without a "
-                "heartbeat (its blocks were released); open a new session"
+                "heartbeat (its blocks were released; those it had not committed stay out of use until the process "
+                "that opened it exits); open a new session"
             )
         session.expires_at = now + self.lease_ttl_s
         return session
 
-    def heartbeat(self, session_id: str) -> Session:
-        return self.session(session_id)
+    def heartbeat(self, session_id: str, peer: Peer | None = None) -> Session:
+        """Extend the lease; a session opened where its process was unknown (TCP) takes the process that renews it
+        over a Unix socket: that one holds the session, and could write its blocks."""
+        session = self.session(session_id)
+        if session.peer is None and peer is not None:
+            session.peer = peer
+        return session
 
     def held(self, session_id: str) -> list[int]:
         """The fenced ids of the blocks the session holds, an id once per ref: what a client compares with what it
@@ -409,6 +420,7 @@ class Pool(Parking, PoolStats):
         It costs what expired (and a look at each live session once a lease), never a pass over everything:
         the sweep runs on the pool's one event loop, and a slow one would expire every other session too.
         """
+        self.release_gone()
         now = self.clock()
         dead = 0
         heap = self._session_deadlines
@@ -439,9 +451,37 @@ class Pool(Parking, PoolStats):
         self.sessions.pop(session.session_id, None)
         if self.on_release is not None:
             self.on_release(session)
+        self._fence(session)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
         self._ended(session)
+
+    def _fence(self, session: Session) -> None:
+        """Move what a lapsed session could still write (its uncommitted blocks) to the quarantine, if its process
+        is known; the rest (committed blocks: immutable) is released as before."""
+        if self.quarantine is None:
+            return
+        committed = self.allocator.committed
+        writable: list[int] = []
+        released = 0
+        for block, refs in self.allocator.refs_of(session.holder).items():
+            if committed[block]:
+                released += refs
+            else:
+                writable += [block] * refs
+        holder = self.quarantine.lapsed(session.session_id, session.name, session.peer, writable, released)
+        if holder is not None:
+            self.allocator.transfer(session.holder, holder, writable)
+
+    def release_gone(self) -> int:
+        """Release the quarantined blocks of lapsed processes that are gone; how many blocks reached ref 0."""
+        if self.quarantine is None or not self.quarantine.fenced:
+            return 0
+        released = 0
+        for entry in self.quarantine.gone():
+            released += self.allocator.release_holder(entry.holder)
+        self.counters.blocks_reclaimed += released
+        return released
 
     def _ended(self, session: Session) -> None:
         """Handoffs addressed to a session that ended are refused, and their blocks released.

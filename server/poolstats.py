@@ -12,6 +12,7 @@ from typing import Any
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.hosttier import HostTier
 from kvpool.server.prefix import PrefixIndex
+from kvpool.server.quarantine import Quarantine
 from kvpool.server.records import Counters, Handoff, Session
 
 
@@ -26,15 +27,20 @@ class PoolStats:
     total_blocks: int
     arena_sizes: list[int]
     host_tier: HostTier | None
+    quarantine: Quarantine | None
 
     def stats(self) -> dict[str, Any]:
+        """Every block in one of free, in use, cached and quarantined (held back from a lapsed session's process,
+        :mod:`kvpool.server.quarantine`: in use in the allocator's books, reported apart)."""
         a, c = self.allocator, self.counters
+        fenced = self._quarantined()
         return {
             "epoch": self.epoch,
             "num_blocks": self.total_blocks,
             "free": a.num_free,
-            "in_use": a.num_in_use,
+            "in_use": a.num_in_use - sum(fenced),
             "cached": a.num_cached,
+            "quarantined": sum(fenced),
             "indexed": len(self.index),
             "sessions": len(self.sessions),
             "handoffs": len(self.handoffs),
@@ -42,16 +48,29 @@ class PoolStats:
             "evictions": a.num_evictions,
             "counters": {name: getattr(c, name) for name in Counters.__slots__},
             "limits_exceeded": dict(self.limits_exceeded),
-            "arenas": [
-                dict(zip(("free", "in_use", "cached"), a.counts(i), strict=True)) for i in range(len(self.arena_sizes))
-            ],
-            "tiers": self._tiers(),
+            "quarantine": self.quarantine.stats() if self.quarantine is not None else None,
+            "arenas": [self._arena(i, fenced[i]) for i in range(len(self.arena_sizes))],
+            "tiers": self._tiers(sum(fenced)),
         }
 
-    def _tiers(self) -> dict[str, dict[str, Any]]:
+    def _quarantined(self) -> list[int]:
+        """Quarantined blocks, per arena."""
+        per = [0] * len(self.arena_sizes)
+        if self.quarantine is not None:
+            arena_of = self.allocator.arena_of
+            for block in self.quarantine.blocks():
+                per[arena_of[block]] += 1
+        return per
+
+    def _arena(self, i: int, quarantined: int) -> dict[str, int]:
+        free, in_use, cached = self.allocator.counts(i)
+        return {"free": free, "in_use": in_use - quarantined, "cached": cached, "quarantined": quarantined}
+
+    def _tiers(self, quarantined: int) -> dict[str, dict[str, Any]]:
         """Each tier's books and hits: the arenas together ("gpu", also on the cpu backend), and the host tier."""
         a, hits = self.allocator, self.counters.hit_blocks
-        gpu = {"num_blocks": a.num_blocks, "free": a.num_free, "in_use": a.num_in_use, "cached": a.num_cached}
+        gpu = {"num_blocks": a.num_blocks, "free": a.num_free, "in_use": a.num_in_use - quarantined,
+               "cached": a.num_cached, "quarantined": quarantined}  # fmt: skip
         if self.host_tier is None:
             return {"gpu": {**gpu, "hit_blocks": hits}}
         host = self.host_tier.stats()

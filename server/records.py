@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.errors import LimitExceeded
+from kvpool.server.processes import Peer
 
 Clock = Callable[[], float]
 REFUSALS_KEPT = 4096
@@ -54,6 +55,8 @@ class Session:
     inbox_key: bytes = b""
     #: deliveries sent to its inbox so far: each one's number, which its inbox takes only in increasing order
     deliveries: int = 0
+    #: the process that opened it (over a Unix socket; None over TCP): what the fence waits for when it lapses
+    peer: Peer | None = None
 
     @property
     def holder(self) -> str:

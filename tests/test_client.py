@@ -545,3 +545,36 @@ def test_a_client_asked_for_a_slab_has_the_slab_calls_and_works_without_one(pool
     with PoolClient(pool_server.url, name="from-env") as c, PoolClient(pool_server.url, slab=False) as d:
         assert isinstance(c, SlabCalls) and type(d) is PoolClient
     assert pool_server.stats()["in_use"] == 0
+
+
+class FakeCuda:
+    def __init__(self, initialized: bool, on_sync: Callable[[Any], None]) -> None:
+        self.initialized, self.on_sync = initialized, on_sync
+
+    def is_initialized(self) -> bool:
+        return self.initialized
+
+    def synchronize(self, device: Any = None) -> None:
+        self.on_sync(device)
+
+
+def test_close_waits_for_the_device_before_the_session_ends(pool_server, monkeypatch) -> None:
+    """Kernels in flight finish before the pool may give the session's blocks to another engine."""
+    synced: list[tuple[Any, int]] = []
+    cuda = FakeCuda(True, lambda device: synced.append((device, pool_server.stats()["sessions"])))
+    monkeypatch.setitem(sys.modules, "torch", type("FakeTorch", (), {"cuda": cuda}))
+    client = PoolClient(pool_server.url, name="closing")
+    client.alloc(2)
+    client.close()
+    assert synced == [(None, 1)] and pool_server.stats()["sessions"] == 0  # synced while the session was open
+
+
+def test_close_neither_imports_torch_nor_syncs_a_device_never_used(pool_server, monkeypatch) -> None:
+    from kvpool.client import settle_device
+
+    synced: list[Any] = []
+    monkeypatch.setitem(sys.modules, "torch", type("FakeTorch", (), {"cuda": FakeCuda(False, synced.append)}))
+    settle_device()
+    monkeypatch.delitem(sys.modules, "torch")
+    settle_device()
+    assert synced == [] and "torch" not in sys.modules

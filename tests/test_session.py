@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.errors import InvalidRequest, PoolRestarted, UnknownSession
+from kvpool.errors import InvalidRequest, LeaseLapsed, PoolRestarted, UnknownSession
 from kvpool.protocol import SessionInfo
 from kvpool.session import Session
 from kvpool.transport import Transport
@@ -99,5 +99,59 @@ def test_an_unknown_session_in_the_same_epoch_stays_unknown(transport) -> None:
         with pytest.raises(UnknownSession):
             s.guard(lambda: transport.fetch("POST", "/sessions/no-such/heartbeat", None, SessionInfo))
         assert s.lost is None  # one refused call is no lost session
+    finally:
+        s.close()
+
+
+class StubTransport:
+    """Answers opens and heartbeats at once, each at the fake clock's time when it was sent (``then``)."""
+
+    def __init__(self, clock: list[float], lease_s: float, answer_after_s: float = 0.0) -> None:
+        self.clock, self.lease_s, self.answer_after_s = clock, lease_s, answer_after_s
+
+    def fetch(self, method: str, path: str, req: object, resp: type[SessionInfo]) -> SessionInfo:
+        self.clock[0] += self.answer_after_s  # the reply comes this long after the send
+        return SessionInfo(session_id="0123abcd-0123456789abcdef", lease_ttl_s=self.lease_s, epoch="e")
+
+
+def stub_session(monkeypatch: pytest.MonkeyPatch, lease_s: float, answer_after_s: float = 0.0):
+    clock = [100.0]
+    monkeypatch.setattr("kvpool.session.time.monotonic", lambda: clock[0])
+    t = StubTransport(clock, lease_s, answer_after_s)
+    return Session(t, "s", "other", None, on_restart=lambda: None), clock  # type: ignore[arg-type]
+
+
+def test_lapsed_is_proven_from_the_send_of_the_last_acknowledged_renewal(monkeypatch) -> None:
+    s, clock = stub_session(monkeypatch, lease_s=10.0, answer_after_s=2.0)
+    assert isinstance(s.lapsed(), LeaseLapsed)  # never opened: nothing proven
+    s.open(inbox=False)  # sent at 100, answered at 102: proven until 100 + 10 - 1 (a tenth of the lease)
+    assert s.proven_until == 109.0
+    clock[0] = 109.0
+    assert s.lapsed() is None
+    clock[0] = 109.01
+    err = s.lapsed()
+    assert isinstance(err, LeaseLapsed) and "stop scheduling" in str(err)
+    s.renewed(108.0)  # a heartbeat sent at 108 was acknowledged
+    assert s.lapsed() is None and s.proven_until == 117.0
+    s.renewed(104.0)  # a late answer to an older heartbeat proves nothing new
+    assert s.proven_until == 117.0
+
+
+def test_a_short_lease_keeps_a_margin_of_half_a_second_and_a_lost_session_is_lapsed(monkeypatch) -> None:
+    s, _ = stub_session(monkeypatch, lease_s=1.0)
+    s.open(inbox=False)
+    assert s.proven_until == 100.5
+    s.lost = UnknownSession("gone")
+    assert s.lapsed() is s.lost
+
+
+def test_a_heartbeat_that_stalls_leaves_the_lease_unproven(pool_server, transport) -> None:
+    """The heartbeat thread cannot run (here: never started, as in a stopped process): no flag is set, and
+    lapsed() still says so once the lease is past, from the clock alone."""
+    s = Session(transport, "sess-stalled", "other", None, on_restart=lambda: None)
+    s.open(inbox=False)
+    try:
+        time.sleep(LEASE_S - 0.5 + 0.1)  # the margin is 0.5 s for a 2 s lease
+        assert isinstance(s.lapsed(), LeaseLapsed) and s.lost is None
     finally:
         s.close()

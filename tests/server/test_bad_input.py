@@ -70,7 +70,8 @@ def world() -> Iterator[World]:
         b.handoff("parked", [6], num_tokens=4)
         world = World(pool, a, b, http)
         assert world.books() == {
-            "num_blocks": 64, "free": 57, "in_use": 7, "cached": 0, "indexed": 2, "sessions": 2, "handoffs": 1,
+            "num_blocks": 64, "free": 57, "in_use": 7, "cached": 0, "quarantined": 0, "indexed": 2, "sessions": 2,
+            "handoffs": 1,
         }  # fmt: skip
         yield world
     finally:

@@ -39,7 +39,10 @@ def test_each_device_has_its_own_id_range_books_and_prefix_chains(two_arenas, fa
         pool.free(copied + copied + on1 + on1)
         stats = pool.stats()
         assert stats["num_blocks"] == 32
-        assert stats["arenas"] == [{"free": 12, "in_use": 2, "cached": 2}, {"free": 14, "in_use": 0, "cached": 2}]
+        assert stats["arenas"] == [
+            {"free": 12, "in_use": 2, "cached": 2, "quarantined": 0},
+            {"free": 14, "in_use": 0, "cached": 2, "quarantined": 0},
+        ]
 
 
 def test_move_copies_every_layer_of_the_blocks_to_the_other_arena(two_arenas):
