@@ -139,7 +139,7 @@ def test_a_worker_that_resumes_after_its_lease_expired_is_refused():
     try:
         with (
             # over TCP, where the pool cannot know the process: its blocks go to others at once, as the test needs
-            # (over the Unix socket they would stay quarantined while this process lives: tests/server/test_fence.py)
+            # (over the Unix socket they would stay quarantined while this process lives: test_quarantine.py)
             PoolClient(server.tcp_url, name="paused", heartbeat=False) as paused,
             PoolClient(server.url, name="next") as other,
         ):
