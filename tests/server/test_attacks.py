@@ -7,9 +7,11 @@ user who owns the socket directory a client would use by default.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -479,6 +481,70 @@ def test_half_open_tcp_connections_are_capped_and_cut_off_and_never_starve_the_u
         log = pool.output()
         assert f"TCP connections past --max-http-connections {cap}" in log, log
         assert "TCP connections that sent no whole request within --read-timeout-s 1" in log, log
+    finally:
+        pool.stop()
+
+
+HEALTH = b"GET /health HTTP/1.1\r\nhost: kvp\r\n\r\n"
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_pipelined_requests_without_the_token_hold_no_memory_and_leave_the_unix_socket_served() -> None:
+    """Issue 46, finding 4: one write of 7,000 pipelined ``GET /health`` a connection, from 20 connections that read
+    no answer. The pool parses one request of a connection at a time (and one of its peer's at a time before the
+    token), so it holds a read's bytes a connection, not 140,000 parsed requests (about 300 MB, where each was
+    parsed as it came); the token holders on the Unix socket are answered meanwhile."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    attackers: list[socket.socket] = []
+    try:
+        before = resident_bytes(pool.proc.pid)
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", pool.port), timeout=5)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.send(HEALTH * 7000)  # what the kernel takes at once
+            attackers.append(s)
+        peak = before
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            peak = max(peak, resident_bytes(pool.proc.pid))
+            time.sleep(0.02)
+        assert len(unix_calls(pool, TOKEN)) == 20
+        peak = max(peak, resident_bytes(pool.proc.pid))
+        assert peak - before < 64 << 20, f"the pool grew by {(peak - before) >> 20} MiB"
+    finally:
+        for s in attackers:
+            s.close()
+        pool.stop()
+
+
+def test_every_pipelined_request_is_answered_in_order() -> None:
+    """Parsing one request at a time loses none: requests pipelined across reads, split mid-head and with bodies
+    (a bodied GET is parsed by its length, never past it), each get their answer, in order."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    bodied = b"GET /health HTTP/1.1\r\nhost: kvp\r\ncontent-length: 9\r\n\r\nGET /xy\r\n"
+    wrong = b"GET /stats HTTP/1.1\r\nhost: kvp\r\n\r\n"  # refused (401): no token
+    stream = (HEALTH * 3000 + bodied * 500 + wrong * 500) * 2
+    try:
+        with socket.create_connection(("127.0.0.1", pool.port), timeout=30) as s:
+            sender = threading.Thread(
+                target=lambda: [s.sendall(stream[i : i + 1000]) for i in range(0, len(stream), 1000)]
+            )
+            sender.start()
+            data = b""
+            while data.count(b"HTTP/1.1 ") < 8000:
+                chunk = s.recv(1 << 16)
+                assert chunk, "the pool closed the connection"
+                data += chunk
+            sender.join()
+        statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)
+        assert statuses == ([b"200"] * 3500 + [b"401"] * 500) * 2
     finally:
         pool.stop()
 
