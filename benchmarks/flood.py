@@ -1,17 +1,17 @@
 """flood: token holders' latency on the pool's Unix socket while someone without the token floods it.
 
 One pool with a token. A token holder times alloc + free pairs over the Unix socket, over HTTP and over the fast
-channel, in three phases, each on a quiet pool first and then under its attack (the same run, the same pool):
+channel, for each attack on a quiet pool first and then under the attack (the same run, the same pool):
 
-  quiet       nobody else
   pipelined   ``--connections`` TCP connections (no token), each writing ``GET /health`` requests pipelined as fast
               as the pool reads them (a first write of ``--pipelined`` of them) and reading the answers
   stalled     ``--connections`` fast-channel connections that said hello, each sending one frame's length (the
               largest frame) and nothing more
 
-The attacker runs at nice 19: on a machine of few cores its own work would otherwise take the token holders' CPU,
-which no pool can give back; what is measured is what the pool does for them. It reports each phase's p50 and p99 and the pool's peak resident memory, and checks the goal of issue 46: the
-token holders' p99 under attack within 2x of the quiet run's, the pool's memory bounded by its caps.
+The pipelining attacker runs at nice 19: on a machine of few cores its own work would otherwise take the token
+holders' CPU, which no pool can give back; what is measured is what the pool does for them. It reports each
+phase's p50 and p99 and the pool's peak resident memory, and checks the goal of issue 46: the token holders' p99
+under attack within 2x of the quiet run's, the pool's memory bounded by its caps.
 """
 
 from __future__ import annotations
