@@ -657,7 +657,8 @@ def test_frames_being_read_share_one_budget() -> None:
         slow = hello(pool)
         big = frame(b"lookup", b'{"session_id": "x", "token_ids": [' + b"1," * 29_000 + b"1]}")
         assert budget // 2 < len(big) - 4 <= body_max
-        slow.sock.sendall(big[:1000])  # holds its frame's size in the budget while it is read
+        slow.sock.sendall(big[:-1000])  # holds what it sent of its frame in the budget while it is read
+        time.sleep(0.3)  # read by the pool, as far as it came
         other = hello(pool)
         status, reply = other.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])
         assert status == 429 and b"--max-fast-buffer-bytes" in reply, reply
@@ -665,13 +666,39 @@ def test_frames_being_read_share_one_budget() -> None:
             other.call(b"hello", b"{}")
         small = hello(pool)
         assert small.call(b"hello", b"{}")[0] == 200
-        slow.sock.sendall(big[1000:])
+        slow.sock.sendall(big[-1000:])
         status, reply = slow.receive()
         assert status == 404 and b"unknown session" in reply  # read whole, answered: the budget is free again
         again = hello(pool)
         assert again.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])[0] == 404
         assert pool.stats()["limits_exceeded"] == {"max_fast_buffer_bytes": 1}
     finally:
+        pool.stop()
+
+
+def test_frames_that_stall_after_their_length_hold_no_budget() -> None:
+    """Issue 46, finding 5: connections that send a frame's length and nothing more (four bytes each) took the
+    whole budget, as the frame's size was reserved when its length came. The budget counts bytes as they come: 40
+    such connections, each announcing the largest frame, leave the others' large frames served."""
+    body_max, budget = 64 << 10, 100_000
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_MAX_BODY_BYTES": str(body_max), "KVPOOL_TOKEN": TOKEN,
+                                        "KVPOOL_MAX_FAST_BUFFER_BYTES": str(budget)})  # fmt: skip
+    stalled = []
+    try:
+        for _ in range(40):
+            conn = hello(pool, TOKEN)
+            conn.sock.sendall(HEADER.pack(body_max))
+            stalled.append(conn)
+        big = b'{"session_id": "x", "token_ids": [' + b"1," * 29_000 + b"1]}"
+        other = hello(pool, TOKEN)
+        for _ in range(5):
+            status, reply = other.call(b"lookup", big)
+            assert status == 404 and b"unknown session" in reply, reply
+        assert len(unix_calls(pool, TOKEN)) == 20
+        assert unix_stats(pool, TOKEN)["limits_exceeded"] == {}
+    finally:
+        for conn in stalled:
+            conn.close()
         pool.stop()
 
 
