@@ -493,6 +493,16 @@ def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(
     assert wait_idle(pool)["in_use"] == 0
 
 
+def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) -> None:
+    """Issue 46, finding 8: a slab box's claim polled the pool with no wait, and its time-out said "within 0.0s"."""
+    with PoolClient(pool.url, name="slab-wait", slab=SMALL) as q:
+        assert q.slab_box is not None and q.slab_box.sock is not None
+        with pytest.raises(HandoffNotFound, match=r"no handoff 'req-none' within 0\.3s"):
+            q.claim("req-none", timeout_s=0.3)
+        with pytest.raises(HandoffNotFound, match=r"within 0\.2s"):
+            q.claim(None, timeout_s=0.2)
+
+
 def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
     """The ring lies in the producer's region, which only it writes: an entry naming slots that its region does not
     show handed to this consumer under the entry's sequence (allocated still, or past the slab) is dropped."""
