@@ -36,9 +36,11 @@ RESERVED_FDS = 256
 #: how often the refusals are logged at most (each line counts those since the last)
 LOG_EVERY_S = 10.0
 #: the most an HTTP connection reads at a time, and holds unparsed
-READ_BYTES = 64 << 10
+READ_BYTES = 16 << 10
 #: the longest request head (request line and headers) the pool reads
-MAX_HEAD = 64 << 10
+MAX_HEAD = 16 << 10
+#: the answers an HTTP connection buffers for a client that does not read them, before its request waits
+WRITE_BYTES = 16 << 10
 
 
 def open_files_limit() -> int:
@@ -229,6 +231,7 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
             self._key = peer_key(transport)
             self._peer = guard.turns.join(self._key)
             super().connection_made(transport)  # type: ignore[arg-type]
+            transport.set_write_buffer_limits(high=WRITE_BYTES)  # type: ignore[attr-defined]
             self.flow = _HeldFlow(transport)  # type: ignore[arg-type]
             self._clock()
 

@@ -526,9 +526,9 @@ def test_pipelined_requests_without_the_token_hold_no_memory_and_leave_the_unix_
 
 def test_every_pipelined_request_is_answered_in_order() -> None:
     """Parsing one request at a time loses none: requests pipelined across reads, split mid-head and with bodies
-    (a bodied GET is parsed by its length, never past it), each get their answer, in order."""
+    (a body is parsed by its length, never past it), each get their answer, in order."""
     pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
-    bodied = b"GET /health HTTP/1.1\r\nhost: kvp\r\ncontent-length: 9\r\n\r\nGET /xy\r\n"
+    bodied = f"GET /none HTTP/1.1\r\nauthorization: Bearer {TOKEN}\r\ncontent-length: 9\r\n\r\nGET /xy\r\n".encode()
     wrong = b"GET /stats HTTP/1.1\r\nhost: kvp\r\n\r\n"  # refused (401): no token
     stream = (HEALTH * 3000 + bodied * 500 + wrong * 500) * 2
     try:
@@ -544,7 +544,24 @@ def test_every_pipelined_request_is_answered_in_order() -> None:
                 data += chunk
             sender.join()
         statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)
-        assert statuses == ([b"200"] * 3500 + [b"401"] * 500) * 2
+        assert statuses == ([b"200"] * 3000 + [b"404"] * 500 + [b"401"] * 500) * 2
+    finally:
+        pool.stop()
+
+
+def test_what_needs_no_token_takes_no_body_and_no_long_head() -> None:
+    """``/health`` (open to all) with a body is refused before the body is read (it was read up to
+    --max-body-bytes, for anyone), and a request head over 16 KiB is refused before it is parsed whole."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    try:
+        (s,) = half_open(pool.port, 1, b"GET /health HTTP/1.1\r\nhost: kvp\r\ncontent-length: 16000000\r\n\r\n")
+        data, _ = outcome(s, time.monotonic() + 5)
+        assert data.startswith(b"HTTP/1.1 413") and b"takes no request body" in data, data
+        (s,) = half_open(pool.port, 1, b"GET /health HTTP/1.1\r\nhost: kvp\r\nx-junk: " + b"a" * (20 << 10))
+        data, _ = outcome(s, time.monotonic() + 5)
+        assert data.startswith(b"HTTP/1.1 431"), data
+        with pool.http() as http:
+            assert http.get("/health").status_code == 200
     finally:
         pool.stop()
 
