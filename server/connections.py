@@ -17,6 +17,7 @@ import json
 import logging
 import resource
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -222,6 +223,7 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
             self._listener = listener
             self._held = bytearray()
             self._turn = False  # holds one of its peer's turns
+            self._turn_since = 0.0  # since when (time.monotonic)
             self._trusted = False  # the request being read showed the token: its bytes need no turn
             self._between = True  # the parser is between requests
             self._fresh = True  # nothing read yet: the client owes its first request
@@ -254,6 +256,7 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
                 self._peer.give()
                 return
             self._turn = True
+            self._turn_since = time.monotonic()
             self._pump()
 
         def _pump(self) -> None:
@@ -268,6 +271,7 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
                     if not self._peer.take(self):
                         break
                     self._turn = True
+                    self._turn_since = time.monotonic()
                 n = self._slice()
                 if n is None:
                     self._refuse_head()
@@ -332,7 +336,7 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
         def _give_turn(self) -> None:
             if self._turn:
                 self._turn = False
-                self._peer.give()
+                self._peer.give(time.monotonic() - self._turn_since)
 
         def _refuse_head(self) -> None:
             guard.refusals.note("max_http_head", f"HTTP request heads over {MAX_HEAD} bytes")

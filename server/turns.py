@@ -7,7 +7,8 @@ and a hundred such connections cost a gigabyte and starved the token holders. A 
 peer's turns to hand bytes to the HTTP parser; it gives the turn back once its request shows the token, once the
 request is answered, while the request waits on its client for the rest of its bytes, and while the client does
 not read the answer. A connection waiting for a turn reads nothing more. Waiting connections are served first
-come, first served.
+come, first served, and a turn handed on waits as long as it was held (10 ms at most): a peer's flood has the loop
+half the time at most, and the token holders the other half.
 
 A peer is who sent the bytes as the kernel says: on the Unix socket the user (SO_PEERCRED), on TCP the address,
 every loopback address counting as one (any local user can send from 127.0.0.2 as well as from 127.0.0.1).
@@ -24,6 +25,8 @@ from collections import deque
 from typing import Any
 
 PEERCRED = struct.Struct("3i")
+#: the longest a turn waits between two requests of a peer, however long the first was held
+MAX_GAP_S = 0.01
 
 
 class Peer:
@@ -46,10 +49,11 @@ class Peer:
             self.waiting.append(waiter)
         return False
 
-    def give(self) -> None:
-        """A turn back: handed on to the first waiter, if any (it keeps the count)."""
+    def give(self, held_s: float = 0.0) -> None:
+        """A turn back, after ``held_s`` of the loop's time: handed on to the first waiter, if any (it keeps the
+        count), as long again later, so that a peer whose requests queue up has the loop half the time at most."""
         if self.waiting:
-            asyncio.get_running_loop().call_soon(self.waiting.popleft().granted)
+            asyncio.get_running_loop().call_later(min(held_s, MAX_GAP_S), self.waiting.popleft().granted)
         else:
             self.taken -= 1
 
