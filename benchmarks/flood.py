@@ -155,8 +155,19 @@ def run(args: argparse.Namespace) -> int:
         fast.close(), http.close()
     _targets(report)
     report.print_block("flood", _body(report))
-    report.save(None)
+    report.save(lambda: _plot(report))
     return 0
+
+
+def _plot(report: harness.Report) -> Any:
+    """p99 of each token holder, quiet and under each attack, side by side."""
+    plt = harness.pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['attack']}\n{r['phase']} {r['transport']}" for r in report.results]
+    ax.bar(range(len(labels)), [r["p99_ms"] for r in report.results])
+    ax.set_xticks(range(len(labels)), labels, fontsize=7)
+    ax.set(ylabel="p99 of alloc + free (ms)", title="token holders on the Unix socket, quiet and under attack")
+    return fig
 
 
 class _attack:
