@@ -17,6 +17,7 @@ from kvpool.commands import Parser
 
 SUITES: dict[str, tuple[str, str]] = {
     "control-plane": ("kvpool.benchmarks.control_plane", "/alloc+/free latency and throughput against its floor"),
+    "flood": ("kvpool.benchmarks.flood", "token holders' latency while the pool is flooded without the token"),
     "handoff": ("kvpool.benchmarks.handoff", "prefill -> decode KV handoff against torch.multiprocessing and copies"),
     "attach": ("kvpool.benchmarks.attach", "a new process opening arenas of growing size"),
     "e2e": ("kvpool.benchmarks.e2e", "prefill and decode workers through the pool against one monolithic worker"),

@@ -12,6 +12,7 @@ for an array that is packed already), so a request's thousands of ids stay cheap
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 import time
@@ -120,7 +121,7 @@ class FastConnection:
         of this thread for all of them, where :meth:`call` in a loop pays both for each."""
         self.settle()
         try:
-            self._send(b"".join(frame(op, body) for body in bodies))
+            self._send_reading(b"".join(frame(op, body) for body in bodies), wait_s)
             self._expect(wait_s)
             return [self.receive() for _ in bodies]
         except BaseException:
@@ -233,6 +234,37 @@ class FastConnection:
         if self.closed:
             raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
         self._timed("take the request", self.sock.sendall, data)
+
+    def _send_reading(self, data: bytes, wait_s: float) -> None:
+        """Write ``data`` whole, reading the replies that come meanwhile (kept for :meth:`receive`).
+
+        The pool answers each request before it reads the next, and stops reading while its answers fill the
+        socket; a batch written whole before any answer was read then waits for ever (about 4,000 requests: the
+        pool writing answers nobody reads, this thread writing requests nobody reads)."""
+        if self.closed:
+            raise ConnectionError("this fast-channel connection was closed (an earlier call was interrupted)")
+        view = memoryview(data)
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN | select.POLLOUT)
+        wait_ms = None if self.timeout_s is None else (self.timeout_s + wait_s) * 1000
+        sent = 0
+        while sent < len(view):
+            try:
+                sent += self.sock.send(view[sent:], socket.MSG_DONTWAIT)
+                continue
+            except BlockingIOError:
+                pass
+            events = poller.poll(wait_ms)
+            if not events:
+                raise TimeoutError(f"the pool did not take the request within {self.timeout_s + wait_s:g} s")
+            if any(event & ~select.POLLOUT for _, event in events):
+                try:
+                    chunk = self.sock.recv(RECV_CHUNK, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    raise ConnectionError("the pool closed the fast channel")
+                self._buf += chunk
 
     def _expect(self, wait_s: float) -> None:
         """Let the next reads wait ``wait_s`` longer than the time-out (a claim that waits in the pool)."""

@@ -226,8 +226,11 @@ class SlabCalls:
                 return from_pool(request_id, 0.0)
             except HandoffNotFound:
                 remaining = deadline - time.perf_counter()
-                if remaining <= 0:
-                    raise
+                if remaining <= 0:  # the pool's answer says "within 0s": each look at it waited none
+                    wanted = "parked for you" if request_id is None else repr(request_id)
+                    raise HandoffNotFound(
+                        f"no handoff {wanted} within {timeout_s:g}s (from a slab or through the pool)"
+                    ) from None
             got = box.receive(request_id, 0.0, min(POLL_S, remaining))
         return got
 

@@ -1,6 +1,6 @@
 """The slab table: a shared-memory file the pool owns, one region per session that holds a reservation slab.
 
-One file per pool epoch (``kvpool-slabs-<epoch>`` in the pool's shm directory, mode 0600). Its first page says
+One file per pool epoch (``kvpool-slabs-<pid>-<epoch>`` in the pool's shm directory, mode 0600). Its first page says
 what it is; then come ``regions`` regions of equal size, each page-aligned so that a session maps its own region
 read-write and the whole table read-only. Every field has one writer, so nobody needs a cross-process
 compare-and-swap:
@@ -25,6 +25,7 @@ that session holds in its slab. A writer publishes a slot's other fields before 
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 import os
 import struct
@@ -36,7 +37,10 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest
 
+log = logging.getLogger("kvpool")
+
 MAGIC = b"KVLT0003"
+TABLE_PREFIX = "kvpool-slabs-"
 #: magic, regions, slots per region, region bytes, epoch (16 bytes, ascii)
 FILE_HEAD = struct.Struct("<8sIIQ16s")
 PAGE = mmap.ALLOCATIONGRANULARITY
@@ -111,14 +115,36 @@ def region_dtype(slots: int, regions: int) -> np.dtype:
     )
 
 
-def table_name(epoch: str) -> str:
-    return f"kvpool-slabs-{epoch}"
+def table_name(epoch: str, pid: int) -> str:
+    """The table's file name: its pool's pid, so that a pool that died without removing its table (SIGKILL, the
+    OOM killer) is known for dead by the next one in the directory (:func:`remove_stale_tables`)."""
+    return f"{TABLE_PREFIX}{pid}-{epoch}"
+
+
+def remove_stale_tables(directory: Path) -> list[Path]:
+    """Delete this user's tables whose pool is gone (its pid names no process); returns them."""
+    removed = []
+    for path in Path(directory).glob(f"{TABLE_PREFIX}*-*"):
+        try:
+            pid = int(path.name[len(TABLE_PREFIX) :].split("-", 1)[0])
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+        except (ValueError, OSError):
+            continue
+    return removed
 
 
 def create_table(directory: Path, epoch: str, regions: int, slots: int) -> tuple[Path, mmap.mmap, np.ndarray]:
-    """The pool's side: a new table, mode 0600, zeroed (sparse until written), and its regions as an array."""
+    """The pool's side: a new table, mode 0600, zeroed (sparse until written), and its regions as an array; the
+    tables of dead pools in the directory are removed first."""
     dtype = region_dtype(slots, regions)
-    path = Path(directory) / table_name(epoch)
+    for stale in remove_stale_tables(directory):
+        log.info("removed the slab table %s of a pool that is gone", stale)
+    path = Path(directory) / table_name(epoch, os.getpid())
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, PAGE + regions * dtype.itemsize)

@@ -108,6 +108,12 @@ class PoolSettings(BaseSettings):
     max_http_connections: int = Field(
         1024, ge=1, description="HTTP connections open at once, per listener (TCP and the Unix socket each)"
     )
+    max_requests_per_peer: int = Field(
+        1,
+        ge=1,
+        description="HTTP requests without the token (/health, refusals) of one peer (a user on the Unix socket, an "
+        "address on TCP, loopback as one) read or answered at once; each connection parses one request at a time",
+    )
     hello_timeout_s: float = Field(10.0, gt=0, description="a fast-channel connection must say hello within this")
     read_timeout_s: float = Field(
         10.0,
@@ -292,7 +298,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "sessions and limits": (
         "lease_ttl_s", "handoff_ttl_s", "lapsed_sessions", "max_body_bytes", "max_sessions", "max_handoffs",
         "max_handoffs_per_session", "max_meta_bytes", "max_claims_per_session", "max_fast_connections",
-        "hello_timeout_s", "max_http_connections", "read_timeout_s", "max_fast_buffer_bytes",
+        "hello_timeout_s", "max_http_connections", "max_requests_per_peer", "read_timeout_s", "max_fast_buffer_bytes",
     ),
     "slabs (docs/operations.md)": ("slabs", "slab_regions", "slab_max_blocks"),
     "KV events (docs/kv-events.md)": (

@@ -74,8 +74,8 @@ class FastChannel:
 
     Each connection is bounded: before its hello it may send frames of :data:`HELLO_MAX` bytes at most, and must
     have said hello within ``hello_timeout_s`` of opening; after it, a frame it has started must come whole within
-    ``read_timeout_s`` (an idle connection between frames waits for ever: clients keep theirs open), and the frames
-    being read or answered, all connections together, hold at most ``max_buffered`` bytes.
+    ``read_timeout_s`` (an idle connection between frames waits for ever: clients keep theirs open), and the bytes
+    of frames being read or answered, all connections together, at most ``max_buffered``, counted as they come.
 
     The read deadline is kept by a sweep every quarter of it, not a timer per frame: arming and cancelling one costs
     about as much as the rest of the channel's own work on a call.
@@ -241,8 +241,10 @@ class FastChannel:
         return await reader.readexactly(size)
 
     async def _frame(self, start: bytes, reader: asyncio.StreamReader) -> bytes | KvpoolError:
-        """The rest of a frame whose first bytes came (the sweep cuts the connection if it takes too long). Its size
-        is taken from ``max_buffered``; the caller gives it back once the frame is answered."""
+        """The rest of a frame whose first bytes came (the sweep cuts the connection if it takes too long). Its bytes
+        are taken from ``max_buffered`` as they come, not when its length does: a frame that stalls holds what it
+        sent (at most the largest frame), and only until the read deadline. The caller gives them back once the
+        frame is answered."""
         if len(start) < HEADER.size:
             start += await reader.readexactly(HEADER.size - len(start))
         (size,) = HEADER.unpack(start)
@@ -250,21 +252,34 @@ class FastChannel:
             return PayloadTooLarge(
                 f"frame of {size} bytes over {self.max_frame} (--max-body-bytes, KVPOOL_MAX_BODY_BYTES)"
             )
-        if self.buffered + size > self.max_buffered:
-            self.refusals.note(
-                "max_fast_buffer_bytes", f"fast-channel frames past --max-fast-buffer-bytes {self.max_buffered}"
-            )
-            return LimitExceeded(
-                f"the fast channel holds {self.buffered} bytes of frames being read or answered, and this one of "
-                f"{size} would pass {self.max_buffered} (--max-fast-buffer-bytes, KVPOOL_MAX_FAST_BUFFER_BYTES): "
-                "send it again, or raise the limit"
-            )
-        self.buffered += size
+        parts: list[bytes] = []
+        got = 0
         try:
-            return await reader.readexactly(size)
+            while got < size:
+                chunk = await reader.read(size - got)
+                if not chunk:
+                    raise asyncio.IncompleteReadError(b"".join(parts), size)
+                if self.buffered + len(chunk) > self.max_buffered:
+                    self.buffered -= got
+                    got = 0
+                    return self._over_budget(size)
+                self.buffered += len(chunk)
+                got += len(chunk)
+                parts.append(chunk)
         except BaseException:
-            self.buffered -= size
+            self.buffered -= got
             raise
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _over_budget(self, size: int) -> KvpoolError:
+        self.refusals.note(
+            "max_fast_buffer_bytes", f"fast-channel frames past --max-fast-buffer-bytes {self.max_buffered}"
+        )
+        return LimitExceeded(
+            f"the fast channel holds {self.buffered} bytes of frames being read or answered, and the rest of this "
+            f"one of {size} would pass {self.max_buffered} (--max-fast-buffer-bytes, KVPOOL_MAX_FAST_BUFFER_BYTES): "
+            "send it again, or raise the limit"
+        )
 
     async def _sweep(self) -> None:
         """Cut the connections that sent part of a frame and not the rest within ``read_timeout_s``: their read

@@ -79,6 +79,11 @@ class RequireToken:
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path") in self.OPEN and _announces_body(scope):
+            # what needs no token takes no body: else a body up to --max-body-bytes would be read for anyone
+            body = body_for(PayloadTooLarge(f"{scope.get('path')} takes no request body"))
+            await SafeJSONResponse(body, status_code=413, headers={"connection": "close"})(scope, receive, send)
+            return
         if self.token is None or scope["type"] != "http" or scope.get("path") in self.OPEN:
             await self.app(scope, receive, send)
             return
@@ -92,3 +97,10 @@ class RequireToken:
             return
         body = body_for(Unauthorized(UNAUTHORIZED))
         await SafeJSONResponse(body, status_code=401, headers={"www-authenticate": "Bearer"})(scope, receive, send)
+
+
+def _announces_body(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip() not in (b"", b"0")):
+            return True
+    return False

@@ -148,7 +148,13 @@ def serve(settings: PoolSettings) -> None:
         )
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
-    guard = HTTPGuard({k: v for k, v in caps.items() if k != "fast"}, settings.read_timeout_s, refusals)
+    guard = HTTPGuard(
+        {k: v for k, v in caps.items() if k != "fast"},
+        settings.read_timeout_s,
+        refusals,
+        settings.max_requests_per_peer,
+        settings.token.get_secret_value().encode() if settings.token else None,
+    )
     # A /claim may wait up to an hour for its handoff; without a bound on the graceful shutdown, one waiting claim
     # would keep a stopping pool (SIGTERM) alive that long. Every other call finishes in microseconds.
     config = uvicorn.Config(

@@ -272,3 +272,32 @@ def test_an_exact_read_leaves_what_follows_in_the_socket(tmp_path):
     finally:
         conn.close()
         thread.join(5)
+
+
+def test_batches_of_thousands_of_calls_complete_over_the_fast_channel() -> None:
+    """Issue 46, finding 8: a batch sent in one write while its answers were read only after it deadlocked at about
+    4,000 calls (the pool stops reading while its answers fill the socket), parking handoffs the client never learnt
+    of. The batch is written while its answers are read: 4,000 commits, handoffs and claims each complete,
+    and 16,000 claims of nothing each get their refusal."""
+    from kvpool.client import PoolClient
+    from tests.conftest import start_pool
+
+    n = 4000
+    pool = start_pool("--num-blocks", "8192", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+                      "--block-size", "4", "--dtype", "float16")  # fmt: skip
+    try:
+        with (
+            PoolClient(pool.url, name="producer", timeout_s=20) as producer,
+            PoolClient(pool.url, name="consumer", timeout_s=20) as consumer,
+        ):
+            ids = producer.alloc(n)
+            committed = producer.commit_many([([b], [i, i, i, i], 0) for i, b in enumerate(ids)])
+            assert all(c is not None for c in committed)
+            meta = {"note": "x" * 100}
+            parked = producer.handoff_many([(f"r{i}", [b], 4, meta) for i, b in enumerate(ids)])
+            assert all(p is not None for p in parked)
+            claims = consumer.claim_many([f"r{i}" for i in range(n)])
+            assert [c.block_ids for c in claims if c is not None] == [[b] for b in ids]
+            assert consumer.claim_many([f"none-{i}" for i in range(4 * n)]) == [None] * 4 * n
+    finally:
+        pool.stop()

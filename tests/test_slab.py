@@ -15,6 +15,7 @@ import threading
 import time
 from array import array
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -491,6 +492,38 @@ def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(
             q.claim(None, timeout_s=0.1)
         assert q.free([i for ids in handed.values() for i in ids]) == RING + 5
     assert wait_idle(pool)["in_use"] == 0
+
+
+def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(tmp_path: Path) -> None:
+    """Issue 46, finding 8: a SIGKILLed pool left its slab table in the shm directory for good; the next pool there
+    removes the tables of pools that are gone (and of no live one)."""
+    shm = tmp_path / "shm"
+    killed = start_pool(*SMALL_POOL, "--slabs", "--shm-dir", str(shm))
+    live = start_pool(*SMALL_POOL, "--slabs", "--shm-dir", str(shm))
+    try:
+        tables = set(shm.glob("kvpool-slabs-*"))
+        assert len(tables) == 2
+        killed.proc.kill()
+        killed.proc.wait(10)
+        assert set(shm.glob("kvpool-slabs-*")) == tables  # nobody removed it
+        after = start_pool(*SMALL_POOL, "--slabs", "--shm-dir", str(shm))
+        try:
+            left = set(shm.glob("kvpool-slabs-*"))
+            assert len(left) == 2 and len(left & tables) == 1  # the live pool's and the new one's
+        finally:
+            after.stop()
+    finally:
+        live.stop()
+
+
+def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) -> None:
+    """Issue 46, finding 8: a slab box's claim polled the pool with no wait, and its time-out said "within 0.0s"."""
+    with PoolClient(pool.url, name="slab-wait", slab=SMALL) as q:
+        assert q.slab_box is not None and q.slab_box.sock is not None
+        with pytest.raises(HandoffNotFound, match=r"no handoff 'req-none' within 0\.3s"):
+            q.claim("req-none", timeout_s=0.3)
+        with pytest.raises(HandoffNotFound, match=r"within 0\.2s"):
+            q.claim(None, timeout_s=0.2)
 
 
 def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: PoolProcess) -> None:

@@ -27,6 +27,7 @@ TINY: dict[str, list[str]] = {
     "host-tier": ["--sizes", "2MiB", "--rounds", "1", "--layout", "1b"],
     "slab": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
     "decode": ["--batch", "2", "--context", "32", "--steps", "2"],
+    "flood": ["--connections", "4", "--calls", "20", "--pipelined", "100"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
 

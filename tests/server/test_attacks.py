@@ -7,9 +7,11 @@ user who owns the socket directory a client would use by default.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -483,6 +485,87 @@ def test_half_open_tcp_connections_are_capped_and_cut_off_and_never_starve_the_u
         pool.stop()
 
 
+HEALTH = b"GET /health HTTP/1.1\r\nhost: kvp\r\n\r\n"
+
+
+def resident_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_pipelined_requests_without_the_token_hold_no_memory_and_leave_the_unix_socket_served() -> None:
+    """Issue 46, finding 4: one write of 7,000 pipelined ``GET /health`` a connection, from 20 connections that read
+    no answer. The pool parses one request of a connection at a time (and one of its peer's at a time before the
+    token), so it holds a read's bytes a connection, not 140,000 parsed requests (about 300 MB, where each was
+    parsed as it came); the token holders on the Unix socket are answered meanwhile."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    attackers: list[socket.socket] = []
+    try:
+        before = resident_bytes(pool.proc.pid)
+        for _ in range(20):
+            s = socket.create_connection(("127.0.0.1", pool.port), timeout=5)
+            s.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                s.send(HEALTH * 7000)  # what the kernel takes at once
+            attackers.append(s)
+        peak = before
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            peak = max(peak, resident_bytes(pool.proc.pid))
+            time.sleep(0.02)
+        assert len(unix_calls(pool, TOKEN)) == 20
+        peak = max(peak, resident_bytes(pool.proc.pid))
+        assert peak - before < 64 << 20, f"the pool grew by {(peak - before) >> 20} MiB"
+    finally:
+        for s in attackers:
+            s.close()
+        pool.stop()
+
+
+def test_every_pipelined_request_is_answered_in_order() -> None:
+    """Parsing one request at a time loses none: requests pipelined across reads, split mid-head and with bodies
+    (a body is parsed by its length, never past it), each get their answer, in order."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    bodied = f"GET /none HTTP/1.1\r\nauthorization: Bearer {TOKEN}\r\ncontent-length: 9\r\n\r\nGET /xy\r\n".encode()
+    wrong = b"GET /stats HTTP/1.1\r\nhost: kvp\r\n\r\n"  # refused (401): no token
+    stream = (HEALTH * 3000 + bodied * 500 + wrong * 500) * 2
+    try:
+        with socket.create_connection(("127.0.0.1", pool.port), timeout=30) as s:
+            sender = threading.Thread(
+                target=lambda: [s.sendall(stream[i : i + 1000]) for i in range(0, len(stream), 1000)]
+            )
+            sender.start()
+            data = b""
+            while data.count(b"HTTP/1.1 ") < 8000:
+                chunk = s.recv(1 << 16)
+                assert chunk, "the pool closed the connection"
+                data += chunk
+            sender.join()
+        statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", data)
+        assert statuses == ([b"200"] * 3000 + [b"404"] * 500 + [b"401"] * 500) * 2
+    finally:
+        pool.stop()
+
+
+def test_what_needs_no_token_takes_no_body_and_no_long_head() -> None:
+    """``/health`` (open to all) with a body is refused before the body is read (it was read up to
+    --max-body-bytes, for anyone), and a request head over 16 KiB is refused before it is parsed whole."""
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN})
+    try:
+        (s,) = half_open(pool.port, 1, b"GET /health HTTP/1.1\r\nhost: kvp\r\ncontent-length: 16000000\r\n\r\n")
+        data, _ = outcome(s, time.monotonic() + 5)
+        assert data.startswith(b"HTTP/1.1 413") and b"takes no request body" in data, data
+        (s,) = half_open(pool.port, 1, b"GET /health HTTP/1.1\r\nhost: kvp\r\nx-junk: " + b"a" * (20 << 10))
+        data, _ = outcome(s, time.monotonic() + 5)
+        assert data.startswith(b"HTTP/1.1 431"), data
+        with pool.http() as http:
+            assert http.get("/health").status_code == 200
+    finally:
+        pool.stop()
+
+
 def test_upgrade_requests_give_their_connection_back() -> None:
     """A WebSocket upgrade request (the pool serves none) is answered, and its connection, once closed, leaves room
     under the cap again, as any other does (an upgraded connection would leave its count behind for good)."""
@@ -591,7 +674,8 @@ def test_frames_being_read_share_one_budget() -> None:
         slow = hello(pool)
         big = frame(b"lookup", b'{"session_id": "x", "token_ids": [' + b"1," * 29_000 + b"1]}")
         assert budget // 2 < len(big) - 4 <= body_max
-        slow.sock.sendall(big[:1000])  # holds its frame's size in the budget while it is read
+        slow.sock.sendall(big[:-1000])  # holds what it sent of its frame in the budget while it is read
+        time.sleep(0.3)  # read by the pool, as far as it came
         other = hello(pool)
         status, reply = other.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])
         assert status == 429 and b"--max-fast-buffer-bytes" in reply, reply
@@ -599,13 +683,39 @@ def test_frames_being_read_share_one_budget() -> None:
             other.call(b"hello", b"{}")
         small = hello(pool)
         assert small.call(b"hello", b"{}")[0] == 200
-        slow.sock.sendall(big[1000:])
+        slow.sock.sendall(big[-1000:])
         status, reply = slow.receive()
         assert status == 404 and b"unknown session" in reply  # read whole, answered: the budget is free again
         again = hello(pool)
         assert again.call(b"lookup", big[HEADER_SIZE + len(b"lookup\n") :])[0] == 404
         assert pool.stats()["limits_exceeded"] == {"max_fast_buffer_bytes": 1}
     finally:
+        pool.stop()
+
+
+def test_frames_that_stall_after_their_length_hold_no_budget() -> None:
+    """Issue 46, finding 5: connections that send a frame's length and nothing more (four bytes each) took the
+    whole budget, as the frame's size was reserved when its length came. The budget counts bytes as they come: 40
+    such connections, each announcing the largest frame, leave the others' large frames served."""
+    body_max, budget = 64 << 10, 100_000
+    pool = start_pool(*SMALL_POOL, env={"KVPOOL_MAX_BODY_BYTES": str(body_max), "KVPOOL_TOKEN": TOKEN,
+                                        "KVPOOL_MAX_FAST_BUFFER_BYTES": str(budget)})  # fmt: skip
+    stalled = []
+    try:
+        for _ in range(40):
+            conn = hello(pool, TOKEN)
+            conn.sock.sendall(HEADER.pack(body_max))
+            stalled.append(conn)
+        big = b'{"session_id": "x", "token_ids": [' + b"1," * 29_000 + b"1]}"
+        other = hello(pool, TOKEN)
+        for _ in range(5):
+            status, reply = other.call(b"lookup", big)
+            assert status == 404 and b"unknown session" in reply, reply
+        assert len(unix_calls(pool, TOKEN)) == 20
+        assert unix_stats(pool, TOKEN)["limits_exceeded"] == {}
+    finally:
+        for conn in stalled:
+            conn.close()
         pool.stop()
 
 
