@@ -197,9 +197,11 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
         assert_metrics(pool)
         work.close()
 
+        socket_dir, pool.workdir = pool.workdir, None  # the new pool's socket goes there too: it removes it
         pool.stop(signal.SIGTERM)  # a new pool on the same addresses: its first batch clears what routers hold
         pool = serve([*flags, "--socket", str(pool.socket), "--port", str(pool.port)], port=pool.port,
                      socket=pool.socket)  # fmt: skip
+        pool.workdir = socket_dir  # (serve's own log directory goes with the process object)
         work = Workload(pool, seed=16)
         for _ in range(100):
             work.run(1)
