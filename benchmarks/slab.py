@@ -32,10 +32,8 @@ import argparse
 import contextlib
 import multiprocessing as mp
 import socket
-import tempfile
 import time
 from array import array
-from pathlib import Path
 from typing import Any
 
 from kvpool.benchmarks import harness, machine, timings
@@ -171,10 +169,10 @@ def run(args: argparse.Namespace) -> int:
     report = harness.Report("slab", args, device, config)
     flags = [*harness.layout_flags(POOL_LAYOUT), "--num-blocks", str(num_blocks), "--slabs",
              "--slab-max-blocks", str(8 * batch)]  # fmt: skip
-    tmp = Path(tempfile.mkdtemp(prefix="kvb-slab-"))
-    floor_path, ready_path = str(tmp / "floor.sock"), str(tmp / "ready.sock")
     samples: dict[str, list[int]] = {v: [] for v in (*VARIANTS, *BATCHES)}
     with harness.servers(lambda: harness.start_pool(device, *flags)) as (pool,):
+        assert pool.workdir is not None  # removed as the pool stops, with these sockets in it
+        floor_path, ready_path = str(pool.workdir / "floor.sock"), str(pool.workdir / "ready.sock")
         ctx = mp.get_context("spawn")
         (pa, pb), (ca, cb) = ctx.Pipe(), ctx.Pipe()
         cons = ctx.Process(target=_consumer, args=(cb, pool.url, floor_path, ready_path, batch), daemon=True)

@@ -36,7 +36,7 @@ Measures: TTFT p50/p99 and TPOT p50/p99 from vLLM's own timestamps; the share of
 compute (its num_cached_tokens), and with the kvpool connector what the pool committed, hit and copied between
 GPUs; greedy tokens against the plain engine's (what vLLM's own cache gives).
 
-Needs vLLM (pip install 'kvpool[vllm]') and a CUDA GPU; --help needs neither.
+Needs vLLM (pip install -e '.[vllm]' from a checkout) and a CUDA GPU; --help needs neither.
 """
 
 from __future__ import annotations
@@ -316,7 +316,7 @@ def require_vllm() -> str:
     try:
         import vllm
     except ImportError as exc:
-        raise SystemExit(f"kvpool bench vllm: needs vLLM ({exc}): pip install 'kvpool[vllm]'") from None
+        raise SystemExit(f"kvpool bench vllm: needs vLLM ({exc}): pip install -e '.[vllm]' from a checkout") from None
     return str(vllm.__version__)
 
 

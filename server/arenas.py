@@ -83,7 +83,7 @@ class CpuOwnedArena(OwnedArena):
     backend = "cpu"
     handle_kind = "shm"
 
-    def __init__(self, nbytes: int, shm_dir: Path, epoch: str) -> None:
+    def __init__(self, nbytes: int, shm_dir: Path, epoch: str, what: str = "the arena") -> None:
         shm_dir.mkdir(parents=True, exist_ok=True)
         remove_stale_arenas(shm_dir)
         self.path = shm_dir / f"{SHM_PREFIX}{os.getpid()}-{epoch}"
@@ -94,8 +94,8 @@ class CpuOwnedArena(OwnedArena):
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
                 raise InvalidRequest(
-                    f"cannot reserve {nbytes} bytes in {shm_dir} ({exc.strerror}): make the arena smaller or "
-                    "/dev/shm larger (docker: shm_size)"
+                    f"cannot reserve {nbytes} bytes in {shm_dir} ({exc.strerror}): make {what} smaller or "
+                    f"{shm_dir} larger (docker: shm_size)"
                 ) from None
         except BaseException:
             os.close(fd)

@@ -82,7 +82,9 @@ class ServerProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(self.args)} exited with {self.proc.returncode}:\n{self.output()}")
+                log = self.output()
+                self.stop()  # its work directory goes, as a stopped server's does
+                raise RuntimeError(f"{' '.join(self.args)} exited with {self.proc.returncode}:\n{log}")
             if self.socket is None or self.socket.exists():
                 try:
                     with http_client(self.url, None, 2.0) as h:
@@ -91,8 +93,11 @@ class ServerProcess:
                 except (httpx.HTTPError, OSError):
                     pass
             time.sleep(0.05)
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"not ready after {timeout_s}s: {' '.join(self.args)}\n{self.output()}")
+        self.proc.kill()
+        self.proc.wait()
+        log = self.output()
+        self.stop()
+        raise RuntimeError(f"not ready after {timeout_s}s: {' '.join(self.args)}\n{log}")
 
     def __enter__(self) -> ServerProcess:
         return self

@@ -30,6 +30,7 @@ from kvpool.server.config import (
 from kvpool.server.connections import HTTPGuard, RefusalLog, open_files_limit, size_caps
 from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
+from kvpool.server.shm import shm_problem
 from kvpool.trust import directory_problem
 
 log = logging.getLogger("kvpool")
@@ -80,7 +81,13 @@ def check_socket_dir(directory: Path) -> None:
 
 def bind_unix(path: Path, mode: int) -> socket.socket:
     """Bind a Unix socket, replacing a stale file but never a live pool's socket."""
-    path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(
+            f"kvpool serve: --socket {path}: cannot create its directory {path.parent} ({exc.strerror}): pick a "
+            "--socket in a directory you can create"
+        ) from None
     check_socket_dir(path.parent)
     if path.exists():
         probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -93,7 +100,11 @@ def bind_unix(path: Path, mode: int) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
+    try:
+        sock.bind(str(path))
+    except OSError as exc:
+        sock.close()
+        raise SystemExit(f"kvpool serve: cannot listen on --socket {path}: {exc.strerror or exc}") from None
     os.chmod(path, mode)
     return sock
 
@@ -223,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"kvpool serve: invalid settings: {describe_error(exc)}", file=sys.stderr)
         return 2
-    problem = backend_problem(settings, cuda_available)
+    problem = backend_problem(settings, cuda_available) or shm_problem(settings)
     if problem is not None:
         print(f"kvpool serve: {problem}", file=sys.stderr)
         return 2

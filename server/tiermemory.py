@@ -60,7 +60,9 @@ class HostTierMemory:
     ) -> None:  # fmt: skip
         import torch
 
-        self.file = CpuOwnedArena(num_blocks * layout.block_nbytes, shm_dir, f"{epoch}-host")
+        self.file = CpuOwnedArena(
+            num_blocks * layout.block_nbytes, shm_dir, f"{epoch}-host", "the host tier (--host-blocks, --host-bytes)"
+        )
         self.registered = 0
         try:
             raw = torch.from_file(self.file.handle, shared=True, size=self.file.nbytes, dtype=torch.uint8)

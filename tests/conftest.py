@@ -40,6 +40,13 @@ def free_port() -> int:
 PoolProcess = ServerProcess
 
 
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh directory on the shared-memory tmpfs: the only kind ``kvpool serve --shm-dir`` accepts."""
+    with tempfile.TemporaryDirectory(prefix="kvp-shm-", dir="/dev/shm") as tmp:
+        yield Path(tmp)
+
+
 def start_pool(
     *flags: str,
     env: dict[str, str] | None = None,

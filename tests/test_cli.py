@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.client import PoolClient
 from kvpool.server.launch import SOURCE_ROOT, ServerProcess, child_env, spawn
+from kvpool.server.shm import filesystem_of
 from tests.conftest import cuda_available, free_port
 
 TOKEN = "newcomer-token"
@@ -47,7 +48,7 @@ def serve(workdir: Path, *flags: str, port: int = 0, env: dict[str, str] | None 
 
 @pytest.fixture
 def workdir() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="kvp-cli-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvp-cli-", dir="/dev/shm") as tmp:  # serve's --shm-dir must be tmpfs
         yield Path(tmp)
 
 
@@ -182,6 +183,71 @@ def test_port_in_use_is_one_line(workdir: Path) -> None:
         "serve the Unix socket only"
     )
     assert not (workdir / "other.sock").exists()
+
+
+def test_a_socket_whose_directory_cannot_be_made_is_one_line(workdir: Path) -> None:
+    (workdir / "file").write_text("")
+    sock = workdir / "file" / "kvpool.sock"
+    done = kvpool("serve", "--socket", str(sock), "--port", "0", "--backend", "cpu", "--shm-dir", str(workdir))
+    assert done.returncode == 1
+    line = one_line(done)
+    assert line.startswith(f"kvpool serve: --socket {sock}: cannot create its directory {sock.parent} ("), line
+
+
+@pytest.mark.parametrize(
+    ("flags", "names"),
+    [
+        (["--arena-bytes", "100TiB"], "make the arena smaller (--num-blocks, --arena-bytes)"),
+        (["--host-bytes", "100TiB"], "make the host tier smaller (--host-blocks, --host-bytes)"),
+    ],
+    ids=["arena", "host-tier"],
+)
+def test_an_arena_or_host_tier_larger_than_the_shm_dir_is_one_line_before_listening(
+    workdir: Path, flags: list[str], names: str
+) -> None:
+    sock = workdir / "kvpool.sock"
+    done = kvpool("serve", "--socket", str(sock), "--port", "0", "--backend", "cpu", "--shm-dir", str(workdir), *flags)
+    assert done.returncode == 2
+    line = one_line(done)
+    assert line.startswith("kvpool serve: the ") and f"--shm-dir {workdir} has " in line and names in line, line
+    assert "listening" not in done.stdout + done.stderr and not sock.exists()
+
+
+def test_a_shm_dir_that_does_not_exist_is_refused_not_created(workdir: Path) -> None:
+    typo = workdir / "shm-typo"
+    done = kvpool("serve", "--socket", str(workdir / "s.sock"), "--port", "0", "--backend", "cpu",
+                  "--shm-dir", str(typo))  # fmt: skip
+    assert done.returncode == 2
+    assert one_line(done).startswith(f"kvpool serve: --shm-dir {typo} (KVPOOL_SHM_DIR) is not a directory: ")
+    assert not typo.exists()
+
+
+def test_a_shm_dir_on_disk_is_refused() -> None:
+    with tempfile.TemporaryDirectory(prefix="kvp-cli-disk-", dir=SOURCE_ROOT) as tmp:
+        kind = filesystem_of(Path(tmp))
+        if kind in (None, "tmpfs", "ramfs"):
+            pytest.skip(f"the checkout is on {kind}, not on a disk")
+        done = kvpool("serve", "--socket", str(Path(tmp) / "s.sock"), "--port", "0", "--backend", "cpu",
+                      "--shm-dir", tmp)  # fmt: skip
+        assert done.returncode == 2
+        assert one_line(done) == (
+            f"kvpool serve: --shm-dir {tmp} (KVPOOL_SHM_DIR) is on {kind}, not tmpfs: the KV would be a file on "
+            "disk; give a tmpfs directory such as /dev/shm"
+        )
+        assert list(Path(tmp).iterdir()) == []
+
+
+def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path: Path) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_text(
+        "22 1 8:1 / / rw - ext4 /dev/sda1 rw\n"
+        "23 22 0:5 / /dev/shm rw - tmpfs tmpfs rw\n"
+        "24 22 0:6 / /dev/shm\\040x rw - xfs /dev/sdb rw\n"
+    )
+    assert filesystem_of(Path("/dev/shm/kvp"), info) == "tmpfs"
+    assert filesystem_of(Path("/dev/shmx"), info) == "ext4"
+    assert filesystem_of(Path("/dev/shm x/y"), info) == "xfs"
+    assert filesystem_of(Path("/"), tmp_path / "none") is None
 
 
 def test_invalid_settings_are_one_line() -> None:

@@ -8,6 +8,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import tomllib
 import unicodedata
 from pathlib import Path
 
@@ -121,3 +122,25 @@ def test_the_slugs_are_githubs() -> None:
     assert (
         slug("Slabs: alloc, free and handoffs with no round trip") == "slabs-alloc-free-and-handoffs-with-no-round-trip"
     )
+
+
+def install_lines(page: Path) -> list[str]:
+    """Each ``pip install`` and ``docker/install.sh`` command a page tells a reader to run, in code or in a block."""
+    text = page.read_text()
+    return [m[0] for m in re.finditer(r"(?:pip install|bash docker/install\.sh)[^`\n]*", text)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_install_lines_install_from_a_checkout(page: Path) -> None:
+    # kvpool is on no package index: a line naming the package ("kvpool", "kvpool[vllm]") fails on a fresh machine
+    for line in install_lines(page):
+        words = shlex.split(line.split("#")[0].split("&&")[0])
+        targets = [w for w in words[2:] if not w.startswith("-") and "torch" not in w]
+        assert targets and all(t.startswith(".") for t in targets), f"{page.name}: {line!r} installs no checkout"
+
+
+def test_the_vllm_extra_names_the_tested_range() -> None:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (vllm,) = extras["vllm"]
+    assert vllm.replace(" ", "") == "vllm>=0.26,<0.27", "resident and copy mode are tested with vLLM 0.26 only"
+    assert "vLLM 0.26" in (ROOT / "docs" / "vllm.md").read_text()

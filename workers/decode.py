@@ -35,6 +35,7 @@ from typing import Any
 
 from kvpool.devices import DeviceSession
 from kvpool.errors import HandoffNotFound, KvpoolError, PoolExhausted
+from kvpool.handoffs import Claim
 from kvpool.protocol import LookupResponse
 from kvpool.workers.cli import (
     add_model_arguments,
@@ -88,12 +89,19 @@ class DecodeWorker:
         records: list[dict[str, Any]] = []
         if self.waiting:  # preempted sequences come first
             return records
+        refused: list[tuple[Claim, str]] = []  # claims this worker cannot decode: freed once they are its own
         for i in range(min(limit, self.max_batch - len(self.running))):
             try:
                 claim = self.pool.claim(None, timeout_s=wait_s if i == 0 else 0.0)
             except HandoffNotFound:
                 break
-            meta = HandoffMeta.from_dict(claim.meta)
+            try:
+                meta = HandoffMeta.checked(claim.request_id, claim.meta, self.model.config.vocab_size)
+                if len(claim.block_ids) < blocks_needed(claim.num_tokens, self.block_size):
+                    raise ValueError(f"{len(claim.block_ids)} blocks cannot hold {claim.num_tokens} tokens")
+            except ValueError as exc:
+                refused.append((claim, str(exc)))
+                continue
             seq = Sequence(
                 request_id=claim.request_id,
                 prompt_len=claim.num_tokens,
@@ -105,12 +113,18 @@ class DecodeWorker:
             self._order += 1
             self.admitted[seq.request_id] = Admitted(meta, time.time(), claim.direct, self._order)
             self.running.append(seq)
+        not_ours: set[str] = set()
         try:
             self.pool.confirm()
         except KvpoolError as exc:
             if not exc.refused:
                 raise
-            records += self._drop(set(exc.refused), str(exc))
+            not_ours = set(exc.refused)
+            records += self._drop(not_ours, str(exc))
+        for claim, why in refused:
+            if claim.request_id not in not_ours:
+                self.pool.free(claim.block_ids)
+            records.append({"request_id": claim.request_id, "error": f"refused: {why}", "tokens": []})
         records += self._retire()
         return records
 

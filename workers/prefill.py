@@ -42,7 +42,7 @@ from kvpool.workers.cli import (
     synchronize,
 )
 from kvpool.workers.model import KVCaches, LlamaModel
-from kvpool.workers.request import GenerationRequest, HandoffMeta
+from kvpool.workers.request import GenerationRequest, HandoffMeta, check_tokens
 from kvpool.workers.sequence import blocks_needed
 
 
@@ -69,6 +69,8 @@ class PrefillWorker:
         self.batcher = PrefillBatcher(model, kv_caches, pool, block_size, token_budget, max_running)
 
     def submit(self, req: GenerationRequest, arrived_at: float | None = None) -> None:
+        """Queue ``req``; a ValueError, and nothing queued, if the model cannot embed one of its tokens."""
+        check_tokens(req.request_id, req.prompt, self.model.config.vocab_size)
         self.batcher.add(req, arrived_at)
 
     @property

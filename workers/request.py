@@ -37,12 +37,24 @@ class GenerationRequest:
             raise ValueError(f"request {req.request_id!r}: salt must be a string of 1 to 256 characters")
         if not req.prompt:
             raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        check_tokens(req.request_id, req.prompt)
         if req.max_new_tokens < 1:
             raise ValueError(f"request {req.request_id!r}: max_new_tokens must be at least 1")
         return req
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def check_tokens(request_id: str, tokens: list[int], vocab_size: int | None = None) -> None:
+    """Refuse a token id the model cannot embed, so that one bad request is refused and the worker serves on."""
+    for t in tokens:
+        if t < 0:
+            raise ValueError(f"request {request_id!r}: token id {t} is negative")
+        if vocab_size is not None and t >= vocab_size:
+            raise ValueError(
+                f"request {request_id!r}: token id {t} is not in the model's vocabulary (0 to {vocab_size - 1})"
+            )
 
 
 def read_requests(stream: IO[str]) -> Iterator[GenerationRequest]:
@@ -80,3 +92,15 @@ class HandoffMeta:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HandoffMeta:
         return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+    @classmethod
+    def checked(cls, request_id: str, data: dict[str, Any], vocab_size: int) -> HandoffMeta:
+        """The meta of a handoff, or a ValueError saying why a decode worker cannot decode it."""
+        try:
+            meta = cls.from_dict(data)
+        except TypeError as exc:
+            raise ValueError(f"request {request_id!r}: its handoff's meta is not a prefill's: {exc}") from None
+        if type(meta.first_token) is not int or type(meta.max_new_tokens) is not int or meta.max_new_tokens < 1:
+            raise ValueError(f"request {request_id!r}: first_token and max_new_tokens (at least 1) must be integers")
+        check_tokens(request_id, [meta.first_token, *(meta.prompt or [])], vocab_size)
+        return meta

@@ -20,11 +20,11 @@ INSTALL = DOCKER / "install.sh"
 IGNORE = DOCKER / "Dockerfile.dockerignore"
 
 
-def instructions() -> list[tuple[str, str]]:
+def instructions(dockerfile: Path = DOCKERFILE) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
     out: list[tuple[str, str]] = []
     pending = ""
-    for line in DOCKERFILE.read_text().splitlines():
+    for line in dockerfile.read_text().splitlines():
         if not pending and (not line.strip() or line.lstrip().startswith("#")):
             continue
         pending += line.rstrip()
@@ -37,8 +37,8 @@ def instructions() -> list[tuple[str, str]]:
     return out
 
 
-def args_of(name: str) -> list[str]:
-    return [rest for word, rest in instructions() if word == name]
+def args_of(name: str, dockerfile: Path = DOCKERFILE) -> list[str]:
+    return [rest for word, rest in instructions(dockerfile) if word == name]
 
 
 def test_base_is_a_pinned_cuda_pytorch_runtime() -> None:
@@ -62,8 +62,8 @@ def test_installs_only_through_the_ci_script() -> None:
         assert not re.search(r"\b(pip|uv|conda)\b", run), f"install through docker/install.sh, not: {run}"
 
 
-def arg_defaults() -> dict[str, str]:
-    return dict(arg.partition("=")[::2] for arg in args_of("ARG"))
+def arg_defaults(dockerfile: Path = DOCKERFILE) -> dict[str, str]:
+    return dict(arg.partition("=")[::2] for arg in args_of("ARG", dockerfile))
 
 
 def test_runs_as_a_non_root_user() -> None:

@@ -17,7 +17,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-vllm = pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+vllm = pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
 
 from kvpool.client import PoolClient  # noqa: E402
 from kvpool.integrations.vllm.connector import counters  # noqa: E402

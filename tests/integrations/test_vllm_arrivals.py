@@ -42,7 +42,7 @@ def test_a_hook_that_fails_never_fails_the_request(caplog: pytest.LogCaptureFixt
 
 
 def test_the_engine_core_is_wrapped_once_however_many_connectors_start() -> None:
-    core = pytest.importorskip("vllm.v1.engine.core", reason="needs vLLM (pip install 'kvpool[vllm]')")
+    core = pytest.importorskip("vllm.v1.engine.core", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
     before = core.EngineCore.preprocess_add_request
     try:
         assert arrivals.install() and arrivals.install()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="needs vLLM (pip install 'kvpool[vllm]')")
+pytest.importorskip("vllm.v1.core.kv_cache_manager", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
 
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name

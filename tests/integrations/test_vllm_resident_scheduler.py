@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec

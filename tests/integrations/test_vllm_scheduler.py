@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-vllm = pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+vllm = pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
 
 from vllm.config import (  # noqa: E402
     CacheConfig,

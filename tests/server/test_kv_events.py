@@ -197,9 +197,11 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
         assert_metrics(pool)
         work.close()
 
+        socket_dir, pool.workdir = pool.workdir, None  # the new pool's socket goes there too: it removes it
         pool.stop(signal.SIGTERM)  # a new pool on the same addresses: its first batch clears what routers hold
         pool = serve([*flags, "--socket", str(pool.socket), "--port", str(pool.port)], port=pool.port,
                      socket=pool.socket)  # fmt: skip
+        pool.workdir = socket_dir  # (serve's own log directory goes with the process object)
         work = Workload(pool, seed=16)
         for _ in range(100):
             work.run(1)
@@ -218,16 +220,16 @@ def test_router_rebuilds_index_from_events(form: tuple[str, str], ports: tuple[i
 
 
 @pytest.mark.slow
-def test_an_endpoint_in_use_stops_the_pool_saying_which(tmp_path: Path) -> None:
+def test_an_endpoint_in_use_stops_the_pool_saying_which(tmp_path: Path, shm_dir: Path) -> None:
     taken = zmq.Context.instance().socket(zmq.PUB)
     port = taken.bind_to_random_port("tcp://127.0.0.1")
     try:
         done = kvpool("serve", "--backend", "cpu", "--port", "0", "--socket", str(tmp_path / "s.sock"),
-                      "--shm-dir", str(tmp_path), "--num-blocks", "8", "--log-level", "warning",
+                      "--shm-dir", str(shm_dir), "--num-blocks", "8", "--log-level", "warning",
                       "--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-mode", "bind")  # fmt: skip
     finally:
         taken.close(linger=0)
     assert done.returncode == 1
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("kvpool: could not start: ") and "--kv-events-endpoint" in last, done.stderr
-    assert not list(tmp_path.glob("kvpool-*")), "the arena file was left behind"
+    assert not list(shm_dir.glob("kvpool-*")), "the arena file was left behind"

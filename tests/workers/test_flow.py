@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.client import http_client
+from kvpool.client import PoolClient, http_client
 from kvpool.workers import demo
+from kvpool.workers.cli import TINY
 from kvpool.workers.kvcache import layout_for
 from kvpool.workers.model import LlamaModel
 from kvpool.workers.monolithic import greedy_generate
+from kvpool.workers.prefill import wait_for_session
 from kvpool.workers.request import GenerationRequest
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
 
@@ -122,3 +126,52 @@ def test_demo_in_half_precision_matches_to_the_bit(dtype: str) -> None:
     """The prefix-hit requests are where packing differs most from the reference: batch invariance makes them equal."""
     out = _run_demo(["--json", "--dtype", dtype, "--max-new-tokens", "12"])
     assert out["all_match"] and out["batch_invariant"] and out["hit_tokens"] > 0
+
+
+def test_a_bad_request_is_refused_to_its_sender_and_the_workers_serve_on(workdir: Path) -> None:
+    """Token ids the model cannot embed: the prefill answers that request with an error line and serves the rest;
+    a handoff whose meta names such a token is refused by the decode worker, its blocks freed, and it decodes on."""
+    bs = 8
+    pool = demo.start_pool(layout_for(TINY, bs, "float32", "block_major"), 64, workdir, BACKEND, "random-tiny-seed0")
+    good = [GenerationRequest("a", [1, 2, 3], 3), GenerationRequest("b", [4, 5, 6, 7], 3)]
+    lines = [
+        good[0].to_json(),
+        json.dumps({"request_id": "big", "prompt": [1, TINY.vocab_size], "max_new_tokens": 3}),
+        json.dumps({"request_id": "neg", "prompt": [1, -5], "max_new_tokens": 3}),
+        good[1].to_json(),
+    ]
+    (workdir / "requests.jsonl").write_text("\n".join(lines) + "\n")
+    base = ["--pool", pool.url, "--random-model", "--threads", "1"]
+    decoding = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.workers.decode", *base, "--name", "decode-0", "--num-requests", "3"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        with PoolClient(url=pool.url, name="bad-producer", role="prefill") as producer:
+            wait_for_session(producer, "decode-0", 120)
+            meta = {"prompt_len": 3, "first_token": TINY.vocab_size + 7, "max_new_tokens": 3, "arrived_at": 0.0,
+                    "handed_off_at": 0.0, "computed_tokens": 3, "hit_tokens": 0}  # fmt: skip
+            producer.handoff("evil", producer.alloc(1), 3, meta=meta, to="decode-0")
+            prefill = subprocess.run(
+                [sys.executable, "-m", "kvpool.workers.prefill", *base, "--handoff-to", "decode-0",
+                 "--requests", str(workdir / "requests.jsonl")],
+                capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+        stdout, stderr = decoding.communicate(timeout=300)
+        with http_client(pool.url, None, 5.0) as http:
+            stats = http.get("/stats").json()
+    finally:
+        if decoding.poll() is None:
+            decoding.kill()
+        pool.stop()
+    out = {r["request_id"]: r for r in map(json.loads, prefill.stdout.splitlines())}
+    assert set(out) == {"a", "big", "neg", "b"}, prefill.stderr
+    assert "token id 512 is not in the model's vocabulary (0 to 511)" in out["big"]["error"]
+    assert "token id -5 is negative" in out["neg"]["error"]
+    assert "error" not in out["a"] and "error" not in out["b"]
+    assert prefill.returncode == 1 and "Traceback" not in prefill.stderr, "exits 1 once done: some requests failed"
+    done = {r["request_id"]: r for r in map(json.loads, stdout.splitlines())}
+    assert set(done) == {"evil", "a", "b"} and decoding.returncode == 0, stderr
+    assert "token id 519 is not in the model's vocabulary" in done["evil"]["error"]
+    assert [len(done[r.request_id]["tokens"]) for r in good] == [3, 3]
+    assert stats["in_use"] == 0 and stats["handoffs"] == 0, "a refused request kept blocks"

@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from kvpool.workers.request import GenerationRequest, read_requests
+from kvpool.workers.request import GenerationRequest, HandoffMeta, check_tokens, read_requests
+
+META = {"prompt_len": 3, "first_token": 5, "max_new_tokens": 4, "arrived_at": 0.0, "handed_off_at": 0.0,
+        "computed_tokens": 3, "hit_tokens": 0}  # fmt: skip
 
 
 def test_a_request_round_trips_with_its_salt() -> None:
@@ -41,3 +44,30 @@ def test_bad_requests_are_refused_with_the_reason(fields: dict[str, object], why
 def test_a_request_is_an_object() -> None:
     with pytest.raises(ValueError, match="a request is a JSON object"):
         GenerationRequest.from_json("[1, 2]")
+
+
+def test_a_negative_token_id_is_refused_as_the_request_is_read() -> None:
+    with pytest.raises(ValueError, match="request 'bad': token id -1 is negative"):
+        GenerationRequest.from_json('{"request_id": "bad", "prompt": [3, -1]}')
+
+
+def test_token_ids_outside_the_vocabulary_are_refused() -> None:
+    check_tokens("ok", [0, 511], 512)
+    with pytest.raises(ValueError, match=r"token id 512 is not in the model's vocabulary \(0 to 511\)"):
+        check_tokens("big", [1, 512], 512)
+
+
+@pytest.mark.parametrize(
+    ("meta", "why"),
+    [
+        ({"first_token": 9}, "its handoff's meta is not a prefill's"),
+        ({**META, "first_token": 600}, "token id 600 is not in the model's vocabulary"),
+        ({**META, "prompt": [1, -2]}, "token id -2 is negative"),
+        ({**META, "first_token": "7"}, "must be integers"),
+        ({**META, "max_new_tokens": 0}, "must be integers"),
+    ],
+)
+def test_a_handoff_meta_the_decode_cannot_use_is_refused(meta: dict[str, object], why: str) -> None:
+    assert HandoffMeta.checked("r", META, 512).first_token == 5
+    with pytest.raises(ValueError, match=why):
+        HandoffMeta.checked("r", meta, 512)
