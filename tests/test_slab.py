@@ -494,10 +494,10 @@ def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(tmp_path: Path) -> None:
+def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(shm_dir: Path) -> None:
     """Issue 46, finding 8: a SIGKILLed pool left its slab table in the shm directory for good; the next pool there
     removes the tables of pools that are gone (and of no live one)."""
-    shm = tmp_path / "shm"
+    shm = shm_dir
     killed = start_pool(*SMALL_POOL, "--slabs", "--shm-dir", str(shm))
     live = start_pool(*SMALL_POOL, "--slabs", "--shm-dir", str(shm))
     try:
