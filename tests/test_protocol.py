@@ -25,7 +25,7 @@ metas = st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(ma
 def test_a_hand_written_handoff_is_the_model_s_own(session, request, tokens, meta, ttl, to):
     body = handoff_json(session, request, tokens, json.dumps(meta, separators=(",", ":")).encode(), ttl, to)
     fields = {"session_id": session, "request_id": request, "num_tokens": tokens, "meta": meta, "ttl_s": ttl, "to": to}
-    assert json.loads(body) == {**fields, "block_ids": [], "keep": False}
+    assert json.loads(body) == {**fields, "block_ids": [], "keep": False, "sealed": False}
     assert HandoffRequest.model_validate_json(body) == HandoffRequest(block_ids=[], **fields)
 
 
