@@ -43,6 +43,7 @@ from kvpool.server.gates import BodyLimit, Receive, RequireToken
 from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
+from kvpool.server.records import sweep_period_s
 from kvpool.server.slab_api import slab_router
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,7 @@ def _stop_on_failure(app: FastAPI, task: asyncio.Task[None]) -> None:
 
 async def _sweep(plane: ControlPlane) -> None:
     """Release expired sessions and handoffs often enough to keep reclaim within a second of the lease."""
-    s = plane.settings
-    period = max(0.02, min(0.5, s.lease_ttl_s / 4, s.handoff_ttl_s / 4))
+    period = sweep_period_s(plane.settings.lease_ttl_s, plane.settings.handoff_ttl_s)
     while True:
         await asyncio.sleep(period)
         try:

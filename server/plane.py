@@ -49,7 +49,7 @@ from kvpool.server.pool import Pool
 from kvpool.server.prefix import DIGESTS, token_bytes
 from kvpool.server.processes import Peer, ProcTable
 from kvpool.server.quarantine import Quarantine
-from kvpool.server.records import Limits, Session
+from kvpool.server.records import Limits, Session, sweep_period_s
 from kvpool.server.slabs import SlabBooks, open_slab_table
 from kvpool.server.tiercopy import ArenaCopier
 from kvpool.server.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
@@ -116,6 +116,7 @@ class ControlPlane:
             layout,
             lease_ttl_s=s.lease_ttl_s,
             handoff_ttl_s=s.handoff_ttl_s,
+            pause_slack_s=2 * sweep_period_s(s.lease_ttl_s, s.handoff_ttl_s),
             model=s.model,
             digest=DIGESTS[s.prefix_hash],
             epoch=self.epoch,
@@ -185,7 +186,14 @@ class ControlPlane:
         if self.slabs is not None:
             self.slabs.settle_all()
         if self._pool is not None:
+            paused = self._pool.paused_s
             sessions, handoffs = self._pool.expire()
+            if self._pool.paused_s > paused:
+                log.warning(
+                    "the pool did not run for %.1f s (stopped, frozen, swapped out or starved): leases and handoff "
+                    "time-outs were moved on by that much, so that no client is expired for a silence the pool "
+                    "could not hear", self._pool.paused_s - paused,
+                )  # fmt: skip
             if sessions or handoffs:
                 log.info("released %d expired sessions and %d unclaimed handoffs", sessions, handoffs)
 

@@ -61,6 +61,10 @@ class Pool(Parking, PoolStats):
     layout: KVLayout
     lease_ttl_s: float = 10.0
     handoff_ttl_s: float = 60.0
+    #: the longest the pool's clock may move between two of its own readings while the pool runs (the server reads
+    #: it at least every sweep); a longer gap was a pause (SIGSTOP, a frozen cgroup, swap, a debugger), and only
+    #: this much of it counts towards leases and handoff time-outs. None: every second counts (a test's clock)
+    pause_slack_s: float | None = None
     model: str = ""
     clock: Clock = time.monotonic
     epoch: str = field(default_factory=lambda: secrets.token_hex(8))
@@ -81,6 +85,11 @@ class Pool(Parking, PoolStats):
     quarantine: Quarantine | None = None
 
     def __post_init__(self) -> None:
+        self.paused_s = 0.0  # how long the pool did not run, all pauses together
+        if self.pause_slack_s is not None:
+            self._wall = self.clock
+            self._last_read = self._wall()
+            self.clock = self._heard
         self.index = PrefixIndex(self.index_listener)
         tier = self.host_tier
         self._forget = tier.evicted if tier else self.index.remove_block
@@ -117,6 +126,22 @@ class Pool(Parking, PoolStats):
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
         self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
         self._seq = 0
+
+    def _heard(self) -> float:
+        """The pool's time as it could hear its clients: the clock, less the pauses it slept through.
+
+        A lease counts a client's silence as the pool heard it. A pool that was not running heard nothing, and the
+        heartbeats its clients sent meanwhile wait in its sockets: expiring them when it wakes, before it read
+        those, would release every healthy session's blocks. So a gap between two readings longer than
+        ``pause_slack_s`` counts as that slack alone, and every deadline (kept in this time) moves with the pause.
+        """
+        wall = self._wall()
+        gap = wall - self._last_read
+        self._last_read = wall
+        assert self.pause_slack_s is not None
+        if gap > self.pause_slack_s:
+            self.paused_s += gap - self.pause_slack_s
+        return wall - self.paused_s
 
     # -- sessions ---------------------------------------------------------------------------------------
 

@@ -15,6 +15,14 @@ REFUSALS_KEPT = 4096
 #: names held under a name key that the pool remembers; past it, the least recently opened of those that no
 #: session holds now is forgotten first
 NAMES_KEPT = 4096
+
+
+def sweep_period_s(lease_ttl_s: float, handoff_ttl_s: float) -> float:
+    """How often the server sweeps expired sessions and handoffs: often enough to reclaim within a second of a
+    lease, and so how long the pool may go without reading its clock while it runs (see ``Pool.pause_slack_s``)."""
+    return max(0.02, min(0.5, lease_ttl_s / 4, handoff_ttl_s / 4))
+
+
 #: the shape of every session id a pool makes: its epoch's first 8 hex digits, a dash, a random part
 SESSION_ID = re.compile(r"[0-9a-f]{8}-[0-9A-Za-z_-]+")
 

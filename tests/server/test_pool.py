@@ -518,3 +518,40 @@ def test_a_handoff_that_keeps_the_producer_s_refs_takes_its_own_on_committed_blo
     assert pool.stats()["in_use"] == 2 and balanced(pool)
     pool.free(d, claim.block_ids)
     assert pool.stats()["in_use"] == 0 and pool.stats()["cached"] == 2 and balanced(pool)
+
+
+def test_a_claim_says_which_session_parked_the_handoff():
+    pool = make_pool(Clock())
+    p = pool.open_session("prefill-0", "prefill").session_id
+    q = pool.open_session("attacker", "other").session_id
+    d = pool.open_session("decode-0", "decode").session_id
+    pool.handoff(p, "r", pool.alloc(p, 1), 4, sealed=True)
+    taken = pool.claim(q, "r")  # whoever knows the id takes it, and may park its own blocks under it again
+    pool.free(q, taken.block_ids)
+    pool.handoff(q, "r", pool.alloc(q, 1), 4, sealed=True)
+    assert pool.claim(d, "r").parked_by == "attacker"  # which the consumer sees, and refuses
+
+
+def test_a_paused_pool_expires_nobody_for_the_silence_it_did_not_hear():
+    """A pool stopped longer than the lease (SIGSTOP, a frozen cgroup) wakes with its clients' heartbeats queued in
+    its sockets: its first sweep must not expire them before it reads those."""
+    clock = Clock()
+    pool = Pool(8, KVLayout(block_size=4), lease_ttl_s=2.0, handoff_ttl_s=5.0, clock=clock, pause_slack_s=0.5)
+    a, b = (pool.open_session(name, "other").session_id for name in ("a", "b"))
+    ids = pool.alloc(a, 2)
+    pool.handoff(a, "r", pool.alloc(a, 1), 4)
+    for _ in range(3):  # running: the sweep reads the clock every quarter second, the clients beat every 0.6 s
+        clock.now += 0.25
+        pool.expire()
+        clock.now += 0.35
+        pool.heartbeat(a), pool.heartbeat(b)
+    clock.now += 60.0  # stopped for a minute, past the lease and the handoff's time-out
+    assert pool.expire() == (0, 0)
+    pool.heartbeat(a), pool.heartbeat(b)  # what they sent meanwhile, read now
+    assert pool.paused_s == pytest.approx(59.5)
+    assert pool.held(a) == ids and pool.claim(b, "r").num_tokens == 4
+    for _ in range(10):  # running again: a silent client's lease runs out as before, counted as the pool heard it
+        clock.now += 0.25
+        pool.heartbeat(a)
+        pool.expire()
+    assert pool.live_sessions() == [pool.sessions[a]] and pool.counters.sessions_expired == 1
