@@ -15,6 +15,9 @@ What it checks, and exits non-zero on:
   (nobody else wrote into a block it held), each committed block carries a stamp derived from its tokens that
   every prefix hit and every claim checks (a hit never hands back other tokens' KV);
 * killed workers (a subprocess SIGKILLed while holding blocks, prefix refs and a parked handoff) lose nothing;
+* a paused pool (one it started: SIGSTOPped for ``--pause-s``, past the lease, every ``--pause-every`` seconds, then
+  SIGCONTed) expires nobody: its clients heartbeat all along, so no client's session may be lost (each one lost is
+  counted, and a violation);
 * stale ids: each client also frees, commits or hands off ids it let go of (their blocks freed and handed out again
   meanwhile, or not), alone or beside one it holds; the pool must refuse every such call whole (409), and the
   books and every later check above must not notice;
@@ -92,6 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--crash-every", type=float, default=1.5,
                         help="seconds between killed workers (0: none) [1.5]")  # fmt: skip
     parser.add_argument("--no-verify-data", action="store_true", help="do not map the arena to stamp and check bytes")
+    parser.add_argument("--pause-every", type=float, default=12.0,
+                        help="seconds between pauses of the pool it starts (0: none) [12]")  # fmt: skip
+    parser.add_argument("--pause-s", type=float, default=None,
+                        help="how long each pause lasts [1.5 leases]")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="also write the summary alone here")
     parser.add_argument(
         "--slabs",
@@ -265,6 +272,19 @@ def kill_workers(url: str, block_size: int, ttl_s: float, every: float, tally: T
             tally.violation("a crash worker died before it was ready")
 
 
+def pause_pool(pid: int, every: float, pause_s: float, tally: Tally, stop: threading.Event) -> None:
+    """Every ``every`` seconds, stop the pool's process for ``pause_s`` (SIGSTOP, as a debugger, a frozen cgroup or
+    swap would), then let it go on."""
+    while not stop.wait(every):
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(pause_s)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        with tally.lock:
+            tally.pauses += 1
+
+
 # -- the run ------------------------------------------------------------------------------------------------
 
 
@@ -339,6 +359,10 @@ def run(args: argparse.Namespace) -> int:
             kill_args = (url, shared.block_size, args.handoff_ttl_s, args.crash_every, tally, side_stop, shared,
                          slab_to)  # fmt: skip
             side.append(threading.Thread(target=kill_workers, args=kill_args))
+        if args.pause_every > 0 and server is not None:  # never someone else's pool
+            pause_s = args.pause_s if args.pause_s is not None else 1.5 * args.lease_ttl_s
+            pause_args = (server.proc.pid, args.pause_every, pause_s, tally, side_stop)
+            side.append(threading.Thread(target=pause_pool, args=pause_args))
         dropped = DroppedHandoffs(tally)
         logging.getLogger("kvpool.slabbox").addHandler(dropped)
         t0 = tally.t0 = time.monotonic()
@@ -389,6 +413,8 @@ def run(args: argparse.Namespace) -> int:
         "seed",
         "host_blocks",
         "slabs",
+        "pause_every",
+        "pause_s",
     )
     config = {k: getattr(args, k) for k in names}
     report = harness.Report("soak", args, machine.Device("cpu"), config)

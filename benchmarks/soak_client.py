@@ -21,7 +21,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.client import PoolClient
-from kvpool.errors import HandoffNotFound, KvpoolError, NotOwner, PoolExhausted, StaleBlock
+from kvpool.errors import (
+    HandoffNotFound,
+    KvpoolError,
+    NotOwner,
+    PoolExhausted,
+    PoolRestarted,
+    StaleBlock,
+    UnknownSession,
+)
 from kvpool.ids import BLOCK_MASK, block_of
 from kvpool.slabtable import HANDED, IDLE
 
@@ -51,6 +59,8 @@ class Tally:
     in_use: list[tuple[float, int]] = field(default_factory=list)  # (seconds since the start, blocks in use)
     t0: float = field(default_factory=time.monotonic)
     crashed: int = 0
+    pauses: int = 0  # times the pool was stopped and went on
+    lost: int = 0  # calls refused because the pool lost the (heartbeating) client's session: expired, restarted
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def op(self, kind: str) -> None:
@@ -192,6 +202,9 @@ class Client:
                 tally.violation(f"{kind} answered handoff not found: {exc}")
         except KvpoolError as exc:  # nothing else can happen to a correct client of a correct pool
             tally.error(kind, exc)
+            if isinstance(exc, (UnknownSession, PoolRestarted)):
+                with tally.lock:
+                    tally.lost += 1
             tally.violation(f"client {self.index} {kind}: {type(exc).__name__} (status {exc.status}): {exc}")
 
     def check(self, ref: Ref, what: str) -> None:

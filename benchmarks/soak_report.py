@@ -25,6 +25,8 @@ def summarize(args: argparse.Namespace, tally: Tally, elapsed: float, kinds: lis
         "max_in_use": tally.max_in_use,
         "num_blocks": end["num_blocks"],
         "crashed_workers": tally.crashed,
+        "pool_pauses": tally.pauses,
+        "lost_sessions": tally.lost,
         "stale_refused": end["counters"]["stale_refused"],
         "end": {k: end[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
         "start": {k: start[k] for k in ("free", "in_use", "cached", "handoffs", "sessions")},
@@ -50,7 +52,8 @@ def print_summary(s: dict[str, Any]) -> None:
                  f"max in use {s['max_in_use']} of {s['num_blocks']}")  # fmt: skip
     lines.append(f"live books: {s['book_checks']} checks of a paused client against its session's blocks, "
                  f"{s['stranded_blocks']} stranded (held by the session, unknown to its client)")  # fmt: skip
-    lines.append(f"killed workers: {s['crashed_workers']}")
+    lines.append(f"killed workers: {s['crashed_workers']}; pool pauses past the lease: {s['pool_pauses']}, "
+                 f"calls refused for a lost session: {s['lost_sessions']}")  # fmt: skip
     lines.append(f"calls refused by the pool for stale ids (kvpool_stale_refused): {s['stale_refused']}")
     if s["host_tier"]:
         lines.append(f"host tier: {s['host_tier']}")
