@@ -42,6 +42,7 @@ from kvpool.server.gates import BodyLimit, Receive, RequireToken
 from kvpool.server.http_errors import ERRORS, error_response, http_error_response, validation_response
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
+from kvpool.server.remote_api import remote_router
 from kvpool.server.slab_api import slab_router
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ def create_app(plane: ControlPlane) -> FastAPI:
         finally:
             for hook in app.state.on_stop:
                 await hook()
+            if plane.remote is not None:
+                await plane.remote.aclose()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -209,6 +212,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
 
     app.include_router(api)
     app.include_router(slab_router(plane))
+    app.include_router(remote_router(plane))
     return app
 
 
