@@ -3,8 +3,9 @@
 Two pools start side by side, each listing the other as its peer; a producer parks N blocks on pool A, a
 consumer claims them through pool B (``POST /remote/claim``), and B's NIXL agent reads them into B's arena. The
 figure is B's own timing of that read (descriptors built, posted, polled until done), beside a READ of the same
-bytes from A's arena, as one descriptor, by a NIXL agent of this process's: what the transfer engine does with no
-pool around it. Also printed: descriptors per handoff (one per run of ids and span of a block).
+bytes from A's arena, as the same spans (one descriptor in block_major order), by a NIXL agent of this process's:
+what the transfer engine does with no pool around it. Also printed: descriptors per handoff (one per run of ids and
+span of a block).
 
 Without a GPU both arenas are host memory and UCX moves the bytes over TCP (or shared memory) on this machine;
 with two GPUs (--gpu 0 --peer-gpu 1) the arenas are on two GPUs of one host. Neither is a second host: see
@@ -36,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=["block_major", "kv_packed", "layer_major"], default="block_major",
                         help="the arenas' order: spans per block, so descriptors per run [block_major: 1]")  # fmt: skip
     parser.add_argument("--peer-gpu", type=int, default=None, help="pool B's GPU [the same as --gpu]")
+    parser.add_argument("--arena-handle", choices=["legacy", "vmm", "auto"], default="legacy",
+                        help="the GPU arenas' memory: legacy is cudaMalloc; UCX reads VMM memory far slower unless "
+                        "it is allocated RDMA-capable (docs/across-nodes.md) [legacy]")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,15 +53,17 @@ def run(args: argparse.Namespace) -> int:
     num_blocks = 2 * max(counts) + 8
     report = harness.Report("remote", args, device, {})
     report.config.update(blocks=counts, rounds=rounds, warmup_rounds=1, layout=layout.model_dump(),
-                         arena_blocks=num_blocks, ucx_tls=os.environ.get("UCX_TLS"))  # fmt: skip
+                         arena_blocks=num_blocks, ucx_tls=os.environ.get("UCX_TLS"),
+                         arena_handle=args.arena_handle if device.is_cuda else None)  # fmt: skip
     if not device.is_cuda:
         report.notes.append("ran without a GPU: two host arenas on one machine, UCX over loopback, not a network")
     token = secrets.token_hex(16)
     pa, pb = harness.free_port(), harness.free_port()
     gpu_b = args.peer_gpu if args.peer_gpu is not None else args.gpu
-    a = _pool("a", device, args.gpu, pa, pb, token, layout, num_blocks)
+    handle = ["--arena-handle", args.arena_handle] if device.is_cuda else []
+    a = _pool("a", device, args.gpu, pa, pb, token, layout, num_blocks, handle)
     try:
-        b = _pool("b", device, gpu_b, pb, pa, token, layout, num_blocks)
+        b = _pool("b", device, gpu_b, pb, pa, token, layout, num_blocks, handle)
         try:
             samples = _measure(report, device, gpu_b, pa, pb, token, counts, rounds, layout)
         finally:
@@ -74,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pool(name: str, device: Any, gpu: int, port: int, peer: int, token: str, layout: KVLayout, blocks: int) -> Any:
+def _pool(name: str, device: Any, gpu: int, port: int, peer: int, token: str, layout: KVLayout, blocks: int,
+          extra: list[str]) -> Any:  # fmt: skip
     from kvpool.server import launch
 
     workdir = Path(tempfile.mkdtemp(prefix=f"kvb-{name}-"))
@@ -82,7 +89,7 @@ def _pool(name: str, device: Any, gpu: int, port: int, peer: int, token: str, la
     argv = ["kvpool", "serve", "--backend", device.backend, "--device", str(gpu), "--log-level", "warning",
             "--lease-ttl-s", "3600", "--handoff-ttl-s", "3600", "--num-blocks", str(blocks),
             *harness.layout_flags(layout), "--peers", f"http://127.0.0.1:{peer}", "--token", token,
-            "--socket", str(sock), "--port", str(port)]  # fmt: skip
+            "--socket", str(sock), "--port", str(port), *extra]  # fmt: skip
     return launch.spawn(argv, socket=sock, port=port, log=workdir / f"{name}.log", env=harness.child_env(),
                         timeout_s=300, workdir=workdir)  # fmt: skip
 
