@@ -163,6 +163,12 @@ def test_remote_prefix_is_read_indexed_and_found_here_after(pair: tuple[PoolProc
         assert all(torch.equal(x, y) for x, y in zip(read(decode, got["block_ids"]), want, strict=True))
         decode.free(got["block_ids"])
         assert decode.lookup(tokens).block_ids == got["block_ids"]  # indexed here: a plain lookup finds them
+        before = stats(b.port)
+        r = remote_claim(b.port, decode.session_id, "http://127.0.0.1:1", "req-x")  # not in B's --peers
+        assert r.status_code == 400 and "not a peer" in r.json()["detail"]
+        assert {k: stats(b.port)[k] for k in ("free", "in_use", "cached")} == {
+            k: before[k] for k in ("free", "in_use", "cached")
+        }
     assert stats(a.port)["in_use"] == 0 and stats(a.port)["cached"] == 3
     assert stats(b.port)["in_use"] == 0 and stats(b.port)["cached"] == 3
 
