@@ -6,7 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from kvpool.errors import InvalidRequest
-from kvpool.protocol import LookupRequest
+from kvpool.protocol import ErrorBody, LookupRequest
 from kvpool.remote_protocol import (
     AgentInfo,
     ChainResponse,
@@ -27,7 +27,7 @@ def _remote(plane: ControlPlane) -> RemotePeers:
 
 
 def remote_router(plane: ControlPlane) -> APIRouter:
-    router = APIRouter(prefix="/remote")
+    router = APIRouter(prefix="/remote", responses={code: {"model": ErrorBody} for code in (502, 504)})
 
     @router.get("/agent")
     async def agent() -> AgentInfo:
