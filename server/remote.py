@@ -44,8 +44,9 @@ from kvpool.server.pool import Pool
 
 log = logging.getLogger(__name__)
 
-#: how often a read in flight is asked whether it is done
-POLL_S = 0.0002
+#: how long a read in flight is polled in a row before the loop serves others: asking NIXL is also what moves the
+#: read on (UCX progresses on the caller's thread), so a read polled seldom moves slowly
+SPIN_S = 0.001
 
 
 @dataclass
@@ -210,6 +211,7 @@ class RemotePeers:
         except Exception as exc:  # NIXL's own error types
             raise PeerFailed(f"reading from peer {peer.url} failed to start: {type(exc).__name__}: {exc}") from None
         deadline = time.monotonic() + self.timeout
+        spin = time.monotonic() + SPIN_S
         while True:
             state, why = self.agent.state(handle)
             if state == "DONE":
@@ -219,9 +221,12 @@ class RemotePeers:
                 self.agent.release(handle)
                 raise PeerFailed(f"reading from peer {peer.url} failed ({why}): the peer died or the link broke; "
                                  "nothing was installed, recompute or retry")  # fmt: skip
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise _Stalled(handle)
-            await asyncio.sleep(POLL_S)
+            if now > spin:
+                await asyncio.sleep(0)
+                spin = time.monotonic() + SPIN_S
 
     def _forget(self, peer: Peer) -> None:
         """Drop a failed peer's agent, unless a stalled read of it is pending: that read's end must still be seen
