@@ -25,6 +25,8 @@ from typing import Any
 from kvpool.benchmarks import harness, machine, timings
 from kvpool.layout import KVLayout
 
+VARIANTS = ("handoff", "raw")
+
 LAYOUTS = {
     "8b": KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16", order="block_major"),
     "small": KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, block_size=16, dtype="float16", order="block_major"),
@@ -71,12 +73,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         a.stop()
     for n in counts:
-        ours, raw = timings.summarize_ns(samples[(n, "handoff")]), timings.summarize_ns(samples[(n, "raw")])
-        report.results.append({"blocks": n, "bytes": n * layout.block_nbytes, "handoff": ours, "raw": raw,
-                               "descriptors": report.raw[f"descriptors_{n}"]})  # fmt: skip
+        for v in VARIANTS:
+            stats = timings.summarize_ns(samples[(n, v)])
+            gbps = n * layout.block_nbytes / (stats["p50_us"] * 1e-6) / 1e9
+            report.results.append({"blocks": n, "bytes": n * layout.block_nbytes, "variant": v, "gb_per_s_p50": gbps,
+                                   "descriptors": report.raw[f"descriptors_{n}"], **stats})  # fmt: skip
     _targets(report)
     report.print_block("remote", _body(report))
-    report.save(None)
+    report.save(lambda: harness.bandwidth_plot(report, VARIANTS, "peer pool -> pool read (p50)", "remote"))
     return 0
 
 
@@ -108,7 +112,7 @@ def _measure(report: harness.Report, device: Any, gpu_b: int, pa: int, pb: int, 
     raw_agent, buf, base = _raw_agent(device, gpu_b, max(counts) * layout.block_nbytes)
     peer = raw_agent.connect(info.metadata)
     geometry = Geometry(info.base, info.num_blocks, info.layout)
-    samples: dict[tuple[int, str], list[int]] = {(n, v): [] for n in counts for v in ("handoff", "raw")}
+    samples: dict[tuple[int, str], list[int]] = {(n, v): [] for n in counts for v in VARIANTS}
     with (
         PoolClient(a_url, name="prefill", token=token) as prefill,
         PoolClient(b_url, name="decode", token=token) as dec,
@@ -167,23 +171,27 @@ def _raw_read(agent: Any, peer: str, base: int, spans: list[tuple[int, int]], me
     return took
 
 
+def _row(report: harness.Report, n: int, v: str) -> dict[str, Any]:
+    return next(r for r in report.results if r["blocks"] == n and r["variant"] == v)
+
+
 def _targets(report: harness.Report) -> None:
-    last = report.results[-1]
-    ratio = last["raw"]["p50_us"] / last["handoff"]["p50_us"]
+    n = report.config["blocks"][-1]
+    ours, raw = _row(report, n, "handoff"), _row(report, n, "raw")
+    ratio = raw["p50_us"] / ours["p50_us"]
     report.targets.append(harness.Target(
-        f"handoff read vs raw NIXL READ ({harness.fmt_bytes(last['bytes'])})", ">= 0.9x",
-        f"{harness.fmt_us(last['handoff']['p50_us'])} vs {harness.fmt_us(last['raw']['p50_us'])} ({ratio:.2f}x)",
+        f"handoff read vs raw NIXL READ ({harness.fmt_bytes(ours['bytes'])})", ">= 0.9x",
+        f"{harness.fmt_us(ours['p50_us'])} vs {harness.fmt_us(raw['p50_us'])} ({ratio:.2f}x)",
         ratio >= 0.9 if report.device.is_cuda else None,
     ))  # fmt: skip
 
 
 def _body(report: harness.Report) -> str:
     rows = []
-    for r in report.results:
-        ratio = r["raw"]["p50_us"] / r["handoff"]["p50_us"]
-        gbps = r["bytes"] / (r["handoff"]["p50_us"] * 1e-6) / 1e9
-        times = [harness.fmt_us(r["handoff"]["p50_us"]), harness.fmt_us(r["raw"]["p50_us"])]
-        rows.append([harness.fmt_bytes(r["bytes"]), str(r["blocks"]), *times, f"{ratio:.2f}x", f"{gbps:.2f}",
-                     str(r["descriptors"])])  # fmt: skip
+    for n in report.config["blocks"]:
+        ours, raw = _row(report, n, "handoff"), _row(report, n, "raw")
+        rows.append([harness.fmt_bytes(ours["bytes"]), str(n), harness.fmt_us(ours["p50_us"]),
+                     harness.fmt_us(raw["p50_us"]), f"{raw['p50_us'] / ours['p50_us']:.2f}x",
+                     f"{ours['gb_per_s_p50']:.2f}", str(ours["descriptors"])])  # fmt: skip
     head = ["KV", "blocks", "handoff read p50", "raw READ p50", "raw/handoff", "GB/s", "descriptors"]
     return f"A handoff read from a peer pool, p50 of {report.config['rounds']}:\n{harness.table(head, rows)}"
