@@ -135,8 +135,8 @@ class RemotePeers:
             k = len(ids)
             try:
                 new = await self._prefix(req, url, tokens[: full * bs], want, k)
-            except KvpoolError as exc:
-                errors[url] = str(exc)
+            except (KvpoolError, ValueError) as exc:  # ValueError: a peer's answer that is not what it should be
+                errors[url] = f"{type(exc).__name__}: {exc}"
                 continue
             if new:
                 pool.commit(req.session_id, new, tokens[: (k + len(new)) * bs], req.salt, start=k)
@@ -166,6 +166,8 @@ class RemotePeers:
         """New blocks for the session holding ``remote``'s KV (fenced ids), and the descriptors the read took."""
         pool = self.pool()
         session = pool.session(session_id)
+        if not remote:
+            return [], 0
         fenced = pool.alloc(session_id, len(remote))
         local = pool.unfence(fenced, session.holder)
         holder = f"n:read:{next(self._seq)}"
@@ -261,7 +263,10 @@ class RemotePeers:
         url = self._listed(url)
         peer = self.peers.get(url)
         if peer is None:
-            info = AgentInfo.model_validate(await self._call_url(url, "GET", "/remote/agent", None))
+            try:
+                info = AgentInfo.model_validate(await self._call_url(url, "GET", "/remote/agent", None))
+            except ValueError as exc:
+                raise PeerFailed(f"peer {url} answered /remote/agent with what is no agent: {exc}") from None
             try:
                 name = self.agent.connect(info.metadata)
             except Exception as exc:  # NIXL's own error types
