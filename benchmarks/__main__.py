@@ -26,6 +26,7 @@ SUITES: dict[str, tuple[str, str]] = {
     "host-tier": ("kvpool.benchmarks.hosttier", "the host tier's offloads and restores against a plain pinned copy"),
     "slab": ("kvpool.benchmarks.slab", "slab alloc/free and slab-to-slab handoffs against the datagram floor"),
     "decode": ("kvpool.benchmarks.decode", "the workers' decode step against its memory-bandwidth floor"),
+    "remote": ("kvpool.benchmarks.remote", "a handoff read from a peer pool (--peers) against a raw NIXL READ"),
     "vllm": ("kvpool.benchmarks.vllm", "vLLM engines with the kvpool connector against vLLM alone (GPU, vLLM)"),
 }
 #: suites renamed, old name -> new name: the old one still runs the suite, and says it is deprecated

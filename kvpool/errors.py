@@ -126,6 +126,19 @@ class LeaseLapsed(KvpoolError):
     may be written into them. Raised by the client only (:meth:`kvpool.session.Session.lapsed`)."""
 
 
+class PeerFailed(KvpoolError):
+    """A peer pool (another node) refused, failed or went away during a remote handoff or prefix read: nothing of
+    it was installed here, and the local blocks went back. The engine recomputes, or retries another peer."""
+
+    status = 502
+
+
+class PeerTimeout(PeerFailed):
+    """A peer pool did not answer, or a read from it did not finish, within ``--peer-timeout-s``."""
+
+    status = 504
+
+
 ERRORS: dict[str, type[KvpoolError]] = {
     cls.__name__: cls
     for cls in (
@@ -147,6 +160,8 @@ ERRORS: dict[str, type[KvpoolError]] = {
         PoolRestarted,
         ArenaClosed,
         PoolUnavailable,
+        PeerFailed,
+        PeerTimeout,
     )
 }
 

@@ -396,7 +396,10 @@ class ErrorBody(BaseModel):
 # The direct path's critical path writes these two requests by hand: building and dumping the pydantic model
 # costs more than the rest of the path. tests/test_protocol.py keeps them equal to the models' own JSON; the pool
 # validates them as it validates any request.
-_HANDOFF_JSON = b'{"session_id":%s,"request_id":%s,"block_ids":[],"num_tokens":%d,"meta":%s,"ttl_s":%s,"to":%s,"keep":false,"sealed":false}'
+_HANDOFF_JSON = (
+    b'{"session_id":%s,"request_id":%s,"block_ids":[],"num_tokens":%d,"meta":%s,"ttl_s":%s,"to":%s,"keep":false,'
+    b'"sealed":false}'
+)
 _CLAIM_JSON = b'{"session_id":%s,"request_id":%s,"timeout_s":%r}'
 
 

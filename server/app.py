@@ -44,6 +44,7 @@ from kvpool.server.http_errors import ERRORS, error_response, http_error_respons
 from kvpool.server.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
 from kvpool.server.records import sweep_period_s
+from kvpool.server.remote_api import remote_router
 from kvpool.server.slab_api import slab_router
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,8 @@ def create_app(plane: ControlPlane) -> FastAPI:
         finally:
             for hook in app.state.on_stop:
                 await hook()
+            if plane.remote is not None:
+                await plane.remote.aclose()
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -212,6 +215,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
 
     app.include_router(api)
     app.include_router(slab_router(plane))
+    app.include_router(remote_router(plane))
     return app
 
 

@@ -72,6 +72,13 @@ class PoolSettings(BaseSettings):
         "blocks copied into its own arena (one peer copy) and indexed there",
     )
 
+    peers: str | None = Field(
+        None,
+        description="pools on other nodes this pool reads handoffs and prefixes from, by URL, comma-separated "
+        "(needs --token, the same on every pool, and NIXL: kvpool[nixl]; docs/across-nodes.md)",
+    )
+    peer_timeout_s: float = Field(10.0, gt=0, description="a peer's answer, or a read from it, must end within this")
+
     # the default layout is the one the workers' default --random-model needs
     num_layers: int = Field(4, ge=1, le=1024, description="layers of the model whose KV the arena holds")
     num_kv_heads: int = Field(2, ge=1, le=1024, description="KV heads per layer")
@@ -218,6 +225,21 @@ class PoolSettings(BaseSettings):
             raise ValueError(f"devices must be distinct ordinals separated by commas (like 0,1), got {value!r}")
         return ",".join(parts)
 
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, value: str | None) -> str | None:
+        if value is None or value.lower() in {"", "none", "off"}:
+            return None
+        urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+        bad = [u for u in urls if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"a peer is an http:// or https:// URL of a pool, got {bad[0]!r}")
+        return ",".join(urls)
+
+    @property
+    def peer_list(self) -> list[str]:
+        return self.peers.split(",") if self.peers else []
+
     @property
     def device_list(self) -> list[int]:
         return [int(p) for p in self.devices.split(",")] if self.devices else [self.device]
@@ -245,6 +267,8 @@ class PoolSettings(BaseSettings):
                 f"--max-fast-buffer-bytes ({self.max_fast_buffer_bytes}) must be at least --max-body-bytes "
                 f"({self.max_body_bytes}), or a frame of the largest size could never be read"
             )
+        if self.peers is not None and self.token is None:
+            raise ValueError("--peers needs --token: pools on other nodes present it to each other")
         if self.port == 0 and self.socket is None:
             raise ValueError("nothing to listen on: give a TCP port or a Unix socket")
         if self.arena_handle == "vmm" and self.fast_socket is None:
@@ -294,6 +318,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "order", "model",
     ),
     "network and security": ("host", "port", "socket", "socket_mode", "fast_channel", "token"),
+    "across nodes (docs/across-nodes.md)": ("peers", "peer_timeout_s"),
     "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes", "peer_copy"),
     "sessions and limits": (
         "lease_ttl_s", "handoff_ttl_s", "lapsed_sessions", "max_body_bytes", "max_sessions", "max_handoffs",

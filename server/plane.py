@@ -50,6 +50,7 @@ from kvpool.server.prefix import DIGESTS, token_bytes
 from kvpool.server.processes import Peer, ProcTable
 from kvpool.server.quarantine import Quarantine
 from kvpool.server.records import Limits, Session, sweep_period_s
+from kvpool.server.remote import RemotePeers, open_remote
 from kvpool.server.slabs import SlabBooks, open_slab_table
 from kvpool.server.tiercopy import ArenaCopier
 from kvpool.server.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
@@ -71,6 +72,7 @@ class ControlPlane:
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
         self.slabs: SlabBooks | None = None
+        self.remote: RemotePeers | None = None
 
     # -- life -------------------------------------------------------------------------------------------
 
@@ -111,6 +113,13 @@ class ControlPlane:
             copier = ArenaCopier(views)
             copier.warm()
             peer_copy = copier.copy
+        if s.peer_list:  # before the books open: a pool that answers /health answers its peers too
+            try:
+                self.remote = open_remote(s, lambda: self.pool, self.epoch, arenas[0], parts[0])
+            except Exception as exc:
+                self.startup_error = f"NIXL agent: {type(exc).__name__}: {exc}"
+                self.close()
+                raise
         self._pool = Pool(
             sizes,
             layout,
@@ -151,6 +160,9 @@ class ControlPlane:
 
     def close(self) -> None:
         self.claims.cancel()
+        if self.remote is not None:
+            self.remote.close()
+            self.remote = None
         if self.host_tier is not None:
             self.host_tier.close()
             self.host_tier = None
@@ -185,6 +197,8 @@ class ControlPlane:
     def expire(self) -> None:
         if self.slabs is not None:
             self.slabs.settle_all()
+        if self.remote is not None:
+            self.remote.settle()
         if self._pool is not None:
             paused = self._pool.paused_s
             sessions, handoffs = self._pool.expire()
@@ -338,7 +352,8 @@ class ControlPlane:
         slabs = self.slabs.stats() if self.slabs is not None else None
         # "leases": the same, under its name from before the slab table was called so (deprecated)
         tables = {"slabs": slabs, "leases": slabs} if slabs is not None else {}
-        return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **tables}
+        remote = {"remote": self.remote.stats()} if self.remote is not None else {}
+        return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **tables, **remote}
 
     def prefix_blocks(self, limit: int) -> dict[str, Any]:
         d = self.descriptor

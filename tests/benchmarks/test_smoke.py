@@ -14,6 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.errors import InvalidRequest
+from kvpool.server.nixlagent import load_nixl
+
 ROOT = Path(__file__).resolve().parents[2]
 
 E2E = ["--scenarios", "1,3,4", "--rates", "20", "--duration-s", "0.2", "--min-requests", "3", "--prompt-len", "40"]
@@ -28,13 +31,25 @@ TINY: dict[str, list[str]] = {
     "slab": ["--count", "20", "--rounds", "1", "--batch", "64", "--handoff-blocks", "4"],
     "decode": ["--batch", "2", "--context", "32", "--steps", "2"],
     "flood": ["--connections", "4", "--calls", "20", "--pipelined", "100"],
+    "remote": ["--blocks", "2", "--rounds", "1"],
 }
 RESULT_KEYS = {"suite", "timestamp", "command", "config", "device", "versions", "git", "results", "targets", "raw"}
 
 pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 
 
-@pytest.mark.parametrize("suite", list(TINY))
+def _has_nixl() -> bool:
+    try:
+        load_nixl()
+    except InvalidRequest:
+        return False
+    return True
+
+
+NEEDS = {"remote": pytest.mark.skipif(not _has_nixl(), reason="NIXL is not installed (kvpool[nixl])")}
+
+
+@pytest.mark.parametrize("suite", [pytest.param(s, marks=NEEDS.get(s, ())) for s in TINY])
 def test_suite_runs_and_writes_json_and_png(suite: str, tmp_path: Path) -> None:
     cmd = [
         sys.executable,

@@ -41,6 +41,8 @@ def test_flags_override_environment(monkeypatch):
         ["--max-fast-buffer-bytes", "1MiB"],  # under --max-body-bytes: the largest frame could never be read
         ["--read-timeout-s", "0"],
         ["--max-http-connections", "0"],
+        ["--peers", "http://10.0.0.2:8470"],  # without --token: peers present it to each other
+        ["--peers", "10.0.0.2:8470", "--token", "t"],  # a peer is a URL
     ],
 )
 def test_contradictions_are_refused(argv):
@@ -53,6 +55,12 @@ def test_connection_bounds_are_settings(monkeypatch):
     monkeypatch.setenv("KVPOOL_READ_TIMEOUT_S", "2.5")
     s = parse(["--max-http-connections", "50", "--max-fast-buffer-bytes", "64MiB"])
     assert (s.read_timeout_s, s.max_http_connections, s.max_fast_buffer_bytes) == (2.5, 50, 64 << 20)
+
+
+def test_peers_are_a_list_of_urls():
+    s = parse(["--peers", " http://10.0.0.2:8470/, https://node-b:8470", "--token", "t"])
+    assert s.peer_list == ["http://10.0.0.2:8470", "https://node-b:8470"]
+    assert parse([]).peer_list == []
 
 
 def test_sizes_read_like_people_write_them():
