@@ -4,6 +4,7 @@ is a full cache, and what resident mode does not hold is refused or sent to copy
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +30,22 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 from kvpool.client import PoolClient
-from kvpool.errors import LayoutMismatch, UnknownSession
+from kvpool.errors import LayoutMismatch, PoolExhausted, UnknownSession
 from kvpool.integrations.vllm import resident
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.residency import PoolGone
 from tests.conftest import PoolProcess, start_pool
-from tests.integrations.test_vllm_scheduler import BS, HASH, HEAD_DIM, HEADS, LAYERS, LAYOUT, NAMES, config, tiny_llama
+from tests.integrations.test_vllm_scheduler import (
+    BS,
+    HASH,
+    HEAD_DIM,
+    HEADS,
+    LAYERS,
+    LAYOUT,
+    NAMES,
+    config,
+    tiny_llama,
+)
 
 NUM_BLOCKS = 48
 PACKED = LAYOUT.model_copy(update={"order": "kv_packed"})
@@ -69,6 +80,16 @@ def engine(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch, kv: KVCac
     cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=slab_blocks, **extra)
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(cfg, kv or kv_config(), StructuredOutputManager(cfg), block_size=BS)
+
+
+@contextlib.contextmanager
+def running(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch, **extra: Any) -> Iterator[Scheduler]:
+    """A resident engine's scheduler for the ``with`` block, its connector shut down after."""
+    sched = engine(model_dir, url, monkeypatch, **extra)
+    try:
+        yield sched
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def salt_of(model_dir: Path, url: str) -> str:
@@ -122,14 +143,11 @@ def test_lora_and_salted_requests_never_start_with_base_model_kv(
     """Finding 1: requests that arrive without word to the connector were looked up with no identity check."""
     prefix = list(range(100, 100 + 3 * BS))
     writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         lora = LoRARequest("adapter", 1, "/adapters/a")
         assert first_hit(sched, req("lora", [*prefix, 1, 2], lora_request=lora)) == 0, "a LoRA request got base KV"
         assert first_hit(sched, req("salted", [*prefix, 1, 2], cache_salt="tenant-b")) == 0, "a salted one too"
         assert first_hit(sched, req("plain", [*prefix, 1, 2])) == 3 * BS, "a plain request still hits"
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def test_requests_of_one_adapter_or_salt_share_with_each_other_across_engines(
@@ -169,12 +187,9 @@ def test_a_prompt_embeds_request_gets_no_kv_of_its_placeholder_ids(
     """Finding 2, under vLLM's scheduler: the same placeholder ids over other embeddings are other KV."""
     prefix = list(range(200, 200 + 3 * BS))
     writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         embeds = torch.zeros(len(prefix) + 2, 8)
         assert first_hit(sched, req("embeds", [*prefix, 1, 2], prompt_embeds=embeds)) == 0
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def test_an_engine_with_other_rope_finds_none_of_another_engine_s_kv(
@@ -194,11 +209,8 @@ def test_an_engine_with_other_rope_finds_none_of_another_engine_s_kv(
     import tests.integrations.test_vllm_resident_safety as this
 
     monkeypatch.setattr(this, "config", other_rope)
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         assert first_hit(sched, req("r", [*prefix, 1, 2])) == 0
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def test_engines_share_only_interchangeable_kv(model_dir: Path) -> None:
@@ -223,12 +235,9 @@ def test_a_prefix_cache_reset_moves_the_engine_to_a_new_epoch(
     """Finding 5: after a weight update (``reset_prefix_cache``) the pool's old KV is no hit, in both resets."""
     prefix = list(range(700, 700 + 3 * BS))
     writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         assert sched.reset_prefix_cache(reset_connector=True)
         assert first_hit(sched, req("after", [*prefix, 1, 2])) == 0
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 # -- a fence, not a hope -------------------------------------------------------------------------------------
@@ -238,8 +247,7 @@ def test_an_engine_that_cannot_prove_its_lease_schedules_and_launches_nothing(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 3: a stall past the lease (no failed round trip to notice) stops the engine at its next step."""
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
         sched.add_request(req("r", list(range(3 * BS))))
         step(sched)
@@ -250,16 +258,13 @@ def test_an_engine_that_cannot_prove_its_lease_schedules_and_launches_nothing(
         worker.client = side.client
         with pytest.raises(PoolGone):
             worker.check()
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 def test_a_session_the_pool_no_longer_knows_is_a_lost_pool_not_a_raw_error(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 9: ``UnknownSession`` out of the slab stops the engine as ``PoolGone`` says."""
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         side = sched.connector._resident_sched  # type: ignore[union-attr]
 
         def gone(*_: Any) -> Any:
@@ -269,8 +274,6 @@ def test_a_session_the_pool_no_longer_knows_is_a_lost_pool_not_a_raw_error(
         monkeypatch.setattr(side.residency, "_free_count", lambda: 0)
         with pytest.raises(PoolGone):
             side.residency.take(1)
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 # -- a full arena is a full cache ------------------------------------------------------------------------------
@@ -312,8 +315,7 @@ def test_a_hit_stays_the_request_s_when_its_first_allocation_fails(
     """Finding 7: vLLM asks again for a request it could not place; its pool hit is still there."""
     prefix = list(range(1300, 1300 + 3 * BS))
     writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
-    sched = engine(model_dir, pool.url, monkeypatch)
-    try:
+    with running(model_dir, pool.url, monkeypatch) as sched:
         manager = sched.kv_cache_manager
         allocate, refused = manager.allocate_slots, []
 
@@ -325,8 +327,6 @@ def test_a_hit_stays_the_request_s_when_its_first_allocation_fails(
 
         monkeypatch.setattr(manager, "allocate_slots", once_refused)
         assert first_hit(sched, req("r", [*prefix, 1, 2])) == 3 * BS and refused
-    finally:
-        sched.connector.shutdown()  # type: ignore[union-attr]
 
 
 # -- refused, or copy mode, at start-up -------------------------------------------------------------------------
@@ -378,7 +378,10 @@ def test_a_full_arena_preempts_and_waits_where_it_raised_and_the_waiting_hit_is_
         deadline = time.monotonic() + 10
         while side.client.slab.num_idle < 16 and time.monotonic() < deadline:  # the slab's first refill, ahead
             time.sleep(0.01)
-        held = hog.alloc(hog.stats()["free"])  # the rest of the arena is another engine's
+        held: list[int] = []  # the rest of the arena is another engine's (a refill ahead may race the first ask)
+        while (free := hog.stats()["free"]) > 0:
+            with contextlib.suppress(PoolExhausted):
+                held += hog.alloc(free)
         sched.add_request(req("runs", list(range(2000, 2000 + BS - 1)), max_tokens=30 * BS))
         step(sched)
         sched.add_request(req("waits", [*prefix, *range(3000, 3000 + 17 * BS)], max_tokens=2))
