@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="needs vLLM (pip install 'kvpool[vllm]')")
+pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
 
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams

@@ -2,8 +2,8 @@
 
 ``--kv-transfer-config '{"kv_connector": "KvpoolConnector", "kv_connector_module_path": "kvpool.integrations.vllm",
 "kv_role": "kv_both", "kv_load_failure_policy": "recompute"}'`` (see docs/vllm.md). The connector class needs vLLM
-(``pip install "kvpool[vllm]"``) and is imported only when asked for, so the pure parts (the step plans, the K/V
-views of vLLM's cache, the proxy) import without it.
+(``pip install -e ".[vllm]"`` from a checkout) and is imported only when asked for, so the pure parts (the step
+plans, the K/V views of vLLM's cache, the proxy) import without it.
 """
 
 from __future__ import annotations
