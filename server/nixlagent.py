@@ -19,7 +19,7 @@ from kvpool.runs import Span
 
 State = Literal["PROC", "DONE", "ERR"]
 
-INSTALL = "pip install 'kvpool[nixl]' (the nixl-cu13 wheel)"
+INSTALL = "pip install -e '.[nixl]' from a kvpool checkout (the nixl-cu13 wheel)"
 
 
 def load_nixl() -> Any:
