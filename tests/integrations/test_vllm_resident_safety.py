@@ -121,6 +121,13 @@ def writer_commits(url: str, prompt: list[int], salt: str | None) -> list[int]:
     return ids
 
 
+def committed_prefix(model_dir: Path, url: str, first: int, blocks: int) -> list[int]:
+    """A prefix of ``blocks`` full blocks that another engine of this model computed and gave to the pool."""
+    prefix = list(range(first, first + blocks * BS))
+    writer_commits(url, prefix, salt_of(model_dir, url))
+    return prefix
+
+
 def first_hit(sched: Scheduler, request: Request) -> int:
     """Tokens the request starts with as computed, once its pool answer is back."""
     sched.add_request(request)
@@ -141,8 +148,7 @@ def test_lora_and_salted_requests_never_start_with_base_model_kv(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 1: requests that arrive without word to the connector were looked up with no identity check."""
-    prefix = list(range(100, 100 + 3 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 100, 3)
     with running(model_dir, pool.url, monkeypatch) as sched:
         lora = LoRARequest("adapter", 1, "/adapters/a")
         assert first_hit(sched, req("lora", [*prefix, 1, 2], lora_request=lora)) == 0, "a LoRA request got base KV"
@@ -185,8 +191,7 @@ def test_a_prompt_embeds_request_gets_no_kv_of_its_placeholder_ids(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 2, under vLLM's scheduler: the same placeholder ids over other embeddings are other KV."""
-    prefix = list(range(200, 200 + 3 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 200, 3)
     with running(model_dir, pool.url, monkeypatch) as sched:
         embeds = torch.zeros(len(prefix) + 2, 8)
         assert first_hit(sched, req("embeds", [*prefix, 1, 2], prompt_embeds=embeds)) == 0
@@ -197,8 +202,7 @@ def test_an_engine_with_other_rope_finds_none_of_another_engine_s_kv(
 ) -> None:
     """Finding 4, under vLLM's scheduler: the pool started without --model, and two engines of one model name whose
     KV differs (a RoPE override here) do not share it."""
-    prefix = list(range(500, 500 + 3 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 500, 3)
     original = config
 
     def other_rope(*args: Any, **kwargs: Any) -> Any:
@@ -233,8 +237,7 @@ def test_a_prefix_cache_reset_moves_the_engine_to_a_new_epoch(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 5: after a weight update (``reset_prefix_cache``) the pool's old KV is no hit, in both resets."""
-    prefix = list(range(700, 700 + 3 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 700, 3)
     with running(model_dir, pool.url, monkeypatch) as sched:
         assert sched.reset_prefix_cache(reset_connector=True)
         assert first_hit(sched, req("after", [*prefix, 1, 2])) == 0
@@ -313,8 +316,7 @@ def test_a_hit_stays_the_request_s_when_its_first_allocation_fails(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Finding 7: vLLM asks again for a request it could not place; its pool hit is still there."""
-    prefix = list(range(1300, 1300 + 3 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 1300, 3)
     with running(model_dir, pool.url, monkeypatch) as sched:
         manager = sched.kv_cache_manager
         allocate, refused = manager.allocate_slots, []
@@ -369,8 +371,7 @@ def test_a_full_arena_preempts_and_waits_where_it_raised_and_the_waiting_hit_is_
 ) -> None:
     """Finding 7 at its cause: a waiting request's pinned hit counted as free for every allocation, so once the slab
     and the pool were dry a running request's next block came out of ``schedule()`` as ``PoolExhausted``."""
-    prefix = list(range(1600, 1600 + 4 * BS))
-    writer_commits(pool.url, prefix, salt_of(model_dir, pool.url))
+    prefix = committed_prefix(model_dir, pool.url, 1600, 4)
     sched = engine(model_dir, pool.url, monkeypatch, slab_blocks=16)
     hog = PoolClient(pool.url, name="hog", layout=PACKED)
     try:

@@ -413,9 +413,9 @@ class Residency:
                 self._release_ids(ids)
                 out.append(NO_HIT)
                 continue
-            if ask.parker is not None and getattr(got, "parked_by", None) != ask.parker:
+            if ask.parker is not None and got.parked_by != ask.parker:
                 log.warning("kvpool: the handoff for %s was parked by %r, not by its prefill engine %r; the decode "
-                            "engine computes the prompt itself", ask.req_id, getattr(got, "parked_by", None),
+                            "engine computes the prompt itself", ask.req_id, got.parked_by,
                             ask.parker)  # fmt: skip
                 self._release_ids(ids)
                 out.append(NO_HIT)

@@ -26,6 +26,7 @@ from kvpool.errors import KvpoolError, LayoutMismatch
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.residency import Hit, PoolGone, Residency
+from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY  # copy mode's keys
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 
@@ -34,11 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvpool")
 
-#: kv_transfer_params keys, as copy mode names them: a prefill engine's answer carries the handoff to its decode
-HANDOFF_KEY = "kvpool_handoff"
-DIGEST_KEY = "kvpool_digest"
-#: the name of the prefill engine's session, which the pool must say parked the handoff
-FROM_KEY = "kvpool_from"
 #: how long one scheduler step waits, in all, for answers of requests it would take in for the first time, before it
 #: leaves those waiting: a lone request's answer is usually this close, and a step of the idle engine loop costs a
 #: millisecond. One wait a step, not one a request: a burst's answers come back together, and 32 requests waiting

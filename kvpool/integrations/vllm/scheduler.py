@@ -205,9 +205,9 @@ class SchedulerSide:
             log.warning("kvpool: a handoff holds another prompt's KV; computing the prompt instead")
             self._release(ids, now=True, lane=lane)
             return []
-        if getattr(got, "parked_by", None) != params.get(FROM_KEY):
+        if got.parked_by != params.get(FROM_KEY):
             log.warning("kvpool: a handoff was parked by %r, not by the prefill engine %r; computing the prompt "
-                        "instead", getattr(got, "parked_by", None), params.get(FROM_KEY))  # fmt: skip
+                        "instead", got.parked_by, params.get(FROM_KEY))  # fmt: skip
             self._release(ids, now=True, lane=lane)
             return []
         return ids
