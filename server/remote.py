@@ -115,7 +115,8 @@ class RemotePeers:
             ids, ndesc = await self._read(req.session_id, peer, [block_of(i) for i in got["block_ids"]])
             took = time.perf_counter() - t0
         return RemoteClaimResponse(request_id=got["request_id"], block_ids=ids, num_tokens=got["num_tokens"],
-                                   meta=got["meta"], descriptors=ndesc, read_s=took)  # fmt: skip
+                                   meta=got["meta"], parked_by=got.get("parked_by"), descriptors=ndesc,
+                                   read_s=took)  # fmt: skip
 
     async def lookup(self, req: RemoteLookupRequest) -> RemoteLookupResponse:
         """This pool's hit, and past it the longest further hit a peer holds, read here and indexed here under the
