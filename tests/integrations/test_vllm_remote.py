@@ -134,6 +134,35 @@ def test_a_handoff_a_peer_cannot_give_is_no_hit_and_the_read_s_blocks_go_back() 
         assert books(b.url)["in_use"] == 1
 
 
+def test_a_remote_claim_with_no_room_here_is_no_hit_and_the_local_claims_beside_it_still_load() -> None:
+    with two_pools(RESIDENCY_POOL) as (a, b, peer):
+        p, d, local = Engine(a.url, "prefill"), Engine(b.url, "decode"), Engine(b.url, "prefill-here")
+        try:
+            there, here = list(range(9, 9 + 2 * RES_BS + 1)), list(range(50, 50 + 2 * RES_BS + 1))
+            for engine, key, prompt in ((p, "k4", there), (local, "k5", here)):
+                blocks = engine.res.take(2)
+                engine.compute(blocks, prompt)
+                engine.res.park(key, blocks, prompt, {})
+                engine.res.drain()
+            with PoolClient(b.url, name="hog") as hog:
+                hog.alloc(remote_stats(b)["free"])
+                # a claim that waits out its timeout first: the two after it go to the pool in one batch
+                d.res.prefetch("r0", here, claim="parked-nowhere")
+                d.res.prefetch("r5", here, claim="k5")
+                d.res.prefetch("r4", there, claim="k4", peer=peer)
+                hit = d.res.answer("r5")
+                assert hit is not None and len(hit.ids) == 2, "the local claim loads"
+                got, _ = d.res.install("r5", hit, 2)
+                assert holds(d.arena, got, here)
+                missed = d.res.answer("r4")
+                assert missed is not None and not missed.ids and d.res.gone is None, "no room: computed, not lost"
+                assert remote_stats(b)["remote"]["reads"] == 0
+        finally:
+            for engine in (p, d, local):
+                engine.close()
+        assert books(b.url)["in_use"] == 1
+
+
 # -- inside vLLM's own scheduler ------------------------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.errors import HandoffNotFound, InvalidRequest, PeerFailed
+from kvpool.errors import KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
 from kvpool.remote_protocol import RemoteClaimRequest, RemoteClaimResponse
 
 log = logging.getLogger("vllm.kvpool")
@@ -41,12 +41,15 @@ def claim_many(client: Any, asks: Sequence[tuple[str, str | None]], timeout_s: f
 
 
 def claim(client: Any, key: str, peer: str, timeout_s: float) -> RemoteClaimResponse | None:
-    """The handoff ``key`` parked at ``peer``, read into this engine's pool; None if the peer could not give it. An
-    error about this engine's own session or pool raises, as a local claim's does."""
+    """The handoff ``key`` parked at ``peer``, read into this engine's pool; None if it could not be (the peer
+    failed, stalled or lacks it, is no peer of this pool, or this pool has no room for it). An error about this
+    engine's own session or pool raises, as a local claim's does."""
     req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=peer)
     try:
         got = client.transport.request("POST", "/remote/claim", req, wait_s=timeout_s + ANSWER_MARGIN_S)
-    except (HandoffNotFound, PeerFailed, InvalidRequest) as exc:
+    except (PoolUnavailable, UnknownSession, PoolRestarted):
+        raise
+    except KvpoolError as exc:
         log.warning("kvpool: the handoff parked at %s could not be read here (%s: %s); the decode engine computes the "
                     "prompt itself", peer, type(exc).__name__, exc)  # fmt: skip
         return None
