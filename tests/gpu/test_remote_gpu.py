@@ -10,7 +10,6 @@ import secrets
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -28,6 +27,9 @@ try:
 except Exception as exc:  # whatever keeps NIXL from loading is the reason to skip
     pytest.skip(f"NIXL is not installed here ({exc})", allow_module_level=True)
 
+pytest.importorskip("vllm", reason="needs vLLM (pip install -e '.[vllm]' from a checkout)")
+
+from kvpool.benchmarks.vllm import on_gpu  # noqa: E402
 from kvpool.integrations.vllm.connector import counters  # noqa: E402
 from kvpool.integrations.vllm.remote import PEER_KEY  # noqa: E402
 from kvpool.server import launch  # noqa: E402
@@ -70,30 +72,20 @@ def two_gpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, P
         a.stop()
 
 
-def on_gpu(gpu: int, make: Any) -> Any:
-    """An engine whose engine core sees only ``gpu`` (it starts by spawn, with this environment)."""
-    was = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    try:
-        return make()
-    finally:
-        if was is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = was
-
-
 def test_resident_engines_on_two_pools_give_the_plain_engine_s_tokens(two_gpus) -> None:
     model, a, b, token = two_gpus
     g = torch.Generator().manual_seed(3)
     handed = torch.randint(10, 30000, (4, 9 * BS + 7), generator=g).tolist()
-    plain = on_gpu(0, lambda: engine(model, None, BS))
+    with on_gpu(0):
+        plain = engine(model, None, BS)
     want = [o.outputs[0].token_ids for o in greedy(plain, handed)]
     plain.llm_engine.engine_core.shutdown()
     del plain
 
-    prefill = on_gpu(0, lambda: engine(model, f"http://127.0.0.1:{a.port}", BS))
-    decode = on_gpu(1, lambda: engine(model, f"http://127.0.0.1:{b.port}", BS))
+    with on_gpu(0):  # each engine on its pool's GPU, over the pool's Unix socket (the arena's fd comes over it)
+        prefill = engine(model, a.url, BS)
+    with on_gpu(1):
+        decode = engine(model, b.url, BS)
     parked = greedy(prefill, handed, max_tokens=1, params=[{"do_remote_decode": True}] * len(handed))
     params = [{**o.kv_transfer_params, PEER_KEY: f"http://127.0.0.1:{a.port}"} for o in parked]
     got = greedy(decode, handed, params=params)
