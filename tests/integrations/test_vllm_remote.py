@@ -21,6 +21,7 @@ import torch
 from fastapi.testclient import TestClient
 
 from kvpool.client import PoolClient
+from kvpool.integrations.vllm import remote
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.proxy import build_app
 from kvpool.integrations.vllm.remote import PEER_KEY
@@ -86,6 +87,14 @@ def test_the_proxy_names_the_prefill_engine_s_pool_for_a_decode_engine_on_anothe
     app = build_app("http://prefill", "http://decode", httpx.MockTransport(engines), prefill_pool="http://a:8470")
     assert TestClient(app).post("/v1/completions", json={"prompt": [1], "max_tokens": 8}).status_code == 200
     assert engines.seen[1][1]["kv_transfer_params"] == {**HANDOFF, PEER_KEY: "http://a:8470"}
+
+
+def test_a_peer_that_is_no_url_is_no_hit_and_asks_no_pool() -> None:
+    class Unreachable:
+        session_id = "s"
+        transport = None  # any call would fail
+
+    assert remote.claim(Unreachable(), "k", "http://" + "a" * 600, 1.0) is None
 
 
 # -- residency alone (no vLLM) --------------------------------------------------------------------------------

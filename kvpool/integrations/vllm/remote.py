@@ -14,6 +14,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from pydantic import ValidationError
+
 from kvpool.errors import KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
 from kvpool.remote_protocol import RemoteClaimRequest, RemoteClaimResponse
 
@@ -26,7 +28,7 @@ PEER_KEY = "kvpool_peer"
 ANSWER_MARGIN_S = 60.0
 
 
-def claim_many(client: Any, asks: Sequence[tuple[str, str | None]], timeout_s: float) -> list[Any | None]:
+def claim_many(client: Any, asks: Sequence[tuple[str, Any]], timeout_s: float) -> list[Any | None]:
     """The claim of each ``(key, peer)`` in order, ``None`` where there is nothing to load: those parked in this
     engine's own pool (``peer`` empty) in one call, as before, then each parked at a peer through this pool."""
     out: list[Any | None] = [None] * len(asks)
@@ -40,11 +42,16 @@ def claim_many(client: Any, asks: Sequence[tuple[str, str | None]], timeout_s: f
     return out
 
 
-def claim(client: Any, key: str, peer: str, timeout_s: float) -> RemoteClaimResponse | None:
+def claim(client: Any, key: str, peer: Any, timeout_s: float) -> RemoteClaimResponse | None:
     """The handoff ``key`` parked at ``peer``, read into this engine's pool; None if it could not be (the peer
     failed, stalled or lacks it, is no peer of this pool, or this pool has no room for it). An error about this
     engine's own session or pool raises, as a local claim's does."""
-    req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=peer)
+    try:  # the peer comes from the request's kv_transfer_params, which a client can set to anything
+        req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=str(peer))
+    except ValidationError as exc:
+        log.warning("kvpool: a handoff's peer %.80r is no pool URL (%s); the decode engine computes the prompt itself",
+                    peer, exc.errors()[0]["msg"])  # fmt: skip
+        return None
     try:
         got = client.transport.request("POST", "/remote/claim", req, wait_s=timeout_s + ANSWER_MARGIN_S)
     except (PoolUnavailable, UnknownSession, PoolRestarted):
