@@ -26,6 +26,9 @@ class AgentInfo(BaseModel):
     first_block: int
     block_nbytes: int
     layout: KVLayout
+    gpu_direct_rdma: bool | None = Field(
+        None, description="the arena is VMM memory allocated GPUDirect RDMA-capable (null: not VMM memory)"
+    )
 
 
 class RemoteClaimRequest(ClaimRequest):

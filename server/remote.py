@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from kvpool import vmm
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError, PeerFailed, PeerTimeout, UnknownSession
 from kvpool.ids import block_of
 from kvpool.protocol import ArenaPart
@@ -115,7 +116,8 @@ class RemotePeers:
             ids, ndesc = await self._read(req.session_id, peer, [block_of(i) for i in got["block_ids"]])
             took = time.perf_counter() - t0
         return RemoteClaimResponse(request_id=got["request_id"], block_ids=ids, num_tokens=got["num_tokens"],
-                                   meta=got["meta"], descriptors=ndesc, read_s=took)  # fmt: skip
+                                   meta=got["meta"], parked_by=got.get("parked_by"), descriptors=ndesc,
+                                   read_s=took)  # fmt: skip
 
     async def lookup(self, req: RemoteLookupRequest) -> RemoteLookupResponse:
         """This pool's hit, and past it the longest further hit a peer holds, read here and indexed here under the
@@ -334,9 +336,11 @@ def open_remote(settings: PoolSettings, pool: Callable[[], Pool], epoch: str, ar
     else:
         assert arena.device is not None
         mapping, base, memory, device = None, arena.mapped(), "VRAM", arena.device.index  # type: ignore[attr-defined]
+    rdma = vmm.rdma_capable(device) if arena.handle_kind == "vmm" else None
     agent = NixlAgent(f"kvpool-{epoch}", base, arena.nbytes, memory, device)  # type: ignore[arg-type]
     agent.keep = mapping
     info = AgentInfo(epoch=epoch, agent=agent.name, metadata=agent.metadata(), memory=memory,  # type: ignore[arg-type]
                      device=device, base=base, num_blocks=part.num_blocks, first_block=part.first_block,
-                     block_nbytes=settings.layout.block_nbytes, layout=settings.layout)  # fmt: skip
+                     block_nbytes=settings.layout.block_nbytes, layout=settings.layout,
+                     gpu_direct_rdma=rdma)  # fmt: skip
     return RemotePeers(settings, pool, agent, info)

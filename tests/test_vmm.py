@@ -206,3 +206,23 @@ def test_a_forked_child_does_not_inherit_the_spare_thread(monkeypatch):
     assert os.read(read, 8) == b"none" and arena._spare is spare
     os.close(read)
     spare.cancel()
+
+
+@pytest.mark.parametrize("supported", [1, 0])
+def test_the_arena_is_allocated_rdma_capable_where_the_device_allows_it(monkeypatch, supported):
+    """Without the flag a NIC cannot read VMM memory directly and UCX falls back (NIXL issue 1754: 0.3 GB/s)."""
+    fake, flags = FakeDriver(), []
+
+    def attribute(value, attr, device) -> int:
+        value._obj.value = supported if attr == vmm.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED else 1
+        return 0
+
+    def create(handle, nbytes, prop, options) -> int:
+        flags.append(prop._obj.allocFlags.gpuDirectRDMACapable)
+        handle._obj.value = 5
+        return 0
+
+    fake.cuDeviceGetAttribute, fake.cuMemCreate = attribute, create
+    monkeypatch.setattr(vmm, "driver", lambda: fake)
+    assert vmm.create(NBYTES, 0) == 5
+    assert flags == [supported] and vmm.rdma_capable(0) is bool(supported)

@@ -137,6 +137,7 @@ def test_remote_handoff_reads_the_runs_and_releases_the_peers_blocks(pair: tuple
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["num_tokens"] == 20 and len(got["block_ids"]) == 5
+        assert got["parked_by"] == "prefill", "the peer's word on who parked it, for the decode engine's check"
         assert all(torch.equal(x, y) for x, y in zip(read(decode, got["block_ids"]), want, strict=True))
         # A's ids are two runs ([0, 1], [3, 4, 5]), B's one: two runs on both sides, 2 layers x K and V each
         assert got["descriptors"] == 2 * 4

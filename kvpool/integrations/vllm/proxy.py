@@ -7,6 +7,10 @@ Each OpenAI completion or chat request goes to the prefill engine with one token
 answer names the handoff. The request then goes, unchanged but for that handoff, to the decode engine, whose
 connector claims it; its answer (streamed or not) is the client's. A prefill that fails is the client's error;
 a prefill answer without a handoff still goes on to decode, which then computes the prompt itself.
+
+Engines on two nodes, each with its own pool: ``--prefill-pool`` names the prefill engine's pool as the decode
+engine's pool lists it in ``--peers``, and the decode engine claims the handoff through its own pool, which reads
+the blocks from the peer (docs/across-nodes.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvpool.integrations.vllm.remote import PEER_KEY
+
 PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
@@ -29,7 +35,9 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def build_app(prefill: str, decode: str, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+def build_app(
+    prefill: str, decode: str, transport: httpx.AsyncBaseTransport | None = None, prefill_pool: str | None = None
+) -> FastAPI:
     client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), transport=transport)
 
     @asynccontextmanager
@@ -51,6 +59,8 @@ def build_app(prefill: str, decode: str, transport: httpx.AsyncBaseTransport | N
         if pre.status_code != 200:
             return Response(pre.content, pre.status_code, media_type=pre.headers.get("content-type"))
         params = pre.json().get("kv_transfer_params")
+        if params and prefill_pool:
+            params = {**params, PEER_KEY: prefill_pool}
         dec = {**body, "kv_transfer_params": params} if params else body
         if not body.get("stream"):
             r = await client.post(decode + path, json=dec)
@@ -81,12 +91,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Send each request to a prefill engine, then to a decode engine.")
     ap.add_argument("--prefill", required=True, help="the prefill engine's base URL, e.g. http://127.0.0.1:8100")
     ap.add_argument("--decode", required=True, help="the decode engine's base URL, e.g. http://127.0.0.1:8200")
+    ap.add_argument("--prefill-pool", help="the prefill engine's pool, as the decode engine's pool lists it in "
+                    "--peers, where the two engines use different pools (other nodes)")  # fmt: skip
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args(argv)
     import uvicorn
 
-    uvicorn.run(build_app(args.prefill.rstrip("/"), args.decode.rstrip("/")), host=args.host, port=args.port)
+    pool = args.prefill_pool.rstrip("/") if args.prefill_pool else None
+    app = build_app(args.prefill.rstrip("/"), args.decode.rstrip("/"), prefill_pool=pool)
+    uvicorn.run(app, host=args.host, port=args.port)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable, UnknownSession
 from kvpool.ids import BLOCK_MASK
+from kvpool.integrations.vllm import remote
 
 log = logging.getLogger("vllm.kvpool")
 
@@ -197,6 +198,7 @@ class Claim:
     num_tokens: int  # the prompt's
     digest: str | None = None  # what the handoff's meta must say it holds (None: not checked)
     parker: str | None = None  # the name of the session that must have parked it (None: not checked)
+    peer: str | None = None  # the peer pool it is parked in (None: this engine's own)
 
 
 @dataclass
@@ -355,13 +357,14 @@ class Residency:
 
     def prefetch(
         self, req_id: str, tokens: list[int], claim: str | None = None, digest: str | None = None,
-        salt: str | None = None, parker: str | None = None,
+        salt: str | None = None, parker: str | None = None, peer: str | None = None,
     ) -> None:  # fmt: skip
         """Start the pool's answer for a request as it arrives (any thread): the lookup of its prompt's loadable
         prefix among chains of ``salt`` (its KV's identity), or the claim of the handoff its prefill engine parked.
         Either answer holds at most the blocks before the prompt's last token (vLLM computes that one). ``digest``:
         what the handoff's meta must say it holds, and ``parker`` the session that must have parked it, checked as
-        the answer is read, where a mismatch releases the handoff and answers nothing."""
+        the answer is read, where a mismatch releases the handoff and answers nothing. ``peer``: the pool the handoff
+        is parked in, if another node's (:mod:`.remote`)."""
         loadable = (len(tokens) - 1) // self.block_size * self.block_size
         if loadable <= 0 or self.gone is not None:
             return
@@ -369,7 +372,8 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                future = self._claims.submit(Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker))
+                ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer)
+                future = self._claims.submit(ask)
             else:
                 future = self._lookups.submit((req_id, tokens[:loadable], salt))
             self.ahead[req_id] = future
@@ -397,9 +401,9 @@ class Residency:
         return Hit(ids, num_tokens, meta or {}, blocks, found, claimed)
 
     def _claim_many(self, asks: list[Claim]) -> list[Hit]:
-        keys = [ask.key for ask in asks]
+        keys = [(ask.key, ask.peer) for ask in asks]
         out = []
-        for ask, got in zip(asks, self.pool.claim_many(keys, self.claim_timeout_s), strict=True):
+        for ask, got in zip(asks, remote.claim_many(self.pool, keys, self.claim_timeout_s), strict=True):
             if got is None:
                 log.warning("kvpool: the handoff for %s was not found; the decode engine computes the prompt itself",
                             ask.req_id)  # fmt: skip

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from kvpool.errors import KvpoolError, LayoutMismatch
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.plan import prompt_digest
+from kvpool.integrations.vllm.remote import PEER_KEY
 from kvpool.integrations.vllm.residency import Hit, PoolGone, Residency
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY  # copy mode's keys
 from kvpool.layout import KVLayout
@@ -164,7 +165,7 @@ class ResidentScheduler:
         # the handoff must hold this prompt's KV of this identity, parked by the engine that says it prefilled it:
         # hashed as it arrives, checked as the claim's answer is read
         self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt, salt),
-                                parker=str(params.get(FROM_KEY, "")))  # fmt: skip
+                                parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY))  # fmt: skip
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""

@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.integrations.vllm import remote
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import Load, Save, StepPlan, Tracked, blocks_for, prompt_digest
 from kvpool.integrations.vllm.settings import ConnectorSettings
@@ -146,7 +147,7 @@ class SchedulerSide:
             batch, self._claims = self._claims, []
         claims: list[Any] = [None] * len(batch)
         try:
-            keys = [str(params[HANDOFF_KEY]) for _, params, _, _ in batch]
+            keys = [(str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY)) for _, params, _, _ in batch]
             claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
         finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
             for claim, (prompt, params, salt, future) in zip(claims, batch, strict=True):
@@ -180,13 +181,14 @@ class SchedulerSide:
         self.epoch = client.epoch
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
-    def _claim_many(self, client: Any, keys: list[str]) -> list[Any]:
-        claims = client.claim_many(keys, self.settings.claim_timeout_s)
+    def _claim_many(self, client: Any, keys: list[tuple[str, str | None]]) -> list[Any]:
+        """Each ``(key, peer)``'s claim; one parked at a peer pool is read into this one (:mod:`.remote`)."""
+        claims = remote.claim_many(client, keys, self.settings.claim_timeout_s)
         self.epoch = client.epoch
         return claims
 
     def _claim(self, params: dict[str, Any], prompt: list[int], lane: int, salt: str | None) -> list[int]:
-        key = str(params[HANDOFF_KEY])
+        key = (str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY))
         claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key]), [None])
         return self._claimed(claims[0], params, prompt, lane, salt)
 

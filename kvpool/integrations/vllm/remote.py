@@ -1,0 +1,63 @@
+"""A decode engine's claim of a prefill parked in another node's pool (docs/across-nodes.md).
+
+The proxy names that pool in the request's ``kv_transfer_params`` (``kvpool_peer``: its URL as this engine's pool
+lists it in ``--peers``). The claim then goes to this engine's own pool (``POST /remote/claim``), which claims the
+handoff at the peer, reads its blocks into its own arena with NIXL and answers with its own block ids, the refs held
+by this engine's session: from there they are checked and installed as a local claim's are. A peer that failed,
+stalled, or holds no such handoff gives nothing to load: the engine computes the prompt, and the pool has given the
+blocks of the read back already.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvpool.errors import KvpoolError, PoolRestarted, PoolUnavailable, UnknownSession
+from kvpool.remote_protocol import RemoteClaimRequest, RemoteClaimResponse
+
+log = logging.getLogger("vllm.kvpool")
+
+#: kv_transfer_params key: the pool the prefill engine parked in, if not this engine's own
+PEER_KEY = "kvpool_peer"
+#: past a claim's own wait, how long this engine's pool may take to answer a remote claim before the pool counts as
+#: lost: its calls to the peer and the read each end within its --peer-timeout-s (10 s unless set), four at most
+ANSWER_MARGIN_S = 60.0
+
+
+def claim_many(client: Any, asks: Sequence[tuple[str, Any]], timeout_s: float) -> list[Any | None]:
+    """The claim of each ``(key, peer)`` in order, ``None`` where there is nothing to load: those parked in this
+    engine's own pool (``peer`` empty) in one call, as before, then each parked at a peer through this pool."""
+    out: list[Any | None] = [None] * len(asks)
+    local = [i for i, (_, peer) in enumerate(asks) if not peer]
+    if local:
+        for i, got in zip(local, client.claim_many([asks[i][0] for i in local], timeout_s), strict=True):
+            out[i] = got
+    for i, (key, peer) in enumerate(asks):
+        if peer:
+            out[i] = claim(client, key, peer, timeout_s)
+    return out
+
+
+def claim(client: Any, key: str, peer: Any, timeout_s: float) -> RemoteClaimResponse | None:
+    """The handoff ``key`` parked at ``peer``, read into this engine's pool; None if it could not be (the peer
+    failed, stalled or lacks it, is no peer of this pool, or this pool has no room for it). An error about this
+    engine's own session or pool raises, as a local claim's does."""
+    try:  # the peer comes from the request's kv_transfer_params, which a client can set to anything
+        req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=str(peer))
+    except ValidationError as exc:
+        log.warning("kvpool: a handoff's peer %.80r is no pool URL (%s); the decode engine computes the prompt itself",
+                    peer, exc.errors()[0]["msg"])  # fmt: skip
+        return None
+    try:
+        got = client.transport.request("POST", "/remote/claim", req, wait_s=timeout_s + ANSWER_MARGIN_S)
+    except (PoolUnavailable, UnknownSession, PoolRestarted):
+        raise
+    except KvpoolError as exc:
+        log.warning("kvpool: the handoff parked at %s could not be read here (%s: %s); the decode engine computes the "
+                    "prompt itself", peer, type(exc).__name__, exc)  # fmt: skip
+        return None
+    return RemoteClaimResponse.model_validate(got)
