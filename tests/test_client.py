@@ -29,7 +29,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaFdRequest
-from tests.conftest import SMALL_POOL, child_env, start_pool
+from tests.conftest import SMALL_POOL, child_env, local_pool, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
@@ -54,23 +54,23 @@ def start_reader(url: str, request_id: str, n: int, name: str) -> subprocess.Pop
 
 
 @pytest.mark.slow
-def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
-    w = run_worker("write", pool_server.url, "req-1", "5")
+def test_a_pattern_written_by_one_process_is_read_by_another(pool_process):
+    w = run_worker("write", pool_process.url, "req-1", "5")
     assert w.returncode == 0, w.stderr
-    r = run_worker("read", pool_server.tcp_url, "req-1", "5")
+    r = run_worker("read", pool_process.tcp_url, "req-1", "5")
     assert r.returncode == 0 and "READ OK" in r.stdout, r.stdout + r.stderr
-    s = pool_server.stats()
+    s = pool_process.stats()
     assert (s["free"], s["in_use"], s["handoffs"]) == (64, 0, 0)
 
 
 @pytest.mark.slow
-def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_server):
+def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_process):
     from tests.pattern_worker import pattern, prompt_tokens
 
-    w = run_worker("commit", pool_server.url, "-", "4")
+    w = run_worker("commit", pool_process.url, "-", "4")
     assert w.returncode == 0, w.stderr
     written = [int(b) for b in w.stdout.split("WROTE", 1)[1].split()]
-    with PoolClient(pool_server.url, name="reader", layout=SMALL) as pool:
+    with PoolClient(pool_process.url, name="reader", layout=SMALL) as pool:
         arena = pool.arena()
         shared = prompt_tokens(4, SMALL.block_size)[: 3 * SMALL.block_size]
         hit = pool.lookup([*shared, 999, 998, 997, 996, 995])
@@ -80,7 +80,7 @@ def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_ser
             view = arena.k(layer) if kv == 0 else arena.v(layer)
             assert torch.equal(view[hit.block_ids], values[:3])
         pool.free(hit.block_ids)
-    assert pool_server.stats()["cached"] == 4
+    assert pool_process.stats()["cached"] == 4
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
@@ -266,9 +266,9 @@ def run_direct_handoff(url: str, request_id: str, n: int, name: str, timeout_s: 
 
 
 @pytest.mark.slow
-def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
-    run_direct_handoff(pool_server.url, "req-direct", 5, "reader-0")
-    s = pool_server.stats()
+def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_process):
+    run_direct_handoff(pool_process.url, "req-direct", 5, "reader-0")
+    s = pool_process.stats()
     assert (s["free"], s["in_use"], s["handoffs"], s["counters"]["claims"]) == (64, 0, 0, 1)
 
 
@@ -429,7 +429,7 @@ def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_s
 def test_salted_prefixes_over_a_sha256_pool():
     """A pool started with --prefix-hash sha256 says so in its descriptor; a salt travels with lookup and commit on
     both ways to the pool, and only a lookup with the committing salt finds the blocks."""
-    pool = start_pool(*SMALL_POOL, "--prefix-hash", "sha256")
+    pool = local_pool(*SMALL_POOL, "--prefix-hash", "sha256")
     try:
         with PoolClient(pool.url, name="tenant-a") as fast, PoolClient(pool.url, name="tenant-b", fast=False) as http:
             assert fast.descriptor().prefix_hash == "sha256"
@@ -519,12 +519,12 @@ print(sorted(m for m in sys.modules if m.startswith("kvpool.slab")))
 """
 
 
-def test_a_client_without_a_slab_never_imports_the_slab_code(pool_server):
+def test_a_client_without_a_slab_never_imports_the_slab_code(pool_process):
     """Slabs stand beside the client: a client not asked for one is a plain PoolClient, whose calls reach no slab
     module (none is even imported)."""
     env = child_env()
     env.pop("KVPOOL_SLAB_BLOCKS", None)
-    proc = subprocess.run([sys.executable, "-c", PLAIN, pool_server.url], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", PLAIN, pool_process.url], capture_output=True, text=True, env=env,
                           timeout=60)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 

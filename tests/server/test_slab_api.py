@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.server.slab_api import PATHS
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, PoolProcess, start_pool
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_each_old_path_answers_as_the_new_one_and_is_logged_once(old_pool: PoolP
         assert schema[old_path]["post"]["deprecated"] is True
 
 
-def test_a_pool_without_slabs_says_which_flag_serves_them(pool_server: PoolProcess) -> None:
+def test_a_pool_without_slabs_says_which_flag_serves_them(pool_server: LocalPool) -> None:
     with pool_server.http() as http:
         sid = session(http, "no-slabs")
         for path in ("/slabs", "/leases"):
