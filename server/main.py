@@ -144,8 +144,6 @@ def fast_channel(plane: ControlPlane, max_connections: int, refusals: RefusalLog
 
 def serve(settings: PoolSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for line in settings.deprecations:
-        log.warning(line)
     plane = ControlPlane(settings)
     app = create_app(plane)
     sockets = []
