@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from kvpool.errors import InvalidRequest
 from kvpool.server.plane import ControlPlane
 from kvpool.server.slabs import SlabBooks
-from kvpool.slab_protocol import (
+from kvpool.slab.protocol import (
     PairRequest,
     PairResponse,
     RegionInfo,
