@@ -42,6 +42,7 @@ class LocalTransport(httpx.BaseTransport):
         self.name = name
         self.loop = loop
         self._asgi = httpx.ASGITransport(app)
+        self._calls: set[concurrent.futures.Future[tuple[int, httpx.Headers, bytes]]] = set()
 
     @property
     def url(self) -> str:
@@ -55,6 +56,7 @@ class LocalTransport(httpx.BaseTransport):
         if self.loop.is_closed():
             raise httpx.ConnectError(f"the pool {self.url} was stopped", request=request)
         answer = asyncio.run_coroutine_threadsafe(one(), self.loop)
+        self._calls.add(answer)
         try:
             status, headers, body = answer.result(request.extensions.get("timeout", {}).get("read"))
         except concurrent.futures.TimeoutError:
@@ -62,7 +64,16 @@ class LocalTransport(httpx.BaseTransport):
             raise httpx.ReadTimeout(f"no answer from {self.url}", request=request) from None
         except concurrent.futures.CancelledError:
             raise httpx.ConnectError(f"the pool {self.url} stopped during the call", request=request) from None
+        finally:
+            self._calls.discard(answer)
         return httpx.Response(status, headers=headers, content=body, request=request)
+
+    def drain(self, timeout_s: float) -> None:
+        """Let the calls in flight finish (a stopping pool answers its waiting claims first), as uvicorn's graceful
+        shutdown does; cut off the rest, whose callers then learn that the pool stopped."""
+        _, left = concurrent.futures.wait(list(self._calls), timeout_s)
+        for call in left:
+            call.cancel()
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:

@@ -23,7 +23,7 @@ from kvpool.client import http_client
 from kvpool.errors import KvpoolError
 from kvpool.server.app import create_app
 from kvpool.server.config import PoolSettings, settings_from_args
-from kvpool.server.main import fast_channel, serve_parser
+from kvpool.server.main import SHUTDOWN_GRACE_S, fast_channel, serve_parser
 from kvpool.server.plane import ControlPlane
 from kvpool.transport import LocalTransport
 
@@ -91,6 +91,7 @@ class LocalPool:
         if LocalTransport.served.pop(self.transport.name, None) is None:
             return 0
         self._run(self._stop_waiting())
+        self.transport.drain(SHUTDOWN_GRACE_S)
         self._run(self._lifespan.__aexit__(None, None, None))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()
