@@ -29,8 +29,6 @@ SUITES: dict[str, tuple[str, str]] = {
     "remote": ("kvpool.benchmarks.remote", "a handoff read from a peer pool (--peers) against a raw NIXL READ"),
     "vllm": ("kvpool.benchmarks.vllm", "vLLM engines with the kvpool connector against vLLM alone (GPU, vLLM)"),
 }
-#: suites renamed, old name -> new name: the old one still runs the suite, and says it is deprecated
-RENAMED = {"lease": "slab"}
 # Suites owned elsewhere that bring their own ``main(argv)``; offered only when their module exists.
 DELEGATED: dict[str, tuple[str, str]] = {"soak": ("kvpool.benchmarks.soak", "long-running load on a pool")}
 
@@ -73,9 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
-    if name in RENAMED:
-        print(f"kvpool bench: the suite {name!r} is now {RENAMED[name]!r} ({name!r} is deprecated)", file=sys.stderr)
-        name = argv[0] = RENAMED[name]
     if name not in suites:
         known = ", ".join(suites)
         print(f"kvpool bench: no suite {name!r}: one of {known}\nkvpool bench --help says what each measures",

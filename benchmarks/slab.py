@@ -73,9 +73,9 @@ def _spin_recv(sock: socket.socket, buf: bytearray) -> int:
 
 
 def _consumer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int) -> None:
-    from kvpool.client import PoolClient
+    from kvpool.slab import SlabClient
 
-    pool = PoolClient(url, name=CONSUMER, slab=_slab(batch), heartbeat=False, spin_s=2.0)
+    pool = SlabClient(url, name=CONSUMER, slab=_slab(batch), heartbeat=False, spin_s=2.0)
     box = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     box.bind(floor_path)
     back = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -109,11 +109,12 @@ def _consumer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int)
 
 def _producer(conn: Any, url: str, floor_path: str, ready_path: str, batch: int, blocks: int) -> None:
     from kvpool.client import PoolClient
+    from kvpool.slab import SlabClient
 
-    pool = PoolClient(url, name="bench-slab-producer", slab=_slab(batch), heartbeat=False)
-    plain = PoolClient(url, name="bench-slab-plain", slab=False, heartbeat=False)
-    batcher = PoolClient(url, name="bench-slab-batcher", slab=_slab(batch), heartbeat=False)
-    sealed = PoolClient(url, name="bench-slab-datagrams", slab=_slab(batch, ring=False), heartbeat=False)
+    pool = SlabClient(url, name="bench-slab-producer", slab=_slab(batch), heartbeat=False)
+    plain = PoolClient(url, name="bench-slab-plain", heartbeat=False)
+    batcher = SlabClient(url, name="bench-slab-batcher", slab=_slab(batch), heartbeat=False)
+    sealed = SlabClient(url, name="bench-slab-datagrams", slab=_slab(batch, ring=False), heartbeat=False)
     ready = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     ready.bind(ready_path)
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

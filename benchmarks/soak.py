@@ -74,7 +74,7 @@ from kvpool.benchmarks.soak_report import plot, print_summary, summarize
 from kvpool.client import PoolClient, http_client
 from kvpool.errors import HandoffNotFound, HandoffRefused, KvpoolError, PoolExhausted
 from kvpool.ids import block_of
-from kvpool.slab import SlabConfig
+from kvpool.slab import SlabClient, SlabConfig
 
 SMALL_LAYOUT = ["--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block-size", "4",
                 "--dtype", "float32"]  # fmt: skip
@@ -206,7 +206,7 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = 
     (the datagram), and all of it comes back if ``to`` is gone too."""
     client = None
     with contextlib.suppress(KvpoolError):
-        client = PoolClient(url, name="soak-doomed", role="prefill")
+        client = (SlabClient if to is not None else PoolClient)(url, name="soak-doomed", role="prefill")
         with contextlib.suppress(PoolExhausted):
             ids = client.alloc(2)
             client.handoff(f"doomed-{os.getpid()}", ids[:1], num_tokens=1, ttl_s=ttl_s)
@@ -226,12 +226,12 @@ def crash_worker_main(url: str, block_size: int, ttl_s: float, to: str | None = 
         time.sleep(3600)
 
 
-def slab_handoff(client: PoolClient, request_id: str, ids: list[int], to: str) -> None:
+def slab_handoff(client: SlabClient, request_id: str, ids: list[int], to: str) -> None:
     client.handoff(request_id, ids, num_tokens=1, to=to)
     print(f"handed {request_id}", flush=True)
 
 
-def read_by(client: PoolClient, to: str, within_s: float) -> bool:
+def read_by(client: SlabClient, to: str, within_s: float) -> bool:
     """Whether ``to`` reads this client's ring (it took a handoff from it), waiting up to ``within_s``."""
     slab, sender = client.slab, getattr(client, "slab_sender", None)  # a client made with a slab has one
     peer = sender.peers.get(to) if sender is not None else None
@@ -364,7 +364,7 @@ def run(args: argparse.Namespace) -> int:
             pause_args = (server.proc.pid, args.pause_every, pause_s, tally, side_stop)
             side.append(threading.Thread(target=pause_pool, args=pause_args))
         dropped = DroppedHandoffs(tally)
-        logging.getLogger("kvpool.slabbox").addHandler(dropped)
+        logging.getLogger("kvpool.slab.box").addHandler(dropped)
         t0 = tally.t0 = time.monotonic()
         for t in threads + side:
             t.start()
@@ -378,7 +378,7 @@ def run(args: argparse.Namespace) -> int:
         for t in threads:
             t.join(timeout=60)
         elapsed = time.monotonic() - t0
-        logging.getLogger("kvpool.slabbox").removeHandler(dropped)
+        logging.getLogger("kvpool.slab.box").removeHandler(dropped)
         side_stop.set()
         for t in side:
             t.join(timeout=60)

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.client import PoolClient
 from kvpool.errors import (
     HandoffNotFound,
     KvpoolError,
@@ -31,7 +30,8 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import BLOCK_MASK, block_of
-from kvpool.slabtable import HANDED, IDLE
+from kvpool.slab import SlabClient
+from kvpool.slab.table import HANDED, IDLE
 
 OPS = ("alloc", "free", "commit", "lookup", "handoff", "claim", "stale")
 WEIGHTS = (24, 20, 12, 18, 12, 14, 6)
@@ -142,8 +142,8 @@ class Client:
         self.index = index
         self.shared = shared
         self.rng = random.Random(shared.seed * 1000 + index)
-        slab = shared.slab if fast else False
-        self.pool = PoolClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast, slab=slab)
+        slab = (shared.slab if fast else None) or False
+        self.pool = SlabClient(url, name=f"soak-{index}", role="other", fast=fast, inbox=fast, slab=slab)
         self.stamps = Stamps(self.pool.arena() if shared.verify_data else None)
         self.refs: list[Ref] = []
         self.retired: collections.deque[int] = collections.deque(maxlen=RETIRED_KEPT)

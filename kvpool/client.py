@@ -10,10 +10,6 @@ on the way. :class:`kvpool.devices.DeviceSession` gives workers plain arena indi
 on the way back. A client opened with ``inbox=True`` also receives the ids of handoffs addressed to it
 (``handoff(..., to=name)``) in its inbox, sent and sealed by the pool as soon as it parked them
 (:mod:`kvpool.handoffs`).
-
-A client asked for a reservation slab (``slab``, or ``KVPOOL_SLAB_BLOCKS`` in its environment) is made with the
-slab's calls mixed in (:mod:`kvpool.slabclient`): it allocates and frees uncommitted blocks locally and hands them to
-other slab sessions with no round trip. Every other client is this class alone, and its calls never reach slab code.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ import sys
 import time
 from array import array
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -61,9 +57,6 @@ from kvpool.session import Session
 from kvpool.tokens import pack_tokens
 from kvpool.transport import Transport, http_client, reply_spin
 
-if TYPE_CHECKING:
-    from kvpool.slab import Slab, SlabConfig
-
 __all__ = ["Claim", "PoolClient", "http_client", "raise_for"]
 
 R = TypeVar("R", bound=BaseModel)
@@ -82,14 +75,6 @@ def _tokens(token_ids: Sequence[int] | Any) -> dict[str, Any]:
     tokens = _as_list(token_ids)
     packed = pack_tokens(tokens)
     return {"tokens": packed} if packed is not None else {"token_ids": tokens}
-
-
-def slab_asked(slab: SlabConfig | bool | None) -> bool:
-    """Whether a client's ``slab`` argument asks for a slab: a config or True, or None with ``KVPOOL_SLAB_BLOCKS`` set
-    (:meth:`kvpool.slab.SlabConfig.from_env` reads it, and refuses a value that is no number)."""
-    if slab is None:
-        return os.environ.get("KVPOOL_SLAB_BLOCKS", "").strip() not in ("", "0")
-    return bool(slab)
 
 
 def settle_device(devices: Sequence[Any] = ()) -> None:
@@ -129,26 +114,11 @@ class PoolClient:
             soon as the pool parked them (needs the fast channel; give the session a name no other live session has).
         spin_s: how long ``claim`` watches the inbox before it waits in the pool instead. Spinning holds a core
             but saves a wake-up (tens of microseconds); a handoff that comes later arrives through the pool.
-        slab: keep a reservation slab (a :class:`kvpool.slab.SlabConfig`, or True for the defaults; default from
-            ``KVPOOL_SLAB_BLOCKS``), where the pool serves them (``kvpool serve --slabs``): alloc, free and handoffs
-            to other slab sessions then skip the round trip (:mod:`kvpool.slabclient`).
         reply_spin_s: how long a call over the fast channel polls for the pool's answer before it sleeps (default
             ``KVPOOL_REPLY_SPIN_US``, else 0). An answer that comes meanwhile spares this thread a wake-up, about half
             a round trip on a VM; the polling holds a core and the GIL, so leave it 0 where other threads of the
             process must run meanwhile (an inference engine's scheduler).
     """
-
-    #: this session's reservation slab, if it has one (a client made with ``slab``: see :mod:`kvpool.slabclient`)
-    slab: Slab | None = None
-
-    def __new__(cls, *args: Any, slab: SlabConfig | bool | None = None, **kwargs: Any) -> PoolClient:
-        """A client asked for a slab is made with the slab's calls mixed in (:func:`kvpool.slabclient.with_slab`),
-        so that the calls of every other client carry no slab branch and import no slab code."""
-        if not slab_asked(slab):
-            return super().__new__(cls)
-        from kvpool.slabclient import with_slab
-
-        return super().__new__(with_slab(cls))
 
     def __init__(
         self,
@@ -163,7 +133,6 @@ class PoolClient:
         heartbeat: bool = True,
         inbox: bool = False,
         spin_s: float = 0.001,
-        slab: SlabConfig | bool | None = None,
         reply_spin_s: float | None = None,
         name_key: str | None = None,
     ) -> None:
@@ -324,7 +293,6 @@ class PoolClient:
 
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
-        From a slab to a session with a slab, the ids go straight to it and the pool settles the refs later.
         """
         if self.transport.fast_path is not None and to is not None and not keep and not sealed:
             ids = pack_ids(block_ids)
@@ -359,8 +327,7 @@ class PoolClient:
         With an inbox, a handoff delivered to it returns at once, while the pool's answer to the claim is still
         on its way: your next call to the pool (or :meth:`confirm`) raises if the pool refused it. Claiming a
         known ``request_id`` puts the claim in at the pool first and then watches the inbox, so whichever comes
-        first, the ids in the inbox or the pool's answer, ends the wait. With a slab, a handoff from another slab
-        comes to its slab box, which the claim watches first (and between short looks at the pool).
+        first, the ids in the inbox or the pool's answer, ends the wait.
         """
         if self.direct.inbox is None:
             return self._claim_from_pool(request_id, timeout_s)

@@ -131,10 +131,6 @@ def ipc_open(handle: bytes) -> int:
     return ptr.value
 
 
-def ipc_close(ptr: int) -> None:
-    _check(cudart().cudaIpcCloseMemHandle(ctypes.c_void_p(ptr)), "cudaIpcCloseMemHandle")
-
-
 class DeviceBuffer:
     """A raw device pointer that torch can wrap without a copy (``__cuda_array_interface__``)."""
 

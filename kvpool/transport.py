@@ -3,17 +3,20 @@
 HTTP goes over one keep-alive connection (TCP or the pool's Unix socket). The fast channel, when the pool serves
 one, is a kept-open Unix socket per thread that costs tens of microseconds a call instead of an HTTP round trip,
 with block ids packed as int64 both ways (see :mod:`kvpool.channel`). :meth:`Transport.call` picks the way, so
-callers never depend on which one carried their request.
+callers never depend on which one carried their request. A pool served in this process (a test's) is
+reached at ``local://NAME``: its HTTP calls run on its own event loop without a socket.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import os
 import threading
 from array import array
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import httpx
 from pydantic import BaseModel
@@ -24,11 +27,64 @@ from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
 RAISE_TIMEOUT = "give PoolClient a larger timeout_s if the pool is only slow"
+LOCAL = "local://"
+
+
+class LocalTransport(httpx.BaseTransport):
+    """HTTP to an ASGI app served on an event loop of this process, with no socket between: a test's pool runs in
+    the test's own process and starts in milliseconds. Each request runs on the app's loop as uvicorn would run it, so
+    a claim that waits there holds back no other call."""
+
+    #: the apps served so in this process, by the name in their ``local://NAME`` url
+    served: ClassVar[dict[str, LocalTransport]] = {}
+
+    def __init__(self, name: str, app: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.name = name
+        self.loop = loop
+        self._asgi = httpx.ASGITransport(app)
+        self._calls: set[concurrent.futures.Future[tuple[int, httpx.Headers, bytes]]] = set()
+
+    @property
+    def url(self) -> str:
+        return LOCAL + self.name
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        async def one() -> tuple[int, httpx.Headers, bytes]:
+            response = await self._asgi.handle_async_request(request)
+            return response.status_code, response.headers, await response.aread()
+
+        if self.loop.is_closed():
+            raise httpx.ConnectError(f"the pool {self.url} was stopped", request=request)
+        answer = asyncio.run_coroutine_threadsafe(one(), self.loop)
+        self._calls.add(answer)
+        try:
+            status, headers, body = answer.result(request.extensions.get("timeout", {}).get("read"))
+        except concurrent.futures.TimeoutError:
+            answer.cancel()
+            raise httpx.ReadTimeout(f"no answer from {self.url}", request=request) from None
+        except concurrent.futures.CancelledError:
+            raise httpx.ConnectError(f"the pool {self.url} stopped during the call", request=request) from None
+        finally:
+            self._calls.discard(answer)
+        return httpx.Response(status, headers=headers, content=body, request=request)
+
+    def drain(self, timeout_s: float) -> None:
+        """Let the calls in flight finish (a stopping pool answers its waiting claims first), as uvicorn's graceful
+        shutdown does; cut off the rest, whose callers then learn that the pool stopped."""
+        _, left = concurrent.futures.wait(list(self._calls), timeout_s)
+        for call in left:
+            call.cancel()
 
 
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
     """A client of the pool's HTTP API; for a Unix socket, only once it is known to be the pool's own
     (:func:`kvpool.trust.check_socket`): a token is never sent to a socket another user could have put there."""
+    if url.startswith(LOCAL):
+        local = LocalTransport.served.get(url[len(LOCAL) :])
+        if local is None:
+            raise PoolUnavailable(f"no pool is served in this process at {url}: start it, or name a pool's socket")
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(transport=local, base_url="http://kvpool", headers=headers, timeout=timeout_s)
     if url.startswith("unix://"):
         check_socket(url[len("unix://") :])
     headers = {"authorization": f"Bearer {token}"} if token else {}

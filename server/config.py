@@ -20,8 +20,6 @@ from kvpool.layout import DTYPE_ALIASES, DType, KVLayout, Order
 
 #: the arena's size in blocks when none of --num-blocks, --arena-bytes and --gpu-memory-fraction is given
 DEFAULT_NUM_BLOCKS = 1024
-#: settings renamed, old name -> new name: the old flag and variable are still read, and the pool warns of them
-DEPRECATED = {"leases": "slabs", "lease_regions": "slab_regions"}
 
 
 def parse_size(value: str | int) -> int:
@@ -146,9 +144,6 @@ class PoolSettings(BaseSettings):
         description="most blocks one session's slab holds, handed blocks not yet settled included",
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field("info", description="log level")
-    # the names of settings from before they were renamed, still read (see DEPRECATED)
-    leases: bool | None = Field(None, description="deprecated: use --slabs")
-    lease_regions: int | None = Field(None, ge=1, le=1 << 16, description="deprecated: use --slab-regions")
 
     # KV events in vLLM's format, for KV-aware routers (docs/kv-events.md)
     kv_events_endpoint: str | None = Field(
@@ -174,27 +169,6 @@ class PoolSettings(BaseSettings):
     kv_events_form: Literal["map", "array"] = Field(
         "map", description="events as tagged maps (vLLM 0.26) or tagged arrays (earlier vLLM releases)"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _renamed(cls, data: Any) -> Any:
-        """A deprecated name's value goes to its new name, unless that was given too (then the new one stands)."""
-        if isinstance(data, dict):
-            for old, new in DEPRECATED.items():
-                if data.get(old) is not None and data.get(new) is None:
-                    data = {**data, new: data[old]}
-        return data
-
-    @property
-    def deprecations(self) -> list[str]:
-        """One line for each deprecated name these settings were given, saying the name to use."""
-        prefix = self.model_config.get("env_prefix", "")
-        return [
-            f"--{old.replace('_', '-')} ({prefix}{old.upper()}) is deprecated: use --{new.replace('_', '-')} "
-            f"({prefix}{new.upper()})"
-            for old, new in DEPRECATED.items()
-            if getattr(self, old) is not None
-        ]
 
     @field_validator("socket_mode", mode="before")
     @classmethod
@@ -331,7 +305,6 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "kv_events_buffer_steps", "kv_events_queue_size", "kv_events_hwm", "kv_events_hashes", "kv_events_form",
     ),
     "logging": ("log_level",),
-    "deprecated names (each still read, with a warning)": tuple(DEPRECATED),
 }  # fmt: skip
 
 
@@ -414,9 +387,6 @@ def add_settings_arguments(
 
 def settings_from_args(args: argparse.Namespace, settings_cls: type[PoolSettings] = PoolSettings) -> PoolSettings:
     given = {k: v for k, v in vars(args).items() if k in settings_cls.model_fields and v is not None}
-    for old, new in DEPRECATED.items():  # a flag wins over a variable, under its old name too
-        if old in given and new not in given:
-            given[new] = given[old]
     return settings_cls(**given)
 
 

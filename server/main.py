@@ -125,10 +125,25 @@ class PoolServer(uvicorn.Server):
         await super().shutdown(sockets=sockets)
 
 
+def fast_channel(plane: ControlPlane, max_connections: int, refusals: RefusalLog | None = None) -> FastChannel:
+    """The fast channel at the settings' ``fast_socket``, bounded as they say."""
+    settings = plane.settings
+    assert settings.fast_socket is not None
+    return FastChannel(
+        plane,
+        settings.fast_socket,
+        settings.socket_mode,
+        settings.max_body_bytes,
+        max_connections=max_connections,
+        hello_timeout_s=settings.hello_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        max_buffered=settings.max_fast_buffer_bytes,
+        refusals=refusals,
+    )
+
+
 def serve(settings: PoolSettings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for line in settings.deprecations:
-        log.warning(line)
     plane = ControlPlane(settings)
     app = create_app(plane)
     sockets = []
@@ -146,17 +161,7 @@ def serve(settings: PoolSettings) -> None:
     caps = size_caps(wanted, open_files_limit())
     refusals = RefusalLog(plane.count_exceeded)
     if settings.fast_socket is not None:
-        fast = FastChannel(
-            plane,
-            settings.fast_socket,
-            settings.socket_mode,
-            settings.max_body_bytes,
-            max_connections=caps["fast"],
-            hello_timeout_s=settings.hello_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            max_buffered=settings.max_fast_buffer_bytes,
-            refusals=refusals,
-        )
+        fast = fast_channel(plane, caps["fast"], refusals)
         app.state.on_start.append(fast.start)
         app.state.on_stop.append(fast.stop)
     guard = HTTPGuard(
@@ -217,9 +222,8 @@ def serve(settings: PoolSettings) -> None:
         raise SystemExit(f"kvpool: could not start: {plane.startup_error}")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from pydantic import ValidationError
-
+def serve_parser() -> Parser:
+    """``kvpool serve``'s flags: every setting of :class:`PoolSettings`."""
     parser = Parser(
         prog="kvpool serve",
         usage="kvpool serve [options]",
@@ -228,7 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=36),
     )
     add_settings_arguments(parser, PoolSettings, GROUPS)
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pydantic import ValidationError
+
+    args = serve_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         settings = settings_from_args(args)
     except ValidationError as exc:

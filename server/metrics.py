@@ -103,7 +103,6 @@ class PoolCollector(Collector):
                 slab.add_metric([state], slabs[f"slab_{state}"])
             yield slab
             yield GaugeMetricFamily("kvpool_slab_regions", "sessions holding a slab", value=slabs["regions"])
-            yield GaugeMetricFamily("kvpool_lease_regions", "deprecated: kvpool_slab_regions", value=slabs["regions"])
             c = slabs["counters"]
             yield CounterMetricFamily("kvpool_slab_handed_settled", "handed slab blocks moved to their consumer",
                                       value=c["handed_settled"])  # fmt: skip

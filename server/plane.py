@@ -350,8 +350,7 @@ class ControlPlane:
     def stats(self) -> dict[str, Any]:
         events = {"kv_events": self.kv_events.stats()} if self.kv_events is not None else {}
         slabs = self.slabs.stats() if self.slabs is not None else None
-        # "leases": the same, under its name from before the slab table was called so (deprecated)
-        tables = {"slabs": slabs, "leases": slabs} if slabs is not None else {}
+        tables = {"slabs": slabs} if slabs is not None else {}
         remote = {"remote": self.remote.stats()} if self.remote is not None else {}
         return {**self.pool.stats(), "claims_waiting": self.claims.waiting, **events, **tables, **remote}
 

@@ -1,23 +1,15 @@
 """The slab endpoints: a session's region of the slab table, its slab's refills and drains, pair keys, and the
 settling of handoffs between slabs. Control calls only; see :mod:`kvpool.server.slabs` for what they do.
-
-Each is also served at its old path under ``/leases`` (``/leases/slab`` for ``/slabs/blocks``), deprecated: the
-pool logs one line the first time an old path is used, and the schema marks them so.
 """
 
 from __future__ import annotations
-
-import functools
-import logging
-from collections.abc import Callable
-from typing import Any
 
 from fastapi import APIRouter
 
 from kvpool.errors import InvalidRequest
 from kvpool.server.plane import ControlPlane
 from kvpool.server.slabs import SlabBooks
-from kvpool.slab_protocol import (
+from kvpool.slab.protocol import (
     PairRequest,
     PairResponse,
     RegionInfo,
@@ -27,12 +19,6 @@ from kvpool.slab_protocol import (
     SlabRequest,
     SlabResponse,
 )
-
-log = logging.getLogger(__name__)
-
-#: each endpoint's path, and the deprecated one it answers at too
-PATHS = {"/slabs": "/leases", "/slabs/blocks": "/leases/slab", "/slabs/pair": "/leases/pair",
-         "/slabs/settle": "/leases/settle"}  # fmt: skip
 
 
 def _books(plane: ControlPlane) -> SlabBooks:
@@ -81,23 +67,7 @@ def slab_router(plane: ControlPlane) -> APIRouter:
         holds = books.holds(req.session_id, req.holds, req.took) if req.holds else True
         return SettleResponse(settled=settled, holds=holds)
 
-    for handler, (path, old) in zip((open_region, blocks, pair, settle), PATHS.items(), strict=True):
+    for path, handler in (("/slabs", open_region), ("/slabs/blocks", blocks), ("/slabs/pair", pair),
+                          ("/slabs/settle", settle)):  # fmt: skip
         api.add_api_route(path, handler, methods=["POST"])
-        api.add_api_route(old, _warned(handler, old, path), methods=["POST"], deprecated=True,
-                          name=f"{handler.__name__}_deprecated", description=f"Deprecated: use {path}.")  # fmt: skip
     return api
-
-
-def _warned(handler: Callable[[Any], Any], old: str, new: str) -> Callable[[Any], Any]:
-    """``handler`` at a deprecated path: the first call says so in the pool's log, once."""
-    told = False
-
-    @functools.wraps(handler)
-    async def deprecated(req: Any) -> Any:
-        nonlocal told
-        if not told:
-            told = True
-            log.warning("POST %s is deprecated: use POST %s (a client from before the rename calls it)", old, new)
-        return await handler(req)
-
-    return deprecated

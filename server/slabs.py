@@ -4,12 +4,12 @@ pool stays the one authority over every block anyway.
 A session's slab is blocks the pool allocated to that session in one call (``grant``): in the books they are the
 session's refs like any others (in use), so ``free + in_use + cached == num_blocks`` holds throughout. The session
 then allocates and frees them locally, recording each slot's state in its region of the slab table
-(:mod:`kvpool.slabtable`); it returns idle ones in bulk (``grant`` with ``give``), and when the pool needs room it
+(:mod:`kvpool.slab.table`); it returns idle ones in bulk (``grant`` with ``give``), and when the pool needs room it
 raises the region's ``want`` and the session gives back its idle blocks at its next call.
 
 A handoff between two slabs moves no ref at the moment it happens: the producer marks the slots handed and sends
-the ids to the consumer (a datagram, :mod:`kvpool.slabwire`, or an entry of its ring in the table that the
-consumer reads, :mod:`kvpool.slabsend`; the pool reads neither). The pool moves the refs afterwards
+the ids to the consumer (a datagram, :mod:`kvpool.slab.wire`, or an entry of its ring in the table that the
+consumer reads, :mod:`kvpool.slab.send`; the pool reads neither). The pool moves the refs afterwards
 (:meth:`SlabBooks.settle`): at its sweep, when the consumer asks (before it names those blocks in a call), and
 when the producer's session ends. It acts on a handed slot only for a block its own books say the producer holds
 in its slab, uncommitted, with the generation the slot names, so whatever a session writes into its region can move
@@ -44,8 +44,8 @@ from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_BITS, GEN_MASK
 from kvpool.server.config import PoolSettings
 from kvpool.server.pool import Pool
 from kvpool.server.records import Handoff, Session, holder_of
-from kvpool.slabtable import ALLOCATED, EMPTY, ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, IDLE, RING, create_table, fence
-from kvpool.slabwire import pair_key
+from kvpool.slab.table import ALLOCATED, EMPTY, ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, IDLE, RING, create_table, fence
+from kvpool.slab.wire import pair_key
 
 log = logging.getLogger(__name__)
 

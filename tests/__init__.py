@@ -12,6 +12,8 @@
 * ``tests/reliability/`` (crashes, restarts, the soak), ``tests/gpu/`` (needs a CUDA device) and ``tests/docker/``
   (the image and compose files) cut across the modules, by what they check.
 
-Fixtures of every test are in ``tests/conftest.py`` (a real pool process: ``start_pool``, ``pool_server``), those of
-the server's tests in ``tests/server/conftest.py``.
+Fixtures of every test are in ``tests/conftest.py``, those of the server's tests in ``tests/server/conftest.py``. A
+test of what the pool answers takes a pool served in the test process (``pool_server``, ``local_pool``: milliseconds
+to start); one of what only a process shows (a crash, a signal, a worker process, the HTTP listeners' guards) takes
+``kvpool serve`` itself (``pool_process``, ``start_pool``).
 """

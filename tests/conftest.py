@@ -1,4 +1,8 @@
-"""Shared fixtures: a real pool server in a subprocess, and the GPU marker's skip."""
+"""Shared fixtures: a pool served in the test process, a real pool server in a subprocess, and the GPU marker's skip.
+
+A test of what the pool answers takes ``pool_server`` (a :class:`LocalPool`: milliseconds to start); a test of what
+only a process shows (a crash, a restart, a signal, a worker process of its own that reaches the pool) takes
+``pool_process`` or calls :func:`start_pool`."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.server.launch import ServerProcess, child_env, spawn
+from kvpool.server.local import LocalPool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,9 +66,24 @@ def start_pool(
                  timeout_s=timeout_s, workdir=workdir, preexec_fn=preexec_fn)  # fmt: skip
 
 
+def local_pool(*flags: str) -> LocalPool:
+    """A pool in this process, set as :func:`start_pool` sets its process: a fresh socket directory, no TCP port."""
+    workdir = Path(tempfile.mkdtemp(prefix="kvp-"))
+    args = ["--socket", str(workdir / "kvpool.sock"), "--port", "0", "--backend", "cpu", "--log-level", "warning"]
+    return LocalPool.from_flags(*args, *flags, workdir=workdir)
+
+
 @pytest.fixture
-def pool_server() -> Iterator[PoolProcess]:
-    """A pool of 64 small blocks (2 layers, 2 heads, head dim 8, block size 4, float32)."""
+def pool_server() -> Iterator[LocalPool]:
+    """A pool of 64 small blocks (2 layers, 2 heads, head dim 8, block size 4, float32), in this process."""
+    pool = local_pool(*SMALL_POOL)
+    yield pool
+    pool.stop()
+
+
+@pytest.fixture
+def pool_process() -> Iterator[PoolProcess]:
+    """The same pool as ``pool_server``, as a ``kvpool serve`` process."""
     pool = start_pool(*SMALL_POOL)
     yield pool
     pool.stop()

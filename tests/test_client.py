@@ -29,7 +29,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaFdRequest
-from tests.conftest import SMALL_POOL, child_env, start_pool
+from tests.conftest import ROOT, SMALL_POOL, child_env, local_pool, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
@@ -54,23 +54,23 @@ def start_reader(url: str, request_id: str, n: int, name: str) -> subprocess.Pop
 
 
 @pytest.mark.slow
-def test_a_pattern_written_by_one_process_is_read_by_another(pool_server):
-    w = run_worker("write", pool_server.url, "req-1", "5")
+def test_a_pattern_written_by_one_process_is_read_by_another(pool_process):
+    w = run_worker("write", pool_process.url, "req-1", "5")
     assert w.returncode == 0, w.stderr
-    r = run_worker("read", pool_server.tcp_url, "req-1", "5")
+    r = run_worker("read", pool_process.tcp_url, "req-1", "5")
     assert r.returncode == 0 and "READ OK" in r.stdout, r.stdout + r.stderr
-    s = pool_server.stats()
+    s = pool_process.stats()
     assert (s["free"], s["in_use"], s["handoffs"]) == (64, 0, 0)
 
 
 @pytest.mark.slow
-def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_server):
+def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_process):
     from tests.pattern_worker import pattern, prompt_tokens
 
-    w = run_worker("commit", pool_server.url, "-", "4")
+    w = run_worker("commit", pool_process.url, "-", "4")
     assert w.returncode == 0, w.stderr
     written = [int(b) for b in w.stdout.split("WROTE", 1)[1].split()]
-    with PoolClient(pool_server.url, name="reader", layout=SMALL) as pool:
+    with PoolClient(pool_process.url, name="reader", layout=SMALL) as pool:
         arena = pool.arena()
         shared = prompt_tokens(4, SMALL.block_size)[: 3 * SMALL.block_size]
         hit = pool.lookup([*shared, 999, 998, 997, 996, 995])
@@ -80,7 +80,7 @@ def test_a_prefix_committed_by_one_process_is_found_and_read_by_another(pool_ser
             view = arena.k(layer) if kv == 0 else arena.v(layer)
             assert torch.equal(view[hit.block_ids], values[:3])
         pool.free(hit.block_ids)
-    assert pool_server.stats()["cached"] == 4
+    assert pool_process.stats()["cached"] == 4
 
 
 @pytest.mark.parametrize("fast", [True, False], ids=["fast-channel", "http"])
@@ -266,9 +266,9 @@ def run_direct_handoff(url: str, request_id: str, n: int, name: str, timeout_s: 
 
 
 @pytest.mark.slow
-def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_server):
-    run_direct_handoff(pool_server.url, "req-direct", 5, "reader-0")
-    s = pool_server.stats()
+def test_a_direct_handoff_crosses_processes_and_moves_ownership_in_the_pool(pool_process):
+    run_direct_handoff(pool_process.url, "req-direct", 5, "reader-0")
+    s = pool_process.stats()
     assert (s["free"], s["in_use"], s["handoffs"], s["counters"]["claims"]) == (64, 0, 0, 1)
 
 
@@ -429,7 +429,7 @@ def test_sessions_are_listed_by_name_never_by_id_and_inboxes_go_with_them(pool_s
 def test_salted_prefixes_over_a_sha256_pool():
     """A pool started with --prefix-hash sha256 says so in its descriptor; a salt travels with lookup and commit on
     both ways to the pool, and only a lookup with the committing salt finds the blocks."""
-    pool = start_pool(*SMALL_POOL, "--prefix-hash", "sha256")
+    pool = local_pool(*SMALL_POOL, "--prefix-hash", "sha256")
     try:
         with PoolClient(pool.url, name="tenant-a") as fast, PoolClient(pool.url, name="tenant-b", fast=False) as http:
             assert fast.descriptor().prefix_hash == "sha256"
@@ -505,7 +505,7 @@ def test_every_call_ends_within_its_time_out_when_the_pool_stops_answering(fast)
 PLAIN = """
 import os, sys
 from kvpool.client import PoolClient
-for blocks in (None, "0"):  # no KVPOOL_SLAB_BLOCKS, then 0: no slab either way
+for blocks in (None, "8"):  # a slab's size in the environment makes no plain client a slab client
     if blocks is not None:
         os.environ["KVPOOL_SLAB_BLOCKS"] = blocks
     with PoolClient(sys.argv[1], name="plain", inbox=True) as c:
@@ -514,36 +514,40 @@ for blocks in (None, "0"):  # no KVPOOL_SLAB_BLOCKS, then 0: no slab either way
         c.handoff("req-plain", ids, 8, to="plain")
         c.free(c.claim("req-plain", timeout_s=5).block_ids)
         c.free(c.lookup(list(range(8))).block_ids)
-        assert type(c) is PoolClient and c.slab is None
+        assert type(c) is PoolClient and not hasattr(c, "slab")
 print(sorted(m for m in sys.modules if m.startswith("kvpool.slab")))
 """
 
 
-def test_a_client_without_a_slab_never_imports_the_slab_code(pool_server):
-    """Slabs stand beside the client: a client not asked for one is a plain PoolClient, whose calls reach no slab
-    module (none is even imported)."""
+def test_a_client_without_a_slab_never_imports_the_slab_code(pool_process):
+    """The slab stands on the client: a PoolClient is never a slab client, and its calls reach no slab module (none is
+    even imported)."""
     env = child_env()
     env.pop("KVPOOL_SLAB_BLOCKS", None)
-    proc = subprocess.run([sys.executable, "-c", PLAIN, pool_server.url], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", PLAIN, pool_process.url], capture_output=True, text=True, env=env,
                           timeout=60)  # fmt: skip
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
 
 
-def test_a_client_asked_for_a_slab_has_the_slab_calls_and_works_without_one(pool_server, monkeypatch):
-    """``slab=True`` (or ``KVPOOL_SLAB_BLOCKS``) makes the client a PoolClient with the slab's calls mixed in; where
-    the pool serves no slabs it has none, and every call goes through the pool as a plain client's would."""
-    from kvpool.slabclient import SlabCalls
+def test_the_slab_client_is_a_subclass_the_plain_client_never_names(pool_server, monkeypatch):
+    """``SlabClient`` is a PoolClient subclass, asked for by name: PoolClient takes no ``slab``, its module names no
+    slab, and the environment never turns one into the other. Where the pool serves no slabs a SlabClient has none,
+    and every call goes through the pool as a plain client's would."""
+    from kvpool.slab import SlabClient, SlabConfig
 
-    with PoolClient(pool_server.url, name="asked", slab=True) as c:
-        assert isinstance(c, PoolClient) and isinstance(c, SlabCalls) and type(c).__name__ == "SlabPoolClient"
+    assert "slab" not in (ROOT / "kvpool" / "client.py").read_text().lower()
+    with pytest.raises(TypeError, match="slab"):
+        PoolClient(pool_server.url, name="plain", slab=True)
+    with SlabClient(pool_server.url, name="asked", slab=True) as c:
+        assert type(c) is SlabClient and isinstance(c, PoolClient) and c.slab_config == SlabConfig()
         assert c.slab is None  # this pool serves none
         ids = c.alloc(3)
         c.handoff("req-asked", ids, 12, to="asked")
         assert c.claim("req-asked", timeout_s=5).block_ids == ids
         assert c.free(ids) == 3
     monkeypatch.setenv("KVPOOL_SLAB_BLOCKS", "8")
-    with PoolClient(pool_server.url, name="from-env") as c, PoolClient(pool_server.url, slab=False) as d:
-        assert isinstance(c, SlabCalls) and type(d) is PoolClient
+    with SlabClient(pool_server.url, name="from-env") as c, PoolClient(pool_server.url) as d:
+        assert c.slab_config is not None and c.slab_config.blocks == 8 and type(d) is PoolClient
     assert pool_server.stats()["in_use"] == 0
 
 

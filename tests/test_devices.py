@@ -13,21 +13,21 @@ from kvpool.devices import DeviceSession
 from kvpool.errors import StaleBlock
 from kvpool.ids import block_of, generation_of
 from kvpool.layout import KVLayout
-from tests.conftest import PoolProcess, start_pool
+from tests.conftest import LocalPool, local_pool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 N = 16  # blocks per arena: device 0's ids are 0..15, device 1's 16..31
 
 
 @pytest.fixture(scope="module")
-def two_arenas() -> Iterator[PoolProcess]:
-    pool = start_pool("--devices", "0,1", "--num-blocks", str(N), "--num-layers", "2", "--num-kv-heads", "2",
+def two_arenas() -> Iterator[LocalPool]:
+    pool = local_pool("--devices", "0,1", "--num-blocks", str(N), "--num-layers", "2", "--num-kv-heads", "2",
                       "--head-dim", "8", "--block-size", "4", "--dtype", "float32")  # fmt: skip
     yield pool
     pool.stop()
 
 
-def test_indices_in_are_fenced_pool_ids_out_and_back(two_arenas: PoolProcess) -> None:
+def test_indices_in_are_fenced_pool_ids_out_and_back(two_arenas: LocalPool) -> None:
     with PoolClient(two_arenas.url, name="dev-ids", layout=LAYOUT) as pool:
         dev = DeviceSession(pool, device=1)
         assert dev.first == N and dev.arena is pool.arena(device=1)
@@ -45,7 +45,7 @@ def test_indices_in_are_fenced_pool_ids_out_and_back(two_arenas: PoolProcess) ->
         dev.free(hit.block_ids)
 
 
-def test_an_index_let_go_is_stale_when_its_block_is_someone_else_s(two_arenas: PoolProcess) -> None:
+def test_an_index_let_go_is_stale_when_its_block_is_someone_else_s(two_arenas: LocalPool) -> None:
     with PoolClient(two_arenas.url, name="dev-a") as a, PoolClient(two_arenas.url, name="dev-b") as b:
         dev = DeviceSession(a, device=0)
         local = dev.alloc(1)
@@ -57,7 +57,7 @@ def test_an_index_let_go_is_stale_when_its_block_is_someone_else_s(two_arenas: P
         b.free(theirs)
 
 
-def test_a_claim_of_blocks_on_another_device_moves_them_here(two_arenas: PoolProcess) -> None:
+def test_a_claim_of_blocks_on_another_device_moves_them_here(two_arenas: LocalPool) -> None:
     with (
         PoolClient(two_arenas.url, name="dev-prefill", layout=LAYOUT) as p,
         PoolClient(two_arenas.url, name="dev-decode", layout=LAYOUT) as d,

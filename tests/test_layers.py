@@ -211,6 +211,7 @@ MIRRORS = {
 SUITES = {
     "tests/test_layers.py": "the tree itself: layers, circles, this layout, the distribution",
     "tests/test_readme.py": "the README's worker example run from its text, and every link of the docs",
+    "tests/test_slab.py": "kvpool/slab/ as a whole: a SlabClient's reservation, ring and box against a pool",
     "tests/server/test_access.py": "who can reach the pool and with what",
     "tests/server/test_attacks.py": "what an attacker on the node tries",
     "tests/server/test_bad_input.py": "bad input over both transports",

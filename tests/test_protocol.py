@@ -55,7 +55,8 @@ def test_every_model_has_its_validator_built_at_import():
     arena_fd answer did, most of a millisecond): every wire model is ready once kvpool.protocol is imported."""
     from pydantic import BaseModel
 
-    from kvpool import protocol, slab_protocol
+    from kvpool import protocol
+    from kvpool.slab import protocol as slab_protocol
 
     models = [
         m

@@ -1,4 +1,5 @@
-"""A client's session on its own, against a real pool: opened, kept alive, found lost, found restarted, closed."""
+"""A client's session on its own, against a pool in the test process: opened, kept alive, found lost, found
+restarted, closed."""
 
 from __future__ import annotations
 
@@ -9,33 +10,34 @@ import pytest
 
 from kvpool.errors import InvalidRequest, LeaseLapsed, PoolRestarted, UnknownSession
 from kvpool.protocol import SessionInfo
+from kvpool.server.local import LocalPool
 from kvpool.session import Session
 from kvpool.transport import Transport
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, local_pool
 
 LEASE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def pool_server() -> Iterator[PoolProcess]:
-    pool = start_pool(*SMALL_POOL, "--lease-ttl-s", str(LEASE_S))
+def pool_server() -> Iterator[LocalPool]:
+    pool = local_pool(*SMALL_POOL, "--lease-ttl-s", str(LEASE_S))
     yield pool
     pool.stop()
 
 
 @pytest.fixture
-def transport(pool_server: PoolProcess) -> Iterator[Transport]:
+def transport(pool_server: LocalPool) -> Iterator[Transport]:
     t = Transport(pool_server.url, None, 10.0)
     yield t
     t.close()
 
 
-def listed(pool: PoolProcess, name: str) -> int:
+def listed(pool: LocalPool, name: str) -> int:
     with pool.http() as http:
         return len(http.get("/sessions", params={"name": name}).json()["sessions"])
 
 
-def test_a_session_opens_with_the_pool_s_epoch_and_lease_and_closes(pool_server: PoolProcess, transport) -> None:
+def test_a_session_opens_with_the_pool_s_epoch_and_lease_and_closes(pool_server: LocalPool, transport) -> None:
     restarts: list[None] = []
     s = Session(transport, "sess-a", "decode", None, on_restart=lambda: restarts.append(None))
     info = s.open(inbox=False)

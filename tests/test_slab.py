@@ -22,8 +22,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvpool import slab as slab_module
-from kvpool import slabwire
 from kvpool.client import PoolClient
 from kvpool.errors import (
     HandoffNotFound,
@@ -35,8 +33,8 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import GEN_STEP, block_of, generation_of
-from kvpool.slab import SlabConfig
-from kvpool.slabtable import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
+from kvpool.slab import SlabClient, SlabConfig, reservation, wire
+from kvpool.slab.table import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
 
 SMALL = SlabConfig(blocks=8, low=2, high=16)
@@ -76,7 +74,7 @@ def test_a_slab_config_comes_from_the_environment_and_bad_values_say_which(monke
 
 
 def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-a", slab=SMALL) as a:
+    with SlabClient(pool.url, name="slab-a", slab=SMALL) as a:
         first = a.alloc(1)
         before = stats(pool)
         for _ in range(100):
@@ -92,7 +90,7 @@ def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProces
 
 
 def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-b", slab=SMALL) as b:
+    with SlabClient(pool.url, name="slab-b", slab=SMALL) as b:
         held = [b.alloc(1)[0] for _ in range(20)]  # runs below `low` now and then: a refill of several blocks each
         s = stats(pool)["slabs"]["counters"]
         assert s["grants"] > 1 and s["blocks_granted"] >= 20
@@ -104,7 +102,7 @@ def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
 
 
 def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_frees_go_on(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-ahead", slab=SMALL) as b:
+    with SlabClient(pool.url, name="slab-ahead", slab=SMALL) as b:
         slab = b.slab
         assert slab is not None
         held = [b.alloc(1)[0] for _ in range(SMALL.blocks - SMALL.low)]  # down to `low`: no refill under the lock yet
@@ -138,7 +136,7 @@ def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_fr
 def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: PoolProcess, n: int) -> None:
     """An engine releases its refs on the pool's blocks off its scheduler's thread; the scheduler's own frees into
     the slab, and its allocs, go on meanwhile rather than wait out that round trip."""
-    with PoolClient(pool.url, name="slab-release", slab=SMALL) as b:
+    with SlabClient(pool.url, name="slab-release", slab=SMALL) as b:
         committed = b.alloc(n)
         b.commit(committed, list(range(500, 500 + 4 * n)))  # the pool's now: a free of them is a round trip
         call, asked, answer = b.transport.call, threading.Event(), threading.Event()
@@ -167,7 +165,7 @@ def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: 
 
 
 def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-ahead-full", slab=SMALL) as b:
+    with SlabClient(pool.url, name="slab-ahead-full", slab=SMALL) as b:
         slab = b.slab
         assert slab is not None
         held = [b.alloc(1)[0] for _ in range(SMALL.blocks - SMALL.low)]
@@ -184,7 +182,7 @@ def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProce
             while slab._topping and time.monotonic() < deadline:
                 time.sleep(0.001)
         assert calls == ["/slabs/blocks"], "asked once, then left alone for a while"
-        time.sleep(slab_module.AHEAD_BACKOFF_S)
+        time.sleep(reservation.AHEAD_BACKOFF_S)
         slab.refill_ahead()
         deadline = time.monotonic() + 10
         while len(calls) < 2 and time.monotonic() < deadline:
@@ -196,7 +194,7 @@ def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProce
 
 
 def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balanced(pool: PoolProcess) -> None:
-    b = PoolClient(pool.url, name="slab-ahead-close", slab=SMALL)
+    b = SlabClient(pool.url, name="slab-ahead-close", slab=SMALL)
     slab = b.slab
     assert slab is not None
     for _ in range(SMALL.blocks - SMALL.low):
@@ -216,7 +214,7 @@ def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balan
 
 
 def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-c", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-c", slab=SMALL) as c:
         ids = c.alloc(2)
         with pytest.raises(NotOwner):
             c.free([ids[0], ids[0]])  # it holds one ref on each
@@ -239,7 +237,7 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
 
 def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_knows(pool: PoolProcess) -> None:
     """An id kept past a free into the slab is refused in the slab and at the pool alike, whichever way it comes."""
-    with PoolClient(pool.url, name="slab-gen", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-gen", slab=SMALL) as c:
         old = c.alloc(1)
         c.free(old)
         new = c.alloc(1)
@@ -260,7 +258,7 @@ def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess)
     """Freed in the order they were allocated, a request's blocks go back so that the next alloc of as many is the
     same run of slots in the same order (a handoff of it is then checked as one run); the run's checks still refuse
     ids it does not hold, changing nothing."""
-    with PoolClient(pool.url, name="slab-run", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-run", slab=SMALL) as c:
         ids = c.alloc(4)
         for _ in range(3):
             assert c.free(ids) == 4
@@ -292,7 +290,7 @@ def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess)
 def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, steps: list[Any], rnd: Any) -> None:
     """Runs and scattered slots alike: every id held is a distinct block, a free gives back exactly what it names,
     and the pool's view of the slab counts what the client holds."""
-    with PoolClient(pool.url, name="slab-any", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-any", slab=SMALL) as c:
         held: list[int] = []
         for n, order in steps:
             held += c.alloc(n)
@@ -311,7 +309,7 @@ def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, s
 
 
 def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-d", slab=SMALL) as d:
+    with SlabClient(pool.url, name="slab-d", slab=SMALL) as d:
         ids = d.alloc(2)
         with pytest.raises(InvalidRequest):
             d.commit(ids[:1], list(range(8)))  # tokens for two blocks, one id: refused, and both stay in the slab
@@ -326,7 +324,7 @@ def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) 
 def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool: PoolProcess) -> None:
     """A step's commits go in one write; the slab's blocks of each commit the pool took leave the slab, those of a
     commit it refused stay there (a free then puts them back into the slab, not through the pool)."""
-    with PoolClient(pool.url, name="slab-m", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-m", slab=SMALL) as c:
         ids = c.alloc(5)
         first, second = list(range(7000, 7008)), list(range(7100, 7108))
         got = c.commit_many([(ids[:2], first, 0), (ids[2:3], second, 0), (ids[3:], [1], 0)])
@@ -341,7 +339,7 @@ def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool
 
 def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(pool: PoolProcess) -> None:
     config = SlabConfig(blocks=8, low=2, high=32, handoffs=False)
-    with PoolClient(pool.url, name="slab-nh", slab=config) as c, PoolClient(pool.url, name="plain-p") as p:
+    with SlabClient(pool.url, name="slab-nh", slab=config) as c, PoolClient(pool.url, name="plain-p") as p:
         assert c.slab is not None and c.slab_box is None and c.slab_sender is None
         ids = c.alloc(2)
         assert stats(pool)["slabs"]["slab_allocated"] == 2  # from the slab, no round trip
@@ -354,7 +352,7 @@ def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(p
 
 
 def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-c") as q:
+    with SlabClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-c") as q:
         ids = p.alloc(2)
         p.commit(ids, list(range(7200, 7208)))
         (sent,) = p.handoff_many([("req-keep", ids, 8, {})], keep=True)
@@ -368,7 +366,7 @@ def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them
 
 
 def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-p", slab=SMALL) as p, PoolClient(pool.url, name="slab-q", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-p", slab=SMALL) as p, SlabClient(pool.url, name="slab-q", slab=SMALL) as q:
         ids = p.alloc(3)
         sent = p.handoff("req-slab-1", ids, 10, {"first_token": 7}, to="slab-q")
         assert sent.slab and sent.num_blocks == 3
@@ -384,7 +382,7 @@ def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(po
 def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -> None:
     """From a slab to itself the refs would never leave the session: until its claim, an id it handed would still
     free, and the block would be freed under the claim's feet. Parked in the pool, the refs are the handoff's."""
-    with PoolClient(pool.url, name="slab-self", slab=SMALL) as a:
+    with SlabClient(pool.url, name="slab-self", slab=SMALL) as a:
         ids = a.alloc(2)
         sent = a.handoff("req-self", ids, 1, to="slab-self")
         assert not sent.slab
@@ -399,7 +397,7 @@ def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -
 def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess) -> None:
     """The consumer's slab box is gone: the producer takes its slots back before the pool settles them, and the
     refusal says which blocks are still its own (all of them, unless the pool's sweep settled some in between)."""
-    with PoolClient(pool.url, name="slab-s", slab=SMALL) as p, PoolClient(pool.url, name="slab-t", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-s", slab=SMALL) as p, SlabClient(pool.url, name="slab-t", slab=SMALL) as q:
         p.handoff("req-warm", p.alloc(1), 1, to="slab-t")  # p knows the way to q's box now
         q.free(q.claim("req-warm", timeout_s=5).ids)
         assert q.slab_box is not None and q.slab_box.sock is not None and q.slab is not None
@@ -446,7 +444,7 @@ def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: 
     """Allocs one after another hand out consecutive slots, so a request's blocks from several allocs are checked
     and sent as one run; ids in another order are checked and sent one by one. The consumer takes both on its
     producer's word (no round trip to the pool), from the producer's ring once it watches it, else from datagrams."""
-    with PoolClient(pool.url, name="slab-r", slab=SMALL) as p, PoolClient(pool.url, name="slab-u", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-r", slab=SMALL) as p, SlabClient(pool.url, name="slab-u", slab=SMALL) as q:
         assert p.slab is not None and q.slab_box is not None and p.slab_sender is not None
         p.slab_sender.use_ring = ring
         recorder, _ = recorded(p, "slab-u")
@@ -464,7 +462,7 @@ def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: 
             got = q.claim(request_id, timeout_s=5)
             assert got.block_ids == handed and got.meta == {"n": len(handed)}
             assert p.slab.info.region in q.slab_box.to_settle
-        sent = [slabwire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
+        sent = [wire.head(memoryview(d))[-1] for d in recorder.sent]  # type: ignore[index]
         assert len(sent) == (1 if ring else 3)
         runs = runs if ring else sent[1:]
         assert runs[0] >= 0 and runs[1] == -1
@@ -476,7 +474,7 @@ def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(
     """A consumer that takes nothing for a while: the producer's ring fills (its entries are not overwritten before
     they are taken), the rest go as datagrams, and a claim takes them all, the ring's older ones before the
     datagrams that followed them (or the sequences would make the older ones look like replays)."""
-    with PoolClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-j", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-k", slab=SMALL) as p, SlabClient(pool.url, name="slab-j", slab=SMALL) as q:
         recorder, _ = recorded(p, "slab-j")
         first = p.alloc(1)
         p.handoff("req-0", first, 1, to="slab-j")
@@ -518,7 +516,7 @@ def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(shm_dir: Path) ->
 
 def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) -> None:
     """Issue 46, finding 8: a slab box's claim polled the pool with no wait, and its time-out said "within 0.0s"."""
-    with PoolClient(pool.url, name="slab-wait", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-wait", slab=SMALL) as q:
         assert q.slab_box is not None and q.slab_box.sock is not None
         with pytest.raises(HandoffNotFound, match=r"no handoff 'req-none' within 0\.3s"):
             q.claim("req-none", timeout_s=0.3)
@@ -529,7 +527,7 @@ def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) 
 def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
     """The ring lies in the producer's region, which only it writes: an entry naming slots that its region does not
     show handed to this consumer under the entry's sequence (allocated still, or past the slab) is dropped."""
-    with PoolClient(pool.url, name="slab-o", slab=SMALL) as p, PoolClient(pool.url, name="slab-n", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-o", slab=SMALL) as p, SlabClient(pool.url, name="slab-n", slab=SMALL) as q:
         first = p.alloc(1)
         p.handoff("req-pairing", first, 1, to="slab-n")
         assert q.claim("req-pairing", timeout_s=5).block_ids == first
@@ -568,8 +566,8 @@ def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: 
     """A consumer past its spin sleeps on its box and says so in its region: a producer that rings its bell then
     sends it a wake-up datagram (which carries nothing: the claim reads the ring)."""
     with (
-        PoolClient(pool.url, name="slab-a", slab=SMALL) as p,
-        PoolClient(pool.url, name="slab-b", slab=SMALL, spin_s=0.0) as q,
+        SlabClient(pool.url, name="slab-a", slab=SMALL) as p,
+        SlabClient(pool.url, name="slab-b", slab=SMALL, spin_s=0.0) as q,
     ):
         recorder, _ = recorded(p, "slab-b")
         first = p.alloc(1)
@@ -593,7 +591,7 @@ def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: 
 
 
 def test_a_stale_id_among_a_run_goes_to_the_pool_which_refuses_it(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-v", slab=SMALL) as p, PoolClient(pool.url, name="slab-w", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-v", slab=SMALL) as p, SlabClient(pool.url, name="slab-w", slab=SMALL) as q:
         ids = p.alloc(3)
         assert p.free(ids[2:]) == 1
         with pytest.raises(StaleBlock):
@@ -608,15 +606,15 @@ def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProc
     """A producer holds the pair's key, so its seal proves nothing about the slots: a run that names blocks its
     region does not show handed to this consumer under this sequence (allocated still, or in other slots), or
     slots past the slab, is dropped."""
-    with PoolClient(pool.url, name="slab-x", slab=SMALL) as p, PoolClient(pool.url, name="slab-y", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-x", slab=SMALL) as p, SlabClient(pool.url, name="slab-y", slab=SMALL) as q:
         assert q.slab_box is not None and q.slab is not None
         recorder, path = recorded(p, "slab-y")
         ids = p.alloc(2)
         p.handoff("req-true", ids, 2, to="slab-y")
         assert q.claim("req-true", timeout_s=5).block_ids == ids
         datagram = memoryview(recorder.sent[0])
-        key = q.slab_box.keys[slabwire.peek(datagram)]  # type: ignore[index]
-        h = slabwire.decode(datagram, key)
+        key = q.slab_box.keys[wire.peek(datagram)]  # type: ignore[index]
+        h = wire.decode(datagram, key)
         assert h is not None and h.run >= 0
         kept = p.alloc(2)
         assert p.slab is not None
@@ -624,7 +622,7 @@ def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProc
         out, capacity = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM), q.slab.capacity
         lies = (("req-not-handed", first), ("req-other-slots", h.run), ("req-past", capacity - 1))
         for n, (request_id, run) in enumerate(lies):
-            lie = slabwire.encode(key, h.from_region, h.from_nonce, h.seq + 1 + n, request_id, 2, b"", b"",
+            lie = wire.encode(key, h.from_region, h.from_nonce, h.seq + 1 + n, request_id, 2, b"", b"",
                                   array("q", kept).tobytes(), run)  # fmt: skip
             out.sendto(lie, path)
             with pytest.raises(HandoffNotFound):
@@ -638,7 +636,7 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
     """The one lie a run's sequence, states and nonces cannot catch: other ids (held by the same producer) under the
     sequence of a handoff whose own datagram has not arrived yet. The ids' column differs, so it is dropped, and
     the real one is taken after it."""
-    with PoolClient(pool.url, name="slab-l", slab=SMALL) as p, PoolClient(pool.url, name="slab-m", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-l", slab=SMALL) as p, SlabClient(pool.url, name="slab-m", slab=SMALL) as q:
         assert q.slab_box is not None and p.slab_sender is not None
         p.slab_sender.use_ring = False  # the datagrams' case: a ring is read where it lies, no copy can be held back
         recorder, path = recorded(p, "slab-m")
@@ -648,11 +646,11 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
         recorder.hold = True
         p.handoff("req-real", ids, 2, to="slab-m")
         real = memoryview(recorder.sent[-1])
-        key = q.slab_box.keys[slabwire.peek(real)]  # type: ignore[index]
-        h = slabwire.decode(real, key)
+        key = q.slab_box.keys[wire.peek(real)]  # type: ignore[index]
+        h = wire.decode(real, key)
         assert h is not None and h.run >= 0
         other_ids = array("q", other).tobytes()
-        lie = slabwire.encode(key, h.from_region, h.from_nonce, h.seq, "req-lie", 2, b"", b"", other_ids, h.run)
+        lie = wire.encode(key, h.from_region, h.from_nonce, h.seq, "req-lie", 2, b"", b"", other_ids, h.run)
         out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         out.sendto(lie, path)
         with pytest.raises(HandoffNotFound):
@@ -667,7 +665,7 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
 def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
     """Ids that name blocks idle in the slab, at their current generations (never returned by an alloc, or freed
     and read back from the slab's region), in consecutive slots: refused, and the slab as it was."""
-    with PoolClient(pool.url, name="slab-i", slab=SMALL) as p, PoolClient(pool.url, name="slab-j", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-i", slab=SMALL) as p, SlabClient(pool.url, name="slab-j", slab=SMALL) as q:
         assert p.slab is not None and p.slab_sender is not None
         slab = p.slab
         p.free(p.alloc(1))
@@ -687,7 +685,7 @@ def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
 
 
 def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-f", slab=SMALL) as p, PoolClient(pool.url, name="slab-g", slab=SMALL) as q:
+    with SlabClient(pool.url, name="slab-f", slab=SMALL) as p, SlabClient(pool.url, name="slab-g", slab=SMALL) as q:
         recorder, path = recorded(p, "slab-g")
         ids = p.alloc(2)
         p.handoff("req-real", ids, 4, to="slab-g")
@@ -695,11 +693,11 @@ def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProces
         datagram, out = recorder.sent[0], socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         out.sendto(datagram, path)  # the same datagram again: a replay
         tampered = bytearray(datagram)
-        tampered[slabwire.HEAD.size + 8] ^= 1  # another block id, under the pair's seal
+        tampered[wire.HEAD.size + 8] ^= 1  # another block id, under the pair's seal
         out.sendto(bytes(tampered), path)
-        h = slabwire.decode(memoryview(datagram), q.slab_box.keys[slabwire.peek(memoryview(datagram))])
+        h = wire.decode(memoryview(datagram), q.slab_box.keys[wire.peek(memoryview(datagram))])
         assert h is not None
-        forged = slabwire.encode(secrets.token_bytes(32), h.from_region, h.from_nonce, h.seq + 1, "req-forged", 4, b"",
+        forged = wire.encode(secrets.token_bytes(32), h.from_region, h.from_nonce, h.seq + 1, "req-forged", 4, b"",
                                  h.slots.tobytes(), h.packed.tobytes(), h.run)  # fmt: skip
         out.sendto(forged, path)
         out.close()
@@ -712,7 +710,7 @@ def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProces
 
 def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -> None:
     big = SlabConfig(blocks=40, low=1, high=48)
-    with PoolClient(pool.url, name="slab-h", slab=big) as hoarder, PoolClient(pool.url, name="plain", slab=False) as b:
+    with SlabClient(pool.url, name="slab-h", slab=big) as hoarder, PoolClient(pool.url, name="plain") as b:
         mine = hoarder.alloc(1)
         assert stats(pool)["in_use"] >= 41
         with pytest.raises(PoolExhausted):
@@ -727,10 +725,9 @@ def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -
 
 DOOMED = """
 import sys, time
-from kvpool.client import PoolClient
-from kvpool.slabtable import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
-from kvpool.slab import SlabConfig
-c = PoolClient(sys.argv[1], name="slab-doomed", slab=SlabConfig(8, 2, 16), heartbeat=False)
+from kvpool.slab.table import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
+from kvpool.slab import SlabClient, SlabConfig
+c = SlabClient(sys.argv[1], name="slab-doomed", slab=SlabConfig(8, 2, 16), heartbeat=False)
 ids = c.alloc(5)
 c.handoff("req-from-the-dead", ids[:2], 8, to="slab-heir")
 print(" ".join(map(str, ids[:2])), flush=True)
@@ -739,7 +736,7 @@ time.sleep(3600)
 
 
 def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consumer(pool: PoolProcess) -> None:
-    with PoolClient(pool.url, name="slab-heir", slab=SMALL) as heir:
+    with SlabClient(pool.url, name="slab-heir", slab=SMALL) as heir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen([sys.executable, "-c", DOOMED, pool.url], stdout=subprocess.PIPE, text=True, env=env)
         try:
@@ -762,9 +759,8 @@ def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consu
 
 RING_DOOMED = """
 import sys, time
-from kvpool.client import PoolClient
-from kvpool.slab import SlabConfig
-c = PoolClient(sys.argv[1], name="slab-ring-doomed", slab=SlabConfig(24, 4, 48))
+from kvpool.slab import SlabClient, SlabConfig
+c = SlabClient(sys.argv[1], name="slab-ring-doomed", slab=SlabConfig(24, 4, 48))
 c.handoff("req-ring-pairing", c.alloc(1), 1, to="slab-ring-heir")
 print("paired", flush=True)
 sys.stdin.readline()  # the heir took it: it reads this slab's ring from now on
@@ -779,7 +775,7 @@ def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(
     """Handoffs written into a producer's ring that its consumer had not read when the producer was SIGKILLed: the
     ring goes with the producer's region, so the pool parks each for that consumer (it had given the blocks to the
     consumer, which never learnt their ids: 20 blocks held by a live session that knew nothing of them)."""
-    with PoolClient(pool.url, name="slab-ring-heir", slab=SMALL) as heir:
+    with SlabClient(pool.url, name="slab-ring-heir", slab=SMALL) as heir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen([sys.executable, "-c", RING_DOOMED, pool.url], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
@@ -811,7 +807,7 @@ def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(
 
 def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> None:
     big = SlabConfig(blocks=40, low=1, high=48)
-    with PoolClient(pool.url, name="slab-i", slab=big) as idle, PoolClient(pool.url, name="plain-2", slab=False) as b:
+    with SlabClient(pool.url, name="slab-i", slab=big) as idle, PoolClient(pool.url, name="plain-2") as b:
         idle.free(idle.alloc(1))  # a slab of 41 idle blocks, then nothing more from this client
         with pytest.raises(PoolExhausted):
             b.alloc(30)
@@ -825,7 +821,7 @@ def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> 
 def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(pool: PoolProcess) -> None:
     """The heartbeat's thread answers the pool's flag; the client may close its slab meanwhile (the view's memory
     released under the beat's feet raised in that thread)."""
-    with PoolClient(pool.url, name="slab-closing", slab=SMALL) as c:
+    with SlabClient(pool.url, name="slab-closing", slab=SMALL) as c:
         c.free(c.alloc(1))
         slab = c.slab
         assert slab is not None
@@ -837,7 +833,7 @@ def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(p
 def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
     # over TCP, where the pool cannot know the process: its blocks are released at once, as the test needs (over the
     # Unix socket they would stay quarantined while this process lives: tests/server/test_quarantine.py)
-    with PoolClient(pool.tcp_url, name="slab-z", slab=SMALL, heartbeat=False) as z:
+    with SlabClient(pool.tcp_url, name="slab-z", slab=SMALL, heartbeat=False) as z:
         ids = z.alloc(1)
         deadline = time.monotonic() + 10
         while stats(pool)["sessions"] and time.monotonic() < deadline:  # its lease (1 s) runs out
@@ -851,10 +847,9 @@ def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool
 
 LIED_TO = """
 import sys, time
-from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound
-from kvpool.slab import SlabConfig
-with PoolClient(sys.argv[1], name="slab-lied-to", slab=SlabConfig(8, 2, 16)) as c:
+from kvpool.slab import SlabClient, SlabConfig
+with SlabClient(sys.argv[1], name="slab-lied-to", slab=SlabConfig(8, 2, 16)) as c:
     print("up", flush=True)
     got = c.claim("req-pairing", timeout_s=10)
     c.free(got.ids)
@@ -880,7 +875,7 @@ def test_a_ring_entry_whose_chain_does_not_go_down_cannot_hang_its_consumer(pool
                                 stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
     assert consumer.stdin is not None and consumer.stdout is not None
     try:
-        with PoolClient(pool.url, name="slab-liar", slab=SMALL) as p:
+        with SlabClient(pool.url, name="slab-liar", slab=SMALL) as p:
             assert consumer.stdout.readline().strip() == "up"
             first = p.alloc(1)
             p.handoff("req-pairing", first, 1, to="slab-lied-to")

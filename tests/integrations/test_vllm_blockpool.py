@@ -42,10 +42,9 @@ class FakeClientEngine:
     """One engine's scheduler side as the connector builds it in resident mode, and vLLM's manager over it."""
 
     def __init__(self, url: str, name: str, slab_blocks: int = 8) -> None:
-        from kvpool.client import PoolClient
-        from kvpool.slab import SlabConfig
+        from kvpool.slab import SlabClient, SlabConfig
 
-        self.client = PoolClient(
+        self.client = SlabClient(
             url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48, handoffs=False)
         )
         descriptor = self.client.descriptor()

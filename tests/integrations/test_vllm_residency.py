@@ -17,7 +17,7 @@ from kvpool.client import PoolClient
 from kvpool.errors import PoolExhausted
 from kvpool.integrations.vllm.residency import PoolGone, Residency
 from kvpool.layout import KVLayout
-from kvpool.slab import SlabConfig
+from kvpool.slab import SlabClient, SlabConfig
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order="kv_packed")
@@ -30,7 +30,7 @@ class Engine:
     """One engine's residency and its view of the arena, as the resident connector's scheduler side has them."""
 
     def __init__(self, url: str, name: str) -> None:
-        self.client = PoolClient(
+        self.client = SlabClient(
             url, name=name, layout=LAYOUT, slab=SlabConfig(blocks=8, low=2, high=48, handoffs=False)
         )
         slab = self.client.slab
@@ -401,7 +401,7 @@ def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena
     try:
         made = []
         for name in ("a", "b"):
-            client = PoolClient(proc.url, name=name, layout=LAYOUT, slab=SlabConfig(8, 2, 48, handoffs=False, device=1))
+            client = SlabClient(proc.url, name=name, layout=LAYOUT, slab=SlabConfig(8, 2, 48, handoffs=False, device=1))
             slab = client.slab
             assert slab is not None
             res = Residency(client, BS, N, first_block=N, free_count=slab.idle_count, grow=slab.ensure_idle,
@@ -431,7 +431,7 @@ def test_a_prefill_parked_in_another_gpu_s_arena_is_computed_by_its_decode_engin
     try:
         made = []
         for name, device in (("p", 0), ("d", 1)):
-            client = PoolClient(
+            client = SlabClient(
                 proc.url, name=name, layout=LAYOUT, slab=SlabConfig(8, 2, 48, handoffs=False, device=device)
             )
             slab = client.slab

@@ -105,7 +105,7 @@ def test_a_slab_handoff_its_consumer_dropped_is_a_violation() -> None:
     """The producer was told the handoff went: a consumer that drops it (as one did when it read a ring's ids from
     slots the producer had reused) loses it, whatever the books say."""
     tally = soak_client.Tally()
-    log = logging.getLogger("kvpool.slabbox")
+    log = logging.getLogger("kvpool.slab.box")
     handler = soak_client.DroppedHandoffs(tally)
     log.addHandler(handler)
     try:

@@ -42,7 +42,7 @@ from kvpool.errors import (
 )
 from kvpool.inbox import encode_delivery
 from kvpool.protocol import AllocResponse
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, PoolProcess, start_pool
 from tests.server.books import assert_balanced
 
 OTHER_UID = 65534  # nobody: a second local user, made a member of the pool's socket group for the attack
@@ -151,7 +151,7 @@ def test_a_forged_delivery_never_reaches_a_claim(group_pool: PoolProcess) -> Non
     assert_balanced(s)
 
 
-def test_a_token_holder_gets_nothing_addressed_to_a_consumer_that_restarts(pool_server: PoolProcess) -> None:
+def test_a_token_holder_gets_nothing_addressed_to_a_consumer_that_restarts(pool_server: LocalPool) -> None:
     """A request addressed to decode-0 (and delivered to its inbox) while decode-0 goes down before it claims: no
     other session gets it, by its id or as the oldest, the one opened under decode-0's name next included. decode-0
     held its name with a key, so while it is down nobody else can even open the name."""
@@ -179,7 +179,7 @@ def test_a_token_holder_gets_nothing_addressed_to_a_consumer_that_restarts(pool_
     assert_balanced(s)
 
 
-def test_no_one_without_a_live_session_can_refuse_anothers_handoff(pool_server: PoolProcess) -> None:
+def test_no_one_without_a_live_session_can_refuse_anothers_handoff(pool_server: LocalPool) -> None:
     """A made-up session id "refuses" a request before its producer parks it: the consumer's claim must still get
     the real handoff, and its blocks must come back."""
     with (
@@ -338,31 +338,31 @@ def test_a_stranger_holds_no_memory_and_no_connection_for_long_before_hello(tmp_
 
 
 @pytest.mark.parametrize("transport", ["http", "fast"])
-def test_a_claim_whose_caller_left_takes_nothing(pool_server: PoolProcess, transport: str) -> None:
+def test_a_claim_whose_caller_left_takes_nothing(pool_process: PoolProcess, transport: str) -> None:
     """A claim waits in the pool; its caller goes away (an HTTP client's time-out, a closed connection): the next
     handoff must stay parked for whoever claims next, not go into the session with nobody to learn its ids."""
-    with PoolClient(pool_server.url, name="owner", fast=False) as owner, PoolClient(pool_server.url, name="p") as p:
+    with PoolClient(pool_process.url, name="owner", fast=False) as owner, PoolClient(pool_process.url, name="p") as p:
         body = {"session_id": owner.session_id, "request_id": None, "timeout_s": 30.0}
         if transport == "http":
-            with pool_server.http(timeout_s=0.3) as http, pytest.raises(httpx.TimeoutException):
+            with pool_process.http(timeout_s=0.3) as http, pytest.raises(httpx.TimeoutException):
                 http.post("/claim", json=body)
         else:
-            conn = hello(pool_server)
+            conn = hello(pool_process)
             conn.sock.sendall(frame(b"claim", json.dumps(body).encode()))
-            wait_until(lambda: pool_server.stats().get("claims_waiting", 1) == 1)
+            wait_until(lambda: pool_process.stats().get("claims_waiting", 1) == 1)
             conn.close()
-        wait_until(lambda: pool_server.stats().get("claims_waiting", 0) == 0)
+        wait_until(lambda: pool_process.stats().get("claims_waiting", 0) == 0)
         ids = p.alloc(2)
         p.handoff("after", ids, 8)
-        assert pool_server.stats()["handoffs"] == 1
+        assert pool_process.stats()["handoffs"] == 1
         got = owner.claim(None, timeout_s=5)
         assert (got.request_id, got.block_ids) == ("after", ids)
         owner.free(got.ids)
-    s = pool_server.stats()
+    s = pool_process.stats()
     assert (s["in_use"], s["handoffs"]) == (0, 0)
 
 
-def test_an_interrupted_call_never_hands_its_answer_to_the_next(pool_server: PoolProcess) -> None:
+def test_an_interrupted_call_never_hands_its_answer_to_the_next(pool_server: LocalPool) -> None:
     """A signal handler raises while a fast-channel claim waits: the next call on that thread gets its own
     answer, not the claim's, and the interrupted claim takes nothing."""
 
@@ -797,7 +797,7 @@ def test_a_planted_link_to_another_users_directory_gets_no_token(squatted: tuple
     assert fake.received == b""
 
 
-def test_a_socket_of_ours_in_a_private_directory_passes(pool_server: PoolProcess) -> None:
-    assert stat.S_IMODE(pool_server.socket.parent.stat().st_mode) & 0o022 == 0
-    with PoolClient(pool_server.url, name="fine") as ok:
+def test_a_socket_of_ours_in_a_private_directory_passes(pool_process: PoolProcess) -> None:
+    assert stat.S_IMODE(pool_process.socket.parent.stat().st_mode) & 0o022 == 0
+    with PoolClient(pool_process.url, name="fine") as ok:
         assert ok.health().status == "ok"

@@ -30,7 +30,7 @@ from kvpool.errors import (
     StaleBlock,
     UnknownSession,
 )
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, local_pool
 from tests.server.books import books
 
 NUM_BLOCKS = 64
@@ -40,7 +40,7 @@ PREFIX = list(range(100, 108))  # two full blocks of 4 tokens
 
 @dataclass
 class World:
-    pool: PoolProcess
+    pool: LocalPool
     a: PoolClient
     b: PoolClient
     http: httpx.Client
@@ -59,7 +59,7 @@ class World:
 
 @pytest.fixture(scope="module")
 def world() -> Iterator[World]:
-    pool = start_pool(*SMALL_POOL)
+    pool = local_pool(*SMALL_POOL)
     a = PoolClient(pool.url, name="a")
     b = PoolClient(pool.url, name="b")
     http = pool.http()

@@ -168,23 +168,3 @@ def test_prefix_hash_is_xxh3_unless_set_and_names_its_choices(monkeypatch):
     with pytest.raises(ValidationError) as refused:
         PoolSettings()
     assert "--prefix-hash (KVPOOL_PREFIX_HASH)" in describe_error(refused.value)
-
-
-def test_the_slab_settings_old_names_still_work_and_say_so(monkeypatch):
-    """--leases and --lease-regions (KVPOOL_LEASES, KVPOOL_LEASE_REGIONS), from before the slab table had its name:
-    a deployment that sets them gets slabs as before, with one line each telling it the name to use."""
-    assert (PoolSettings().slabs, PoolSettings().slab_regions, PoolSettings().deprecations) == (False, 256, [])
-    monkeypatch.setenv("KVPOOL_LEASES", "1")
-    monkeypatch.setenv("KVPOOL_LEASE_REGIONS", "8")
-    s = PoolSettings()
-    assert (s.slabs, s.slab_regions) == (True, 8)
-    assert s.deprecations == [
-        "--leases (KVPOOL_LEASES) is deprecated: use --slabs (KVPOOL_SLABS)",
-        "--lease-regions (KVPOOL_LEASE_REGIONS) is deprecated: use --slab-regions (KVPOOL_SLAB_REGIONS)",
-    ]
-    monkeypatch.setenv("KVPOOL_SLAB_REGIONS", "16")  # the new name wins where both are given
-    assert PoolSettings().slab_regions == 16
-    monkeypatch.delenv("KVPOOL_LEASES")
-    monkeypatch.setenv("KVPOOL_SLABS", "0")
-    assert parse(["--leases"]).slabs is True  # a flag wins over a variable, under its old name too
-    assert parse(["--no-leases", "--slabs"]).slabs is True

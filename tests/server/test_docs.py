@@ -6,11 +6,11 @@ import re
 
 import pytest
 
-from tests.conftest import PoolProcess
+from tests.conftest import LocalPool
 
 
 @pytest.mark.parametrize("page", ["/docs", "/redoc"])
-def test_docs_pages_load_only_local_assets(pool_server: PoolProcess, page: str) -> None:
+def test_docs_pages_load_only_local_assets(pool_server: LocalPool, page: str) -> None:
     with pool_server.http() as http:
         r = http.get(page)
         assert r.status_code == 200 and "text/html" in r.headers["content-type"]
@@ -21,7 +21,7 @@ def test_docs_pages_load_only_local_assets(pool_server: PoolProcess, page: str) 
             assert http.get(ref).status_code == 200, ref
 
 
-def test_every_operation_has_a_description(pool_server: PoolProcess) -> None:
+def test_every_operation_has_a_description(pool_server: LocalPool) -> None:
     with pool_server.http() as http:
         schema = http.get("/openapi.json").json()
     for path, item in schema["paths"].items():

@@ -8,8 +8,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.client import PoolClient
 from kvpool.hosttier import open_host_tier
 from kvpool.layout import KVLayout
-from kvpool.slab import SlabConfig
-from tests.conftest import start_pool
+from kvpool.slab import SlabClient, SlabConfig
+from tests.conftest import local_pool, start_pool
 from tests.server.test_metrics import promtool_problems
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -17,7 +17,7 @@ FLAGS = ("--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8", "--block
 
 
 def test_a_prefix_evicted_to_the_host_comes_back_with_the_kv_the_worker_wrote() -> None:
-    pool = start_pool(*FLAGS, "--num-blocks", "8", "--host-blocks", "24")
+    pool = local_pool(*FLAGS, "--num-blocks", "8", "--host-blocks", "24")
     try:
         with PoolClient(pool.url, name="w", role="prefill", layout=LAYOUT) as client:
             arena = client.arena()
@@ -61,9 +61,9 @@ def test_a_prefix_evicted_to_the_host_comes_back_with_the_kv_the_worker_wrote() 
 def test_a_slab_that_evicts_a_prefix_never_hands_its_own_kv_to_the_prefixs_next_hit() -> None:
     """A slab's refill evicts cached prefix blocks like any alloc: their KV must reach the host before the slab's
     owner writes into them, or the next lookup restores the owner's bytes as the prefix (another tenant's KV)."""
-    pool = start_pool(*FLAGS, "--num-blocks", "16", "--host-blocks", "24", "--slabs", "--slab-max-blocks", "16")
+    pool = local_pool(*FLAGS, "--num-blocks", "16", "--host-blocks", "24", "--slabs", "--slab-max-blocks", "16")
     try:
-        with PoolClient(pool.url, name="a", layout=LAYOUT, slab=False) as a:
+        with PoolClient(pool.url, name="a", layout=LAYOUT) as a:
             arena = a.arena()
             prompt = list(range(16))  # 4 blocks
             ids = a.alloc(4)
@@ -72,7 +72,7 @@ def test_a_slab_that_evicts_a_prefix_never_hands_its_own_kv_to_the_prefixs_next_
                     t.fill_(1.0)
             a.commit(ids, prompt)
             a.free(ids)
-            with PoolClient(pool.url, name="b", layout=LAYOUT, slab=SlabConfig(blocks=16, low=0, high=16)) as b:
+            with SlabClient(pool.url, name="b", layout=LAYOUT, slab=SlabConfig(blocks=16, low=0, high=16)) as b:
                 theirs = [b.alloc(1)[0] for _ in range(16)]  # one refill of the whole arena: the prefix is evicted
                 assert b.slab is not None and pool.stats()["cached"] == 0
                 for block in theirs:

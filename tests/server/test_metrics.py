@@ -9,14 +9,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
-from tests.conftest import PoolProcess
+from tests.conftest import LocalPool
 
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 NAME = re.compile(r"[a-z_][a-z0-9_]*")
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 
 
-def exercise(pool: PoolProcess) -> None:
+def exercise(pool: LocalPool) -> None:
     with PoolClient(pool.url, name="metrics", role="other", layout=LAYOUT) as client:
         ids = client.alloc(3)
         client.commit(ids, list(range(12)))
@@ -49,7 +49,7 @@ def promtool_problems(text: str) -> list[str]:
     return problems
 
 
-def test_metrics_pass_promtools_naming_rules(pool_server: PoolProcess) -> None:
+def test_metrics_pass_promtools_naming_rules(pool_server: LocalPool) -> None:
     exercise(pool_server)
     with pool_server.http() as http:
         r = http.get("/metrics")
@@ -62,7 +62,7 @@ def test_metrics_pass_promtools_naming_rules(pool_server: PoolProcess) -> None:
     assert sum(by_state.values()) == 64
 
 
-def test_each_operation_has_a_latency_histogram(pool_server: PoolProcess) -> None:
+def test_each_operation_has_a_latency_histogram(pool_server: LocalPool) -> None:
     exercise(pool_server)
     with pool_server.http() as http:
         text = http.get("/metrics").text
@@ -76,7 +76,7 @@ def test_each_operation_has_a_latency_histogram(pool_server: PoolProcess) -> Non
     assert 0 < sums["alloc"] < 10
 
 
-def test_openmetrics_when_the_scraper_asks_for_it(pool_server: PoolProcess) -> None:
+def test_openmetrics_when_the_scraper_asks_for_it(pool_server: LocalPool) -> None:
     exercise(pool_server)
     with pool_server.http() as http:
         r = http.get("/metrics", headers={"accept": OPENMETRICS})

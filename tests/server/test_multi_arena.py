@@ -7,12 +7,12 @@ import torch
 
 from kvpool.client import PoolClient
 from kvpool.errors import InvalidRequest
-from tests.conftest import start_pool
+from tests.conftest import local_pool
 
 
 @pytest.fixture
 def two_arenas():
-    pool = start_pool(
+    pool = local_pool(
         "--devices", "0,1", "--num-blocks", "16", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
         "--block-size", "4", "--dtype", "float32",
     )  # fmt: skip

@@ -9,7 +9,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
-from tests.conftest import SMALL_POOL, start_pool
+from tests.conftest import SMALL_POOL, local_pool
 
 BS = 4
 
@@ -127,9 +127,9 @@ def test_without_a_copier_a_lookup_stays_in_its_arena() -> None:
 
 @pytest.mark.parametrize("order", ["layer_major", "kv_packed"])
 def test_a_pool_of_two_arenas_copies_the_kv_itself(order: str) -> None:
-    """A real pool with two arenas (two files without CUDA; two GPUs with it): the KV a writer put in arena 0 is
+    """A served pool with two arenas (two files without CUDA; two GPUs with it): the KV a writer put in arena 0 is
     what a reader finds in arena 1's blocks."""
-    proc = start_pool(*SMALL_POOL, "--devices", "0,1", "--order", order)
+    proc = local_pool(*SMALL_POOL, "--devices", "0,1", "--order", order)
     try:
         layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order=order)
         with PoolClient(proc.url, name="w", layout=layout) as w, PoolClient(proc.url, name="r", layout=layout) as r:

@@ -19,7 +19,7 @@ from kvpool.ids import BLOCK_MASK, GEN_MASK, GEN_STEP, block_of, fence
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
 from kvpool.server.slabs import SlabBooks
-from kvpool.slabtable import ALLOCATED, ENTRY, ENTRY_HEAD, HANDED, IDLE, RING
+from kvpool.slab.table import ALLOCATED, ENTRY, ENTRY_HEAD, HANDED, IDLE, RING
 
 
 class Clock:

@@ -14,13 +14,13 @@ from kvpool.devices import DeviceSession
 from kvpool.errors import HandoffNotFound, HandoffRefused, StaleBlock, UnknownSession
 from kvpool.ids import block_of, pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, decode_delivery, encode_delivery, seal_delivery
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, local_pool, start_pool
 from tests.server.books import books
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolProcess]:
-    server = start_pool(*SMALL_POOL)
+def pool() -> Iterator[LocalPool]:
+    server = local_pool(*SMALL_POOL)
     yield server
     server.stop()
 

@@ -131,7 +131,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         import vllm
 
         from kvpool.client import PoolClient
-        from kvpool.slab import SlabConfig
+        from kvpool.slab import SlabClient, SlabConfig
 
         scheduler = role == KVConnectorRole.SCHEDULER
         s = self.settings
@@ -141,8 +141,7 @@ class KvpoolConnector(KVConnectorBase_V1):
             return False
         key = secrets.token_urlsafe(24)  # the session's name is this engine's alone
         try:
-            client = PoolClient(s.url, name=name, role="other", token=s.token, slab=False, reply_spin_s=0.0,
-                                name_key=key)  # fmt: skip
+            client = PoolClient(s.url, name=name, role="other", token=s.token, reply_spin_s=0.0, name_key=key)
         except KvpoolError as exc:
             raise PoolUnavailable(
                 f"kvpool: resident mode keeps this engine's KV in the pool's arena, and the pool cannot be reached "
@@ -164,7 +163,7 @@ class KvpoolConnector(KVConnectorBase_V1):
                 device = part.device.index if part.device is not None and len(descriptor.arenas) > 1 else None
                 slab = SlabConfig(s.slab_blocks, max(1, s.slab_blocks // 4), 1 << 20, handoffs=False, device=device)
                 client.close()
-                client = PoolClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0,
+                client = SlabClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0,
                                     name_key=key)  # fmt: skip
                 self._resident_sched = ResidentScheduler(client, part, self.layout.block_size, s.claim_timeout_s,
                                                          self.identity, load=s.load, save=s.save,

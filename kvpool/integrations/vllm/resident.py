@@ -33,6 +33,7 @@ from kvpool.protocol import ArenaDescriptor
 
 if TYPE_CHECKING:
     from kvpool.client import PoolClient
+    from kvpool.slab import SlabClient
 
 log = logging.getLogger("vllm.kvpool")
 
@@ -112,7 +113,7 @@ def check_geometry(descriptor: ArenaDescriptor, engine: KVLayout, engine_blocks:
 class ResidentScheduler:
     """The scheduler side in resident mode: a :class:`Residency` under vLLM's block pool, fed at arrival."""
 
-    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
+    def __init__(self, client: SlabClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
                  identity: EngineIdentity, load: bool = True, save: bool = True,
                  device: int | None = None) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool
@@ -312,9 +313,10 @@ def _lapse(client: PoolClient) -> Exception | None:
     back. Checked every step and before every launch."""
     session = client.session
     why = session.lost or session.unreachable or session.lapsed()
-    if why is None and client.slab is not None:
+    slab = getattr(client, "slab", None)  # the scheduler's SlabClient has one; the worker's plain client none
+    if why is None and slab is not None:
         try:
-            client.slab.ensure_mine()
+            slab.ensure_mine()
         except KvpoolError as exc:
             return exc
     return why

@@ -3,10 +3,10 @@
 The producer checks that the ids name blocks its slab holds allocated at their generations, marks them handed in
 its region of the slab table (to the consumer's region and nonce, under its next sequence: each slot's other
 words first, its state last), and tells the consumer. The first time, and whenever the consumer does not read its
-ring, that is one datagram to the consumer's slab box sealed with their pair's key (:mod:`kvpool.slabwire`). Once
+ring, that is one datagram to the consumer's slab box sealed with their pair's key (:mod:`kvpool.slab.wire`). Once
 the consumer has taken a handoff from it, the consumer watches this producer's region: the producer then writes the
 handoff into its ring and rings the consumer's bell there, with no system call (a wake-up datagram only if the
-consumer sleeps); the consumer's side is :mod:`kvpool.slabbox`. The blocks of one alloc sit in consecutive slots,
+consumer sleeps); the consumer's side is :mod:`kvpool.slab.box`. The blocks of one alloc sit in consecutive slots,
 so a handoff of them is checked, marked and sent as a run: one comparison or write per column of the run, where
 other ids take one per slot. If a datagram cannot leave, the slots are taken back before the pool settles them,
 and the refusal says which ids are still the caller's. Each datagram that did leave is noted in the consumer's
@@ -29,12 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from kvpool import slabwire
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
-from kvpool.slab import Slab, as_ids
-from kvpool.slab_protocol import PairRequest, PairResponse
-from kvpool.slabtable import (
+from kvpool.slab import wire
+from kvpool.slab.protocol import PairRequest, PairResponse
+from kvpool.slab.reservation import Slab, as_ids
+from kvpool.slab.table import (
     ALLOCATED,
     EMPTY,
     ENTRY,
@@ -67,7 +67,7 @@ class Peer:
     nonce: int
     box: str
     sock: socket.socket  # connected to the box: a send skips the kernel's lookup of its path (a microsecond)
-    key: Any  # the pair's keyed MAC, ready to copy (slabwire.sealer)
+    key: Any  # the pair's keyed MAC, ready to copy (wire.sealer)
     tag: int  # a handed slot's state word: HANDED | region << 32
     tags: memoryview  # the tag and the nonce over a whole slab's slots, to mark a run of them in one write each
     nonces: memoryview
@@ -119,7 +119,7 @@ class SlabSender:
             return None
         tag, capacity, me = HANDED | got.region << 32, self.slab.capacity, self.slab.info.region
         base = view.base(got.region)
-        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, slabwire.sealer(bytes.fromhex(got.key)),
+        peer = self.peers[to] = Peer(got.region, got.nonce, got.box, sock, wire.sealer(bytes.fromhex(got.key)),
                                      tag, column("Q", tag, capacity), column("Q", got.nonce, capacity),
                                      base + view.watch + me, base + view.took + me, base + WAITING,
                                      view.bells + got.region, view.sent + got.region, base + NONCE)  # fmt: skip
@@ -137,7 +137,7 @@ class SlabSender:
         slab = self.slab
         listed = ids if type(ids) is list else as_ids(ids).tolist()
         n = len(listed)
-        if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > slabwire.MAX_DATAGRAM:
+        if not n or 12 * n + len(meta) + len(request_id) * 4 + 256 > wire.MAX_DATAGRAM:
             return None
         with slab.lock:
             slab._answer_want()
@@ -163,7 +163,7 @@ class SlabSender:
             listed_slots = b"" if run >= 0 else array("i", slots).tobytes()
             id_bytes, failed = packed.tobytes(), None
             if not self._ring(peer, seq, request_id, num_tokens, meta, id_bytes + listed_slots, run, n):
-                datagram = slabwire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
+                datagram = wire.encode(peer.key, info.region, info.nonce, seq, request_id, num_tokens, meta,
                                            listed_slots, id_bytes, run)  # fmt: skip
                 failed = self._send(datagram, peer, seq)
                 peer.last_datagram = seq

@@ -1,18 +1,15 @@
-"""What a client with a reservation slab does differently: the slab's calls, mixed into :class:`PoolClient`.
+"""``SlabClient``: a :class:`PoolClient` with a reservation slab, and what it does differently.
 
-``PoolClient(..., slab=...)`` (or ``KVPOOL_SLAB_BLOCKS`` in the environment) makes the client an instance of
-``with_slab(PoolClient)``: :class:`SlabCalls` first, the plain client under it. Each call of the mixin decides whether
-the slab serves it locally (alloc and free of uncommitted blocks, a handoff to another slab session) or the plain
-client's call does, through the pool; a client without a slab never runs this code. This module imports no client:
-it stands beside :mod:`kvpool.client`, which imports it only when a slab is asked for.
+Each call decides whether the slab serves it locally (alloc and free of uncommitted blocks, a handoff to another slab
+session) or the plain client's call does, through the pool. The slab stands on the client: :mod:`kvpool.client` names
+no slab, and a plain client never imports this package.
 
-The slab itself is :mod:`kvpool.slab`; handoffs from it to another slab, :mod:`kvpool.slabsend`; handoffs to it,
-:mod:`kvpool.slabbox`.
+The slab itself is :mod:`kvpool.slab.reservation`; handoffs from it to another slab, :mod:`kvpool.slab.send`;
+handoffs to it, :mod:`kvpool.slab.box`.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -21,33 +18,23 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError
-from kvpool.handoffs import Claim, DirectHandoffs
+from kvpool.handoffs import Claim
 from kvpool.protocol import CommitResponse, HandoffResponse
-from kvpool.session import Session
-from kvpool.slab import Slab, SlabConfig
-from kvpool.slabbox import SlabBox
-from kvpool.slabsend import SlabSender
-from kvpool.transport import Transport
+from kvpool.slab.box import SlabBox
+from kvpool.slab.reservation import Slab, SlabConfig
+from kvpool.slab.send import SlabSender
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-C = TypeVar("C", bound=type)
 
 #: how often a claim waiting on the slab box also asks the pool (for a handoff its producer parked there)
 POLL_S = 0.02
 #: where stores reach other processes in program order, which the slab table's one-writer fields rely on
 X86_64 = frozenset({"x86_64", "amd64"})
 _SENT_FIELDS = frozenset(HandoffResponse.model_fields)
-
-
-@functools.cache
-def with_slab(client_class: C) -> C:
-    """``client_class`` (:class:`kvpool.client.PoolClient` or a subclass) with the slab's calls mixed in."""
-    if issubclass(client_class, SlabCalls):
-        return client_class
-    return type(f"Slab{client_class.__name__}", (SlabCalls, client_class), {"__doc__": client_class.__doc__})
 
 
 def _sent(request_id: str, num_blocks: int) -> HandoffResponse:
@@ -61,30 +48,29 @@ def _sent(request_id: str, num_blocks: int) -> HandoffResponse:
     return sent
 
 
-class SlabCalls:
-    """The calls of a client with a slab (mixed in before :class:`kvpool.client.PoolClient`, whose calls ``super()``
-    reaches). ``slab`` is None where the pool gave none (a pool without ``--slabs``, every region taken, a table this
-    process may not map, a CPU without x86-64's store order): then every call goes through the pool."""
+class SlabClient(PoolClient):
+    """A session with the pool that keeps a reservation slab, where the pool serves them (``kvpool serve --slabs``):
+    alloc, free and handoffs to other slab sessions then skip the round trip.
 
-    # the plain client's, which this mixin uses
-    name: str
-    session: Session
-    transport: Transport
-    direct: DirectHandoffs
-    _closed: bool
+    ``slab``: a :class:`SlabConfig`; True or None: ``KVPOOL_SLAB_BLOCKS`` (and ``_LOW``, ``_HIGH``, ``_RING``) where
+    set, else the defaults; False: none. ``slab`` is None where the pool gave none (a pool without ``--slabs``, every
+    region taken, a table this process may not map, a CPU without x86-64's store order): then every call goes through
+    the pool. The other arguments are :class:`PoolClient`'s.
+    """
 
     def __init__(self, *args: Any, slab: SlabConfig | bool | None = None, **kwargs: Any) -> None:
-        self.slab_config = SlabConfig.resolve(slab)
+        asked = slab if isinstance(slab, SlabConfig) else SlabConfig.from_env() or SlabConfig()
+        self.slab_config: SlabConfig | None = None if slab is False else asked
         self.slab: Slab | None = None
         self.slab_sender: SlabSender | None = None
         self.slab_box: SlabBox | None = None
-        super().__init__(*args, slab=slab, **kwargs)  # type: ignore[call-arg]
+        super().__init__(*args, **kwargs)
 
     # -- the session ------------------------------------------------------------------------------------
 
     def _open_session(self) -> None:
         self._close_slab()  # a reconnect's: the old session's region is the pool's again
-        super()._open_session()  # type: ignore[misc]
+        super()._open_session()
         self._open_slab()
 
     def _open_slab(self) -> None:
@@ -119,7 +105,7 @@ class SlabCalls:
     def close(self) -> None:
         if not self._closed:
             self._close_slab()
-        super().close()  # type: ignore[misc]
+        super().close()
 
     # -- blocks -----------------------------------------------------------------------------------------
 
@@ -129,12 +115,12 @@ class SlabCalls:
             got = slab.alloc(num_blocks)
             if got is not None:
                 return got
-        return super().alloc(num_blocks, device)  # type: ignore[misc,no-any-return]
+        return super().alloc(num_blocks, device)
 
     def free(self, block_ids: Sequence[int]) -> int:
         """Free ``ids``: into the slab what is the slab's, through the pool the rest (blocks this session was handed
         settled first)."""
-        in_pool: Callable[[Sequence[int]], int] = super().free  # type: ignore[misc]
+        in_pool: Callable[[Sequence[int]], int] = super().free
         if self.slab is None or not len(block_ids):
             return in_pool(block_ids)
 
@@ -148,16 +134,16 @@ class SlabCalls:
         self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None, start: int = 0,
         release: bool = False,
     ) -> CommitResponse:  # fmt: skip
-        commit = super().commit  # type: ignore[misc]
+        commit = super().commit
         return self._through_pool(block_ids, lambda: commit(block_ids, token_ids, salt, start, release))
 
     def commit_many(
         self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False,
         salts: Sequence[str | None] | None = None,
     ) -> list[CommitResponse | None]:  # fmt: skip
-        commit_many = super().commit_many  # type: ignore[misc]
+        commit_many = super().commit_many
         if self.slab is None:
-            return commit_many(commits, release, salts)  # type: ignore[no-any-return]
+            return commit_many(commits, release, salts)
         self._settle()  # all in one write; the slab's blocks of each commit the pool took leave the slab
         return self.slab.leave_many([c[0] for c in commits], lambda: commit_many(commits, release, salts))
 
@@ -174,9 +160,9 @@ class SlabCalls:
         keep: bool = False,
         sealed: bool = False,
     ) -> HandoffResponse:
-        handoff = super().handoff  # type: ignore[misc]
+        handoff = super().handoff
         if keep:  # the blocks stay this session's: nothing leaves the slab, nothing goes slab to slab
-            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True,  # type: ignore[no-any-return]
+            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True,
                            sealed=sealed)  # fmt: skip
         if sealed:  # the pool keeps what a slab box cannot: who parked it, and that only its id takes it
             return self._through_pool(block_ids, lambda: handoff(request_id, block_ids, num_tokens, meta, ttl_s, to,
@@ -196,7 +182,7 @@ class SlabCalls:
         sealed: bool = False,
     ) -> list[HandoffResponse | None]:
         if self.slab is None or keep:  # kept blocks stay in the slab: all in one write
-            return super().handoff_many(handoffs, ttl_s, keep, sealed)  # type: ignore[misc,no-any-return]
+            return super().handoff_many(handoffs, ttl_s, keep, sealed)
         # a slab's blocks leave it handoff by handoff
         return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s, sealed=sealed))
 
@@ -214,7 +200,7 @@ class SlabCalls:
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """A handoff from a slab or, failing that, one parked in the pool, whichever turns up first."""
-        from_pool: Callable[[str | None, float], Claim] = super().claim  # type: ignore[misc]
+        from_pool: Callable[[str | None, float], Claim] = super().claim
         box = self.slab_box
         if box is None or box.sock is None:
             return from_pool(request_id, timeout_s)
@@ -236,7 +222,7 @@ class SlabCalls:
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Claim | None]:
         if self.slab_box is None or self.slab_box.sock is None:
-            return super().claim_many(request_ids, timeout_s)  # type: ignore[misc,no-any-return]
+            return super().claim_many(request_ids, timeout_s)
         return self.direct.one_by_one(request_ids, lambda r: self.claim(r, timeout_s))
 
     # -- settling ---------------------------------------------------------------------------------------

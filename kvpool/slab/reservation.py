@@ -2,7 +2,7 @@
 
 The pool grants the slab blocks in bulk (they are this session's in its books); ``alloc`` takes idle ones and
 ``free`` puts them back, each writing the slots' states into the session's region of the slab table
-(:mod:`kvpool.slabtable`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
+(:mod:`kvpool.slab.table`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
 drains back to ``blocks`` when it grows past ``high``, one call each; when the pool raises the region's ``want``
 flag, the next alloc or free returns every idle block first. Blocks that leave the slab through the pool (commit,
 a handoff through the pool) are forgotten here first, and then are plain session blocks.
@@ -28,8 +28,8 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.ids import BLOCK_MASK, GEN_STEP, MAX_ID
-from kvpool.slab_protocol import RegionInfo, RegionRequest, SettleRequest, SettleResponse, SlabRequest, SlabResponse
-from kvpool.slabtable import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
+from kvpool.slab.protocol import RegionInfo, RegionRequest, SettleRequest, SettleResponse, SlabRequest, SlabResponse
+from kvpool.slab.table import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class Slab:
         self.block, self.state = slots["block"], slots["state"]
         self.seq = slots["seq"]
         self.settled = self.mine["settled"]
-        #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.slabtable)
+        #: the slots as four 8-byte words each: block, state | to_region << 32, seq, to_nonce (see kvpool.slab.table)
         self.words = np.frombuffer(self.mine["slots"].data, "<u8").reshape(-1, 4)
         self.capacity = info.slots
         self.slot_of = np.full(info.num_blocks, -1, np.int32)

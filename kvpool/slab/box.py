@@ -1,9 +1,9 @@
 """Handoffs from another live session's slab to this one's, the consumer's side: its slab box and its producers'
 rings.
 
-A producer marks the blocks it hands in its region of the slab table and tells this session (:mod:`kvpool.slabsend`).
+A producer marks the blocks it hands in its region of the slab table and tells this session (:mod:`kvpool.slab.send`).
 Its first handoff here comes as one datagram to this session's box, sealed with their pair's key
-(:mod:`kvpool.slabwire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from
+(:mod:`kvpool.slab.wire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from
 that producer (a replay is dropped), and the producer's region, mapped read-only, says the same: those blocks,
 handed to this session under this sequence (a run of consecutive slots is compared a column at a time). From then
 on this session *watches* that producer (its ``watch`` word names the producer's nonce): the producer writes its
@@ -38,12 +38,12 @@ from typing import Any
 
 import numpy as np
 
-from kvpool import slabwire
 from kvpool.errors import InvalidRequest, KvpoolError, UnknownSession
 from kvpool.handoffs import Claim
-from kvpool.slab import Slab
-from kvpool.slab_protocol import PairRequest, PairResponse
-from kvpool.slabtable import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
+from kvpool.slab import wire
+from kvpool.slab.protocol import PairRequest, PairResponse
+from kvpool.slab.reservation import Slab
+from kvpool.slab.table import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +85,14 @@ class SlabBox:
             try:
                 box.bind(slab.info.box)
                 os.chmod(slab.info.box, mode)
-                box.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * slabwire.MAX_DATAGRAM)
+                box.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * wire.MAX_DATAGRAM)
             except OSError as exc:
                 box.close()
                 log.warning("no slab box at %s (%s): handoffs to this session go through the pool", slab.info.box, exc)
             else:
                 self.sock = box
                 self._poll.register(box, select.POLLIN)
-        self._buf = bytearray(slabwire.MAX_DATAGRAM)
+        self._buf = bytearray(wire.MAX_DATAGRAM)
         capacity = slab.capacity
         self._tags = column("Q", HANDED | slab.info.region << 32, capacity)  # a slot handed to this session
         self._nonces = column("Q", slab.info.nonce, capacity)
@@ -175,7 +175,7 @@ class SlabBox:
         self._took(watched, (watched.region, watched.nonce), seq)
         fence()  # then whether the producer is still there (see SlabBooks.release): if so, the pool sees the took
         if everyone[watched.base + NONCE] != watched.nonce:
-            h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, payload[2], num_tokens, payload[3], payload[1],
+            h = wire.SlabHandoff(watched.region, watched.nonce, seq, payload[2], num_tokens, payload[3], payload[1],
                                      payload[0], run)  # fmt: skip
             return self._claim(h) if self._held(h) else self._left(h)
         self.to_settle.add(watched.region)
@@ -261,7 +261,7 @@ class SlabBox:
             self._took(watched, (watched.region, watched.nonce), seq)
             return None
         packed, slots, request_id, meta = payload
-        h = slabwire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens, meta, slots, packed, run)
+        h = wire.SlabHandoff(watched.region, watched.nonce, seq, request_id, num_tokens, meta, slots, packed, run)
         claim = self._accept(h, watched)
         if claim is None:
             self._took(watched, (watched.region, watched.nonce), seq)
@@ -288,7 +288,7 @@ class SlabBox:
                 self.delivered[claim.request_id] = claim
 
     def _take(self, data: memoryview) -> Claim | None:
-        fields = slabwire.head(data)
+        fields = wire.head(data)
         if fields is None:
             return None
         pair = fields[1], fields[3]
@@ -297,11 +297,11 @@ class SlabBox:
             try:
                 req = PairRequest(session_id=self.slab.session_id, from_region=pair[0], from_nonce=pair[1])
                 got = self.transport.fetch("POST", "/slabs/pair", req, PairResponse)
-                key = self.keys[pair] = slabwire.sealer(bytes.fromhex(got.key))
+                key = self.keys[pair] = wire.sealer(bytes.fromhex(got.key))
             except (UnknownSession, InvalidRequest) as exc:
                 log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)
                 return None
-        h = slabwire.decode(data, key, fields)
+        h = wire.decode(data, key, fields)
         if h is None:
             log.warning("dropped a slab handoff whose seal is not its pair's")
             return None
@@ -317,7 +317,7 @@ class SlabBox:
             log.warning("dropped slab handoff %r: neither its producer's region nor the pool vouch", h.request_id)
         return claim
 
-    def _accept(self, h: slabwire.SlabHandoff, watched: Watched | None) -> Claim | None:
+    def _accept(self, h: wire.SlabHandoff, watched: Watched | None) -> Claim | None:
         """The claim of a handoff its producer's region vouches for, or that the pool holds for this session (taking
         it if it is in flight here); None if neither. Either way the sequence is taken once the handoff is: in the
         region's ``took`` word for its producer, which the pool reads (watching the producer from its first)."""
@@ -338,10 +338,10 @@ class SlabBox:
         return self._claim(h)
 
     @staticmethod
-    def _claim(h: slabwire.SlabHandoff) -> Claim:
+    def _claim(h: wire.SlabHandoff) -> Claim:
         return Claim(h.request_id, h.num_tokens, h.meta, h.packed, None, True)
 
-    def _left(self, h: slabwire.SlabHandoff) -> None:
+    def _left(self, h: wire.SlabHandoff) -> None:
         """A ring's handoff whose producer ended before this session took it: the pool parked it for this session,
         where a claim finds it."""
         log.info("slab handoff %r: its producer ended before this session took it; the pool holds it here",
@@ -377,7 +377,7 @@ class SlabBox:
         if view.words[NONCE] == self.slab.info.nonce:  # still this session's region
             view.words[view.watch + watched.region] = 0
 
-    def _vouched(self, h: slabwire.SlabHandoff) -> bool:
+    def _vouched(self, h: wire.SlabHandoff) -> bool:
         """Whether the producer's region says these blocks are handed to this session under this sequence: each slot
         must read (id, handed | this region, this sequence, this nonce), word for word."""
         view, info, n = self.slab.view, self.slab.info, len(h.packed)
@@ -421,7 +421,7 @@ class SlabBox:
             return False
         return words[at + 2 : end : 4] == column("Q", seq, n) and words[at + 3 : end : 4] == self._nonces[:n]
 
-    def _held(self, h: slabwire.SlabHandoff) -> bool:
+    def _held(self, h: wire.SlabHandoff) -> bool:
         """Whether the pool says this session holds the handoff's blocks, taking them first if they are in flight
         to it (the producer's slots were settled and reused meanwhile, or the producer ended)."""
         try:

@@ -10,7 +10,7 @@ compare-and-swap:
 * the session writes ``done`` (the ``want`` it has answered), ``hseq`` (its last handoff's sequence) and its
   slots: the block a slot holds and its ``state``, and for a handed block to whom (region and nonce) and under
   which sequence;
-* for handoffs between slabs with no system call on the way (:mod:`kvpool.slabsend`, :mod:`kvpool.slabbox`), the
+* for handoffs between slabs with no system call on the way (:mod:`kvpool.slab.send`, :mod:`kvpool.slab.box`), the
   session also writes, as a producer, its ``ring`` of recent handoffs, one ``bell`` per consumer region (the
   sequence of its latest handoff in the ring to that region) and one ``sent`` per consumer region (the sequence of
   its latest handoff to that region that left as a datagram), and as a consumer, per producer region, ``watch``
