@@ -45,9 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--order", choices=["block_major", "kv_packed", "layer_major"], default="block_major",
                         help="the arenas' order: spans per block, so descriptors per run [block_major: 1]")  # fmt: skip
     parser.add_argument("--peer-gpu", type=int, default=None, help="pool B's GPU [the same as --gpu]")
-    parser.add_argument("--arena-handle", choices=["legacy", "vmm", "auto"], default="vmm",
-                        help="the GPU arenas' memory: vmm (allocated RDMA-capable where the GPU allows), or legacy "
-                        "(cudaMalloc) [vmm]")  # fmt: skip
+    parser.add_argument("--arena-handle", choices=["legacy", "vmm", "auto"], default="auto",
+                        help="the GPU arenas' memory: vmm (allocated RDMA-capable where the GPU allows), legacy "
+                        "(cudaMalloc), or auto: what kvpool serve --peers takes, legacy [auto]")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

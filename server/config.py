@@ -58,7 +58,8 @@ class PoolSettings(BaseSettings):
     arena_handle: Literal["auto", "vmm", "legacy"] = Field(
         "auto",
         description="how workers map the CUDA arena: vmm (an fd over the fast channel's Unix socket), "
-        "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible)",
+        "legacy (a CUDA IPC handle in /arena; needs a shared PID namespace), auto (vmm where possible; legacy on a "
+        "pool with --peers, whose NIXL reads between GPUs need it)",
     )
     host_blocks: int | None = Field(
         None, ge=1, description="host tier size in blocks: evicted prefix blocks are kept in host memory (off: none)"
@@ -198,6 +199,15 @@ class PoolSettings(BaseSettings):
         if not parts or not all(p.isdigit() for p in parts) or len(set(parts)) != len(parts):
             raise ValueError(f"devices must be distinct ordinals separated by commas (like 0,1), got {value!r}")
         return ",".join(parts)
+
+    @property
+    def arena_handle_for_peers(self) -> Literal["auto", "vmm", "legacy"]:
+        """``auto`` on a pool with ``--peers`` is legacy CUDA IPC: NIXL's UCX reads a peer GPU's memory through legacy
+        IPC handles, which VMM memory lacks, so a VMM arena is read through the host (two H200s of one host:
+        0.4 GB/s against 303 GB/s for cudaMalloc arenas, docs/across-nodes.md)."""
+        if self.arena_handle == "auto" and self.peers and self.backend != "cpu":
+            return "legacy"
+        return self.arena_handle
 
     @field_validator("peers")
     @classmethod

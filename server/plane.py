@@ -85,7 +85,7 @@ class ControlPlane:
             arenas, sizes = create_arenas(
                 resolve_backend(s.backend), devices, layout, self.epoch,
                 num_blocks=s.num_blocks, arena_bytes=s.arena_bytes, gpu_memory_fraction=s.gpu_memory_fraction,
-                shm_dir=s.shm_dir, arena_handle=s.arena_handle, fd_passing=s.fast_socket is not None,
+                shm_dir=s.shm_dir, arena_handle=s.arena_handle_for_peers, fd_passing=s.fast_socket is not None,
             )  # fmt: skip
             self.owned_arenas = arenas
             if s.kv_events_endpoint is not None:
