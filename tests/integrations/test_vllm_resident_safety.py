@@ -44,6 +44,7 @@ from tests.integrations.test_vllm_scheduler import (
     LAYOUT,
     NAMES,
     config,
+    resident_engine,
     tiny_llama,
 )
 
@@ -74,12 +75,11 @@ def kv_config(spec: Any = None) -> KVCacheConfig:
 def engine(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch, kv: KVCacheConfig | None = None,
            slab_blocks: int = 16, **extra: Any) -> Scheduler:  # fmt: skip
     """A resident engine's scheduler (the start-up check told that this CPU pool will do)."""
-    monkeypatch.setattr(resident, "why_not", lambda *args: None)
-    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
     cfg = config(model_dir, url)
-    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=slab_blocks, **extra)
+    cls = resident_engine(cfg, monkeypatch)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(slab_blocks=slab_blocks, **extra)
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return Scheduler(cfg, kv or kv_config(), StructuredOutputManager(cfg), block_size=BS)
+    return cls(cfg, kv or kv_config(), StructuredOutputManager(cfg), block_size=BS)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from tests.integrations.test_vllm_scheduler import (
     NAMES,
     config,
     request,
+    resident_engine,
     tiny_llama,
 )
 
@@ -52,14 +53,13 @@ def pool() -> Iterator[PoolProcess]:
 
 
 def resident_scheduler(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> Scheduler:
-    monkeypatch.setattr(resident, "why_not", lambda *args: None)
-    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
     cfg = config(model_dir, url)
-    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=16)
+    cls = resident_engine(cfg, monkeypatch)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(slab_blocks=16)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    sched = Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
+    sched = cls(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
     assert sched.connector is not None and sched.connector._resident_sched is not None, "resident mode started"
     return sched
 
