@@ -403,3 +403,21 @@ def test_a_full_arena_preempts_and_waits_where_it_raised_and_the_waiting_hit_is_
     finally:
         hog.close()
         sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_on_vllm_0_29_resident_mode_asks_for_kvpool_s_scheduler_class(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.29-0.30's connector never sees the KVCacheManager: without kvpool's scheduler class the engine runs in
+    copy mode, and the line names the flag (0.29 told it was proven on a GPU, as the gate would say once it is)."""
+    from kvpool.integrations.vllm import settings
+    from kvpool.integrations.vllm.schedulers import ResidentAsyncScheduler
+
+    monkeypatch.setattr(settings, "RESIDENT_VLLM", ("0.26.", "0.29."))
+    cfg = config(model_dir, pool.url)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident")
+    why = settings.why_not_resident(cfg, "0.29.0") or ""
+    assert "--scheduler-cls kvpool.integrations.vllm.ResidentAsyncScheduler" in why
+    cfg.scheduler_config.scheduler_cls = ResidentAsyncScheduler
+    assert settings.why_not_resident(cfg, "0.29.0") is None
+    assert "proven on vLLM" in (settings.why_not_resident(cfg, "0.31.0") or ""), "0.31 not proven yet"

@@ -301,7 +301,7 @@ class ResidentWorker:
     def register(self, kv_caches: dict[str, Any]) -> None:
         self.kv.check(kv_caches)
         log.info("kvpool: resident mode: vLLM's KV cache is the arena's %d layer regions (model runners patched: %s)",
-                 len(kv_caches), ", ".join(self.runners))  # fmt: skip
+                 len(kv_caches), ", ".join(self.runners) or "none, the memory pool context")  # fmt: skip
 
     def close(self) -> None:
         self.client.close()  # the mapping stays while the process lives: CUDA graphs hold its addresses
