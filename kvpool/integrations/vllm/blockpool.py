@@ -118,6 +118,11 @@ class ResidentBlockPool(BlockPool):
                 gone.append(block.block_id)
         self.leave(gone)
 
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """vLLM 0.31+'s sparse attention keeps reading released blocks until they are reused: in resident mode a
+        released block may be another engine's at once, so it is refused (such models are refused at start-up)."""
+        raise NotImplementedError("kvpool: resident mode cannot keep released blocks readable (sparse attention)")
+
     def leave(self, block_ids: Sequence[int]) -> None:
         """Blocks no request of this engine uses: out of vLLM's prefix-cache map (unless a waiting request pinned
         them), and back to the slab or the pool."""

@@ -22,6 +22,7 @@ SURFACE = merged(
                 "kv_cache_manager",
             ),
             "vllm.distributed.kv_transfer.kv_connector.v1.base:KVConnectorBase_V1.get_mem_pool_context": (),
+            "vllm.v1.core.block_pool:BlockPool.unpin_blocks": ("blocks", "on_reuse"),  # refused (sparse attention)
         },
         calls={},
         attributes=("vllm.v1.worker.utils:allocate_kv_cache",),  # the worker side's one allocation (memory.py)
