@@ -23,13 +23,12 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheTensor,
 )
 from vllm.v1.request import Request
 
 from kvpool.integrations.vllm import blockpool
 from kvpool.integrations.vllm.identity import EngineIdentity
-from kvpool.integrations.vllm.resident import ResidentScheduler
+from kvpool.integrations.vllm.resident import ResidentSchedulerSide
 from tests.conftest import PoolProcess, start_pool
 from tests.integrations.test_vllm_residency import BS, LAYOUT, RESIDENT_POOL, N, books, holds, stamp
 
@@ -48,12 +47,12 @@ class FakeClientEngine:
             url, name=name, layout=LAYOUT, slab=SlabConfig(slab_blocks, slab_blocks // 4, 48, handoffs=False)
         )
         descriptor = self.client.descriptor()
-        self.sched = ResidentScheduler(self.client, descriptor, BS, 2.0, EngineIdentity({"model": "fake"}))
+        self.sched = ResidentSchedulerSide(self.client, descriptor, BS, 2.0, EngineIdentity({"model": "fake"}))
         spec = FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, dtype=torch.float32)
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYOUT.num_layers)]
-        size = N * spec.page_size_bytes
-        config = KVCacheConfig(N, [KVCacheTensor(size, [n]) for n in names], [KVCacheGroupSpec(names, spec)])
+        config = KVCacheConfig(N, [], [KVCacheGroupSpec(names, spec)])  # the manager reads no tensors
         self.manager = KVCacheManager(config, max_model_len=1024, scheduler_block_size=BS, hash_block_size=BS)
+        self.sched.adopt(self.manager)  # what the connector's hook does on vLLM 0.29+ (0.26: built resident)
         assert isinstance(self.manager.block_pool, blockpool.ResidentBlockPool)
         self.arena = self.client.arena()
 

@@ -368,7 +368,7 @@ def test_the_arena_a_resident_engine_writes_is_what_vllm_reads() -> None:
 def test_calls_that_come_while_one_is_under_way_go_together_in_the_next() -> None:
     import threading
 
-    from kvpool.integrations.vllm.residency import Batcher
+    from kvpool.integrations.vllm.batcher import Batcher
 
     gate, sizes = threading.Event(), []
 

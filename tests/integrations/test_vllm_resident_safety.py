@@ -44,6 +44,7 @@ from tests.integrations.test_vllm_scheduler import (
     LAYOUT,
     NAMES,
     config,
+    resident_engine,
     tiny_llama,
 )
 
@@ -74,12 +75,11 @@ def kv_config(spec: Any = None) -> KVCacheConfig:
 def engine(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch, kv: KVCacheConfig | None = None,
            slab_blocks: int = 16, **extra: Any) -> Scheduler:  # fmt: skip
     """A resident engine's scheduler (the start-up check told that this CPU pool will do)."""
-    monkeypatch.setattr(resident, "why_not", lambda *args: None)
-    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
     cfg = config(model_dir, url)
-    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=slab_blocks, **extra)
+    cls = resident_engine(cfg, monkeypatch)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(slab_blocks=slab_blocks, **extra)
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    return Scheduler(cfg, kv or kv_config(), StructuredOutputManager(cfg), block_size=BS)
+    return cls(cfg, kv or kv_config(), StructuredOutputManager(cfg), block_size=BS)
 
 
 @contextlib.contextmanager
@@ -403,3 +403,21 @@ def test_a_full_arena_preempts_and_waits_where_it_raised_and_the_waiting_hit_is_
     finally:
         hog.close()
         sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_on_vllm_0_29_resident_mode_asks_for_kvpool_s_scheduler_class(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.29-0.30's connector never sees the KVCacheManager: without kvpool's scheduler class the engine runs in
+    copy mode, and the line names the flag (0.29 told it was proven on a GPU, as the gate would say once it is)."""
+    from kvpool.integrations.vllm import settings
+    from kvpool.integrations.vllm.schedulers import ResidentAsyncScheduler
+
+    monkeypatch.setattr(settings, "RESIDENT_VLLM", ("0.26.", "0.29."))
+    cfg = config(model_dir, pool.url)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident")
+    why = settings.why_not_resident(cfg, "0.29.0") or ""
+    assert "--scheduler-cls kvpool.integrations.vllm.ResidentAsyncScheduler" in why
+    cfg.scheduler_config.scheduler_cls = ResidentAsyncScheduler
+    assert settings.why_not_resident(cfg, "0.29.0") is None
+    assert "proven on vLLM" in (settings.why_not_resident(cfg, "0.31.0") or ""), "0.31 not proven yet"

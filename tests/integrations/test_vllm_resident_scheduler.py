@@ -4,6 +4,7 @@ without it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from tests.integrations.test_vllm_scheduler import (
     NAMES,
     config,
     request,
+    resident_engine,
     tiny_llama,
 )
 
@@ -52,14 +54,13 @@ def pool() -> Iterator[PoolProcess]:
 
 
 def resident_scheduler(model_dir: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> Scheduler:
-    monkeypatch.setattr(resident, "why_not", lambda *args: None)
-    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
     cfg = config(model_dir, url)
-    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident", slab_blocks=16)
+    cls = resident_engine(cfg, monkeypatch)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(slab_blocks=16)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
     kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
     cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
-    sched = Scheduler(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
+    sched = cls(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
     assert sched.connector is not None and sched.connector._resident_sched is not None, "resident mode started"
     return sched
 
@@ -146,5 +147,42 @@ def test_a_step_waits_for_answers_once_not_once_a_request(
         go.set()
         side.residency._lookups.drain()
         assert len(sched.schedule().scheduled_new_reqs) == 3
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_vllm_s_async_scheduler_runs_resident_too(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's default with async scheduling is its ``AsyncScheduler``: its block pool becomes resident the same way
+    (through the connector from vLLM 0.30, kvpool's ``ResidentAsyncScheduler`` on 0.29), and a prefix another
+    engine computed is its hit."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from kvpool.integrations.vllm import blockpool
+    from kvpool.integrations.vllm.schedulers import ResidentAsyncScheduler, ResidentScheduler
+
+    prefix = list(range(700, 700 + 2 * BS))
+    packed = LAYOUT.model_copy(update={"order": "kv_packed"})
+    with PoolClient(pool.url, name="writer", layout=packed) as writer:
+        ids = writer.alloc(2)
+        writer.commit(ids, prefix, salt=EngineIdentity.of_config(config(model_dir, pool.url)).salt)
+        writer.free(ids)
+    cfg = config(model_dir, pool.url)
+    cls = resident_engine(cfg, monkeypatch)
+    cls = ResidentAsyncScheduler if cls is ResidentScheduler else AsyncScheduler
+    cfg.kv_transfer_config.kv_connector_extra_config.update(slab_blocks=16)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float32)
+    kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(NAMES, spec)])
+    cfg.cache_config.num_gpu_blocks = NUM_BLOCKS
+    sched = cls(cfg, kv, StructuredOutputManager(cfg), block_size=BS)
+    try:
+        assert isinstance(sched.kv_cache_manager.block_pool, blockpool.ResidentBlockPool)
+        sched.add_request(request("async", [*prefix, 1, 2, 3]))
+        deadline = time.monotonic() + 30
+        while not (out := sched.schedule()).scheduled_new_reqs and time.monotonic() < deadline:
+            time.sleep(0.01)  # its answer is on the way: left waiting this step
+        [taken] = out.scheduled_new_reqs
+        assert taken.num_computed_tokens == 2 * BS and list(taken.block_ids[0][:2]) == [i & 0xFFFFFFFF for i in ids]
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]

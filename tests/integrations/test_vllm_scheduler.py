@@ -87,6 +87,25 @@ def config(model_dir: Path, url: str, block_size: int = BS) -> VllmConfig:
     )
 
 
+def resident_engine(cfg: VllmConfig, monkeypatch: pytest.MonkeyPatch) -> type[Scheduler]:
+    """Let ``cfg``'s engine be resident on this CPU and this vLLM (its start-up checks told that the CPU pool will
+    do, and that this vLLM was proven on a GPU); returns the scheduler class it runs under on this vLLM's
+    generation (its own, or kvpool's where the connector alone cannot make it resident)."""
+    import vllm
+
+    from kvpool.integrations.vllm import generations, resident, settings
+    from kvpool.integrations.vllm.schedulers import ResidentScheduler
+
+    monkeypatch.setattr(settings, "RESIDENT_VLLM", (vllm.__version__,))
+    monkeypatch.setattr(resident, "why_not", lambda *args: None)
+    monkeypatch.setattr(resident, "arena_on", lambda descriptor, uuid: descriptor)
+    cfg.kv_transfer_config.kv_connector_extra_config.update(mode="resident")
+    if generations.current().HOOK != "scheduler_cls":
+        return Scheduler
+    cfg.scheduler_config.scheduler_cls = ResidentScheduler
+    return ResidentScheduler
+
+
 def triton_cache() -> torch.Tensor:
     """A layer's cache allocated as vLLM's GPU model runner does for TRITON_ATTN (physical order, then permuted)."""
     shape = TritonAttentionBackend.get_kv_cache_shape(NUM_BLOCKS, BS, HEADS, HEAD_DIM)

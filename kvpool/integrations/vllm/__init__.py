@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["KvpoolConnector"]
+__all__ = ["KvpoolConnector", "ResidentAsyncScheduler", "ResidentScheduler"]
 
 
 def __getattr__(name: str) -> Any:
@@ -18,4 +18,8 @@ def __getattr__(name: str) -> Any:
         from kvpool.integrations.vllm.connector import KvpoolConnector
 
         return KvpoolConnector
+    if name in ("ResidentScheduler", "ResidentAsyncScheduler"):  # --scheduler-cls (vLLM 0.29-0.30)
+        from kvpool.integrations.vllm import schedulers
+
+        return getattr(schedulers, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

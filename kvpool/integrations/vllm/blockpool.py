@@ -1,12 +1,13 @@
 """vLLM's block pool in resident mode: the engine's blocks come from the pool's arena and go back to it.
 
-The scheduler-side connector is built before vLLM's ``KVCacheManager``, so it can swap, for this process, the
-``BlockPool`` class that ``kv_cache_coordinator`` builds (vLLM 0.26: the one construction site) for a subclass
-that keeps its free blocks in the engine's slab (:class:`.residency.Residency`) instead of a private queue, and
-wraps two ``KVCacheManager`` methods: ``get_computed_blocks`` hands vLLM what the pool answered for a request
-(another engine's prefix, a claimed handoff) as the request's hit, arena blocks taken as if this engine had
-computed them, followed by what vLLM's own map holds past them; ``allocate_slots`` refills the slab once before it
-says no.
+The engine's one ``BlockPool`` becomes a subclass that keeps its free blocks in the engine's slab
+(:class:`.residency.Residency`) instead of a private queue, and its ``KVCacheManager`` one whose
+``get_computed_blocks`` hands vLLM what the pool answered for a request (another engine's prefix, a claimed
+handoff) as the request's hit, arena blocks taken as if this engine had computed them, followed by what vLLM's own
+map holds past them, and whose ``allocate_slots`` refills the slab once before it says no. :func:`adopt` swaps the
+class of those two objects once vLLM built them (vLLM 0.29+: no vLLM attribute is replaced); :func:`install`
+patches vLLM's construction site and manager instead (vLLM 0.26, whose connector never sees the manager). Which one
+runs is the vLLM generation's choice (:mod:`.generations`).
 
 Everything else of vLLM's (hashing, ref counts, caching of full blocks, the scheduler) runs unchanged. vLLM's map
 holds only blocks the engine holds a pool ref on, so a hit in it is never a recycled block.
@@ -49,6 +50,10 @@ class ResidentBlockPool(BlockPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._become_resident()
+
+    def _become_resident(self) -> None:
+        """Take over a block pool vLLM just built (no request has a block yet)."""
         # block 0 is the null block (popped by the base class); the rest are the pool's until it gives them
         self.free_block_queue = FreeKVCacheBlockQueue([])
         self.residency.block_objects = self.blocks  # an answer's blocks are looked up on the thread that read it
@@ -112,6 +117,11 @@ class ResidentBlockPool(BlockPool):
             if block.ref_cnt == 0 and not block.is_null:
                 gone.append(block.block_id)
         self.leave(gone)
+
+    def unpin_blocks(self, blocks: Iterable[KVCacheBlock], on_reuse: Callable[[KVCacheBlock], None]) -> None:
+        """vLLM 0.31+'s sparse attention keeps reading released blocks until they are reused: in resident mode a
+        released block may be another engine's at once, so it is refused (such models are refused at start-up)."""
+        raise NotImplementedError("kvpool: resident mode cannot keep released blocks readable (sparse attention)")
 
     def leave(self, block_ids: Sequence[int]) -> None:
         """Blocks no request of this engine uses: out of vLLM's prefix-cache map (unless a waiting request pinned
@@ -205,15 +215,14 @@ def _arity() -> int:
 _ARITY = _arity()
 
 
-def install(
+def bound(
     residency: Residency,
-    on_request: Callable[[Any], tuple[Any, int, bool] | None],
+    on_request: Callable[[Any], Hit | None],
     on_built: Callable[[ResidentBlockPool], None],
     waits: Callable[[Any], bool] = lambda request: False,
     on_reset: Callable[[], None] = lambda: None,
-) -> None:
-    """From now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is a resident one bound to
-    ``residency``; and ``KVCacheManager`` installs pool answers and refills the slab (once per process)."""
+) -> type[ResidentBlockPool]:
+    """The resident ``BlockPool`` class of one engine, bound to its ``residency``."""
 
     class Bound(ResidentBlockPool):
         pass
@@ -223,13 +232,56 @@ def install(
     Bound.on_built = staticmethod(on_built)  # type: ignore[assignment]
     Bound.waits = staticmethod(waits)  # type: ignore[assignment]
     Bound.on_reset = staticmethod(on_reset)  # type: ignore[assignment]
-    kv_cache_coordinator.BlockPool = Bound  # type: ignore[misc]
     if not _ARITY:
         log.warning(
             "kvpool: this vLLM's KVCacheManager.get_computed_blocks is not annotated as resident mode knows it (or "
             "something wrapped it without functools.wraps): the pool's hits go through vLLM's own prefix search, a "
             "little slower, and a request whose answer is not back is searched for anyway"
         )
+    return Bound
+
+
+def adopt(manager: Any, pool_class: type[ResidentBlockPool]) -> None:
+    """Make a ``KVCacheManager`` vLLM just built resident, by the class of its objects alone: its one ``BlockPool``
+    (shared by its coordinator and every single-type manager) becomes ``pool_class``, and the manager a subclass
+    that installs pool answers and refills the slab. A manager already resident is left as it is."""
+    pool = manager.block_pool
+    if isinstance(pool, ResidentBlockPool):
+        return
+    if type(pool) is not BlockPool:
+        raise TypeError(
+            f"kvpool: this engine's block pool is a {type(pool).__qualname__}, not vLLM's BlockPool: resident mode "
+            "cannot take it over (serve it in copy mode)"
+        )
+    pool.__class__ = pool_class
+    pool._become_resident()
+    manager.__class__ = _resident_manager(type(manager))
+
+
+@functools.cache
+def _resident_manager(base: type) -> type:
+    return type(f"Resident{base.__name__}", (ResidentManager, base), {})
+
+
+class ResidentManager:
+    """Mixed ahead of vLLM's ``KVCacheManager`` (:func:`adopt`): the pool's hits without a search, and a slab
+    refill before a no. Both pass anything vLLM adds to the two calls through."""
+
+    def get_computed_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        original = super().get_computed_blocks  # type: ignore[misc]
+        if any(a is not None for a in (*args, *kwargs.values())):  # a bound on the hit (0.33): vLLM's own search
+            return _computed(lambda m, r: original(r, *args, **kwargs), self, request, searched=True)
+        return _computed(lambda m, r: original(r), self, request)
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        original = super().allocate_slots  # type: ignore[misc]
+        return _slots(lambda m, *a, **k: original(*a, **k), self, request, num_new_tokens, *args, **kwargs)
+
+
+def install(pool_class: type[ResidentBlockPool]) -> None:
+    """vLLM 0.26: from now on, the ``BlockPool`` this process's next ``KVCacheManager`` builds is ``pool_class``;
+    and ``KVCacheManager`` installs pool answers and refills the slab (once per process)."""
+    kv_cache_coordinator.BlockPool = pool_class  # type: ignore[misc]
     if not getattr(KVCacheManager.get_computed_blocks, _WRAPPED, False):
         KVCacheManager.get_computed_blocks = _installing(KVCacheManager.get_computed_blocks)  # type: ignore[method-assign]
         KVCacheManager.allocate_slots = _refilling(KVCacheManager.allocate_slots)  # type: ignore[method-assign]
@@ -243,31 +295,38 @@ def uninstall() -> None:
 def _installing(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_computed_blocks(manager: Any, request: Any) -> Any:
-        pool = manager.block_pool
-        if not isinstance(pool, ResidentBlockPool) or not manager.enable_caching:
-            return original(manager, request)
-        began = time.perf_counter()
-        taken = pool.install(request)
-        if taken is None:
-            if _ARITY and pool.waits(request):  # vLLM leaves it waiting this step: its search would go to waste
-                return (manager.empty_kv_cache_blocks, 0, 0)[:_ARITY]
-            return original(manager, request)
-        blocks, hit = taken
-        if not _ARITY or getattr(request, "skip_reading_prefix_cache", False) or _reports_hits(manager, request):
-            pool.insert(request, blocks)  # vLLM's own hit path, whatever it does besides the search
-            return original(manager, request)
-        found = pool.hit_blocks(request, blocks, hit)
-        tokens = len(found) * pool.hash_block_size
-        if manager.log_stats and manager.prefix_cache_stats is not None:
-            manager.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=tokens,
-                                              preempted=request.num_preemptions > 0)  # fmt: skip
-        computed = manager.create_kv_cache_blocks((found,))
-        if hit.claimed:
-            pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
-        return (computed, tokens, 0)[:_ARITY]
+        return _computed(original, manager, request)
 
     setattr(get_computed_blocks, _WRAPPED, True)
     return get_computed_blocks
+
+
+def _computed(original: Callable[[Any, Any], Any], manager: Any, request: Any, searched: bool = False) -> Any:
+    """vLLM's ``get_computed_blocks`` for a resident pool: the pool's hit as the request's, without vLLM's search
+    where vLLM's hit path is known (else, or ``searched``, put into vLLM's map for its own search to find)."""
+    pool = manager.block_pool
+    if not isinstance(pool, ResidentBlockPool) or not manager.enable_caching:
+        return original(manager, request)
+    began = time.perf_counter()
+    taken = pool.install(request)
+    if taken is None:
+        if _ARITY and not searched and pool.waits(request):  # vLLM leaves it waiting: its search would go to waste
+            return (manager.empty_kv_cache_blocks, 0, 0)[:_ARITY]
+        return original(manager, request)
+    blocks, hit = taken
+    if (not _ARITY or searched or getattr(request, "skip_reading_prefix_cache", False)
+            or _reports_hits(manager, request)):  # fmt: skip
+        pool.insert(request, blocks)  # vLLM's own hit path, whatever it does besides the search
+        return original(manager, request)
+    found = pool.hit_blocks(request, blocks, hit)
+    tokens = len(found) * pool.hash_block_size
+    if manager.log_stats and manager.prefix_cache_stats is not None:
+        manager.prefix_cache_stats.record(num_tokens=request.num_tokens, num_hits=tokens,
+                                          preempted=request.num_preemptions > 0)  # fmt: skip
+    computed = manager.create_kv_cache_blocks((found,))
+    if hit.claimed:
+        pool.residency.handovers.taken_in_us.append((time.perf_counter() - began) * 1e6)
+    return (computed, tokens, 0)[:_ARITY]
 
 
 def _reports_hits(manager: Any, request: Any) -> bool:
@@ -279,19 +338,24 @@ def _reports_hits(manager: Any, request: Any) -> bool:
 def _refilling(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def allocate_slots(manager: Any, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
-        pool = manager.block_pool
-        if not isinstance(pool, ResidentBlockPool):
-            return original(manager, request, num_new_tokens, *args, **kwargs)
-        # within the allocation: the free blocks counted are this request's to take, and the slab keeps them idle
-        pool.asking = request
-        try:
-            with pool.residency.hold():
-                return _allocate(original, manager, pool, request, num_new_tokens, *args, **kwargs)
-        finally:
-            pool.asking = None
+        return _slots(original, manager, request, num_new_tokens, *args, **kwargs)
 
     setattr(allocate_slots, _WRAPPED, True)
     return allocate_slots
+
+
+def _slots(original: Callable[..., Any], manager: Any, request: Any, num_new_tokens: int, *args: Any,
+           **kwargs: Any) -> Any:  # fmt: skip
+    pool = manager.block_pool
+    if not isinstance(pool, ResidentBlockPool):
+        return original(manager, request, num_new_tokens, *args, **kwargs)
+    # within the allocation: the free blocks counted are this request's to take, and the slab keeps them idle
+    pool.asking = request
+    try:
+        with pool.residency.hold():
+            return _allocate(original, manager, pool, request, num_new_tokens, *args, **kwargs)
+    finally:
+        pool.asking = None
 
 
 def _allocate(original: Callable[..., Any], manager: Any, pool: ResidentBlockPool, request: Any, num_new_tokens: int,

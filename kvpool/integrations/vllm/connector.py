@@ -21,11 +21,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 
 from kvpool.errors import KvpoolError, LayoutMismatch, PoolUnavailable
-from kvpool.integrations.vllm import arrivals, resident
+from kvpool.integrations.vllm import generations, resident
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.link import PoolLink, log
 from kvpool.integrations.vllm.plan import StepPlan
-from kvpool.integrations.vllm.resident import ResidentScheduler, ResidentWorker
+from kvpool.integrations.vllm.resident import ResidentSchedulerSide, ResidentWorker
 from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
 from kvpool.integrations.vllm.settings import (
     ConnectorSettings,
@@ -109,7 +109,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._early = False
         self._worker: WorkerSide | None = None
-        self._resident_sched: ResidentScheduler | None = None
+        self._resident_sched: ResidentSchedulerSide | None = None
         self._resident_worker: ResidentWorker | None = None
         if self.settings.mode == "resident" and self._resident(vllm_config, role, kv_cache_config, link.name):
             return
@@ -119,7 +119,7 @@ class KvpoolConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
             self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, names["worker"])
-            self._early = self.settings.early_lookup and arrivals.install()
+            self._early = self.settings.early_lookup and generations.current().early_arrivals()
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
@@ -165,10 +165,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                 client.close()
                 client = SlabClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0,
                                     name_key=key)  # fmt: skip
-                self._resident_sched = ResidentScheduler(client, part, self.layout.block_size, s.claim_timeout_s,
+                self._resident_sched = ResidentSchedulerSide(client, part, self.layout.block_size, s.claim_timeout_s,
                                                          self.identity, load=s.load, save=s.save,
                                                          device=device)  # fmt: skip
-                arrivals.install()
+                self._resident_sched.generation.early_arrivals()
             else:
                 self._resident_worker = ResidentWorker(client, part, self.layout)
         except BaseException:
@@ -206,6 +206,12 @@ class KvpoolConnector(KVConnectorBase_V1):
         check_engine(descriptor.layout, self.layout, descriptor.model, names)
 
     # -- scheduler side ---------------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        """vLLM 0.30+ built its ``KVCacheManager``: in resident mode, it and its block pool become resident."""
+        super().bind_kv_cache_manager(kv_cache_manager)  # type: ignore[misc]
+        if self._resident_sched is not None:
+            self._resident_sched.adopt(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._resident_sched is not None:  # the pool's blocks are this engine's KV cache: nothing to load
@@ -286,6 +292,10 @@ class KvpoolConnector(KVConnectorBase_V1):
         return False, self._sched.finished(request.request_id)
 
     # -- worker side ------------------------------------------------------------------------------------
+
+    def get_mem_pool_context(self) -> Any:
+        """vLLM 0.31+: in resident mode, the KV cache is allocated in the arena."""
+        return self._resident_worker.mem_pool_context() if self._resident_worker is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._resident_worker is not None:

@@ -25,21 +25,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import statistics
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable, UnknownSession
 from kvpool.ids import BLOCK_MASK
 from kvpool.integrations.vllm import remote
+from kvpool.integrations.vllm.batcher import Batcher
+from kvpool.integrations.vllm.poolcalls import NO_HIT, Claim, Hit, ResidentPool, Write
+from kvpool.integrations.vllm.residentcounters import Handovers, ResidentCounters
+
+__all__ = ["Hit", "PoolGone", "Residency", "ResidentPool"]
 
 log = logging.getLogger("vllm.kvpool")
 
@@ -47,171 +50,8 @@ log = logging.getLogger("vllm.kvpool")
 LOST = (PoolUnavailable, UnknownSession)
 
 
-class ResidentPool(Protocol):
-    """What residency needs of a pool session: :class:`kvpool.client.PoolClient` with a slab."""
-
-    def alloc(self, num_blocks: int, device: int | None = None) -> list[int]: ...
-
-    def free(self, block_ids: Sequence[int]) -> int: ...
-
-    def commit(self, block_ids: Sequence[int], token_ids: Sequence[int], start: int = 0) -> Any: ...
-
-    def lookup(self, token_ids: Sequence[int]) -> Any: ...
-
-    def lookup_many(
-        self, prompts: Sequence[Sequence[int]], device: int | None = None, *, salts: Sequence[str | None] | None = None
-    ) -> list[Any]: ...
-
-    def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Any]: ...
-
-    def handoff_many(
-        self,
-        handoffs: Sequence[tuple[str, Sequence[int], int, dict[str, Any] | None]],
-        keep: bool = False,
-        sealed: bool = False,
-    ) -> list[Any]: ...
-
-    def commit_many(
-        self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], *, salts: Sequence[str | None] | None = None
-    ) -> list[Any]: ...
-
-
-@dataclass
-class Hit:
-    """What the pool answered for one request: fenced ids this engine's session now holds a ref on, and the tokens
-    they hold (a lookup's prefix, or a claimed handoff's full blocks)."""
-
-    ids: list[int]
-    num_tokens: int
-    meta: dict[str, Any] = field(default_factory=dict)
-    #: the engine's block for each id (distinct, inside its arena), worked out on the thread that read the answer
-    #: so that a handover does not; None: worked out at install
-    blocks: list[int] | None = None
-    #: the engine's own object for each of ``blocks`` (vLLM's ``KVCacheBlock``), looked up on that thread too
-    found: list[Any] | None = None
-    claimed: bool = False  # a parked handoff's blocks (the whole prompt's KV), not a lookup's prefix
-
-
-NO_HIT = Hit([], 0)
-
-T = TypeVar("T")
-R = TypeVar("R")
-
-
-class Batcher(Generic[T, R]):
-    """Calls of one kind that come while one is under way go together in the next, on a thread of their own: a
-    burst of 32 arrivals costs one round trip and one wait for the GIL (an engine's threads hold it while they
-    compute, so each return from a socket wait can cost a switch interval), where one call each cost 32."""
-
-    def __init__(self, name: str, run: Callable[[list[T]], list[R]], failed: Callable[[Exception], R]) -> None:
-        self._run = run
-        self._failed = failed
-        self._pending: list[tuple[T, Future[R]]] = []
-        self._lock = threading.Lock()
-        self._lane = ThreadPoolExecutor(1, thread_name_prefix=name)
-
-    def submit(self, item: T) -> Future[R]:
-        future: Future[R] = Future()
-        with self._lock:
-            self._pending.append((item, future))
-            first = len(self._pending) == 1
-        if first:  # else the batch it joined has not been sent yet
-            self._lane.submit(self._send)
-        return future
-
-    def _send(self) -> None:
-        with self._lock:
-            batch, self._pending = self._pending, []
-        if not batch:
-            return
-        try:
-            results = self._run([item for item, _ in batch])
-        except Exception as exc:  # every caller gets an answer, whatever happened to the call
-            results = [self._failed(exc)] * len(batch)
-        for (_, future), result in zip(batch, results, strict=True):
-            future.set_result(result)
-
-    def drain(self) -> None:
-        self._lane.submit(lambda: None).result()
-
-    def close(self) -> None:
-        self._lane.shutdown(wait=True)
-
-
 class PoolGone(KvpoolError):
     """The pool that owns this engine's KV memory stopped answering for it: the engine must not take new work."""
-
-
-@dataclass
-class ResidentCounters:
-    """What an engine's residency did, for its logs and the benchmark: nothing here counts a copy, since resident
-    mode makes none (``copied_blocks`` stays 0; the copy-mode connector counts its own)."""
-
-    installed_blocks: int = 0  # blocks a lookup or claim put into vLLM's prefix cache
-    installed_requests: int = 0
-    committed_blocks: int = 0  # blocks this engine computed and gave to the pool's prefix index
-    parked_requests: int = 0
-    left_to_pool: int = 0
-    left_to_slab: int = 0
-    refills: int = 0
-    foreign_handoffs: int = 0  # claims of prefills parked in another GPU's arena: released, the prompt computed
-    copied_blocks: int = 0
-
-
-@dataclass
-class Handovers:
-    """How long a decode engine's handovers took (microseconds, the latest ones).
-
-    ``taken_in_us`` is the handover itself: from the scheduler taking the request in to its blocks being usable
-    (its hit handed to vLLM), with any wait for the claim's answer. ``claim_us`` runs from the request's arrival in
-    the engine to the pool's answer; it overlaps the request's wait in the engine's queue, and it waits in the pool
-    if the prefill engine has not parked the request yet."""
-
-    claim_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    taken_in_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-    #: each wait of the scheduler for an answer (lookup or claim) not back when it would take the request in: a
-    #: step's brief wait, or a wait past it
-    wait_us: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
-
-    def summary(self) -> dict[str, int]:
-        out = {}
-        if self.wait_us:
-            out["answer_waits"] = len(self.wait_us)
-            out["answer_wait_p50_us"] = int(statistics.median(self.wait_us))
-            out["answer_wait_max_us"] = int(max(self.wait_us))
-        if self.taken_in_us:
-            out["handovers"] = len(self.taken_in_us)
-            out["handover_p50_us"] = int(statistics.median(self.taken_in_us))
-            out["handover_p99_us"] = int(sorted(self.taken_in_us)[int(0.99 * (len(self.taken_in_us) - 1))])
-        if self.claim_us:
-            out["handover_claim_from_arrival_p50_us"] = int(statistics.median(self.claim_us))
-        return out
-
-
-@dataclass
-class Claim:
-    """A decode engine's claim of the handoff ``key`` for a request, and what its answer must hold."""
-
-    req_id: str
-    key: str
-    arrived: float  # perf_counter at the request's arrival
-    num_tokens: int  # the prompt's
-    digest: str | None = None  # what the handoff's meta must say it holds (None: not checked)
-    parker: str | None = None  # the name of the session that must have parked it (None: not checked)
-    peer: str | None = None  # the peer pool it is parked in (None: this engine's own)
-
-
-@dataclass
-class Write:
-    """One thing the engine tells the pool (a release, a commit, a park), sent in order with those around it."""
-
-    kind: str
-    ids: list[int]
-    tokens: list[int] = field(default_factory=list)
-    start: int = 0
-    key: str = ""
-    meta: dict[str, Any] = field(default_factory=dict)
-    salt: str | None = None
 
 
 class Residency:

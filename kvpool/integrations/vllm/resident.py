@@ -7,8 +7,9 @@ one line. Where it can but a setting differs (block size, dtype, layers, heads, 
 to start and names the flag (:func:`check_geometry`).
 
 * The worker side maps the arena and makes vLLM's KV cache allocation return its layer regions
-  (:mod:`.kvmemory`), then checks what vLLM bound. It copies nothing, ever.
-* The scheduler side keeps the engine's blocks (:mod:`.residency`) under vLLM's own block pool (:mod:`.blockpool`):
+  (:mod:`.kvmemory` on vLLM 0.26, :mod:`.memory` from 0.29), then checks what vLLM bound. It copies nothing, ever.
+* The scheduler side keeps the engine's blocks (:mod:`.residency`) under vLLM's own block pool (:mod:`.blockpool`),
+  made resident the way this vLLM's generation allows (:mod:`.generations`):
   new blocks from the engine's slab, prefix hits and claimed handoffs installed into vLLM's prefix cache as arena
   blocks, a finished request's full blocks committed to the pool's index, and a prefill for another engine parked
   there by id. A decode engine recomputes the prompt's last partial block (and vLLM its last token, as always).
@@ -43,7 +44,7 @@ log = logging.getLogger("vllm.kvpool")
 #: in turn held a step for 10-16 ms
 ANSWER_WAIT_S = 0.002
 #: this process's resident scheduler sides: a worker in the same process checks their leases before each launch
-SCHEDULERS: weakref.WeakSet[ResidentScheduler] = weakref.WeakSet()
+SCHEDULERS: weakref.WeakSet[ResidentSchedulerSide] = weakref.WeakSet()
 
 
 def arena_on(descriptor: ArenaDescriptor, gpu_uuid: str | None) -> ArenaDescriptor | None:
@@ -71,32 +72,20 @@ def why_not(descriptor: ArenaDescriptor, gpu_uuid: str | None, kv_groups: int) -
         return f"this model has {kv_groups} KV cache groups (hybrid or sliding-window layers); resident mode holds one"
     missing = missing_hooks()
     if missing:
-        return f"this vLLM has no {missing} (resident mode knows vLLM 0.26's allocation points)"
+        return f"this vLLM has no {missing} as resident mode knows it"
     return None
 
 
 def missing_hooks() -> str | None:
-    """The first allocation point resident mode patches that this vLLM lacks."""
+    """The first private vLLM symbol resident mode relies on that this vLLM does not have as its generation names
+    it."""
     try:
-        from vllm.v1.core import block_pool, kv_cache_coordinator, kv_cache_manager
+        from kvpool.integrations.vllm import generations
+
+        moved = generations.drift(generations.current().SURFACE)
     except ImportError as exc:
         return str(exc)
-    if not hasattr(kv_cache_coordinator, "BlockPool"):
-        return "kv_cache_coordinator.BlockPool"
-    for name in ("get_computed_blocks", "allocate_slots"):
-        if not hasattr(kv_cache_manager.KVCacheManager, name):
-            return f"KVCacheManager.{name}"
-    for name in ("_insert_block_hash", "_remove_cached_block_hashes", "_emit_block_removed_events"):
-        if not hasattr(block_pool.BlockPool, name):
-            return f"BlockPool.{name}"
-    from kvpool.integrations.vllm import kvmemory
-
-    if not kvmemory.allocation_points():
-        return (
-            "KV cache allocation point kvpool knows (GPUModelRunner._allocate_kv_cache_tensors, attn_utils."
-            "_allocate_kv_cache)"
-        )
-    return None
+    return moved[0] if moved else None
 
 
 def check_geometry(descriptor: ArenaDescriptor, engine: KVLayout, engine_blocks: int) -> None:
@@ -110,13 +99,13 @@ def check_geometry(descriptor: ArenaDescriptor, engine: KVLayout, engine_blocks:
         raise LayoutMismatch(f"the engine's KV layout {engine} is not the pool's {descriptor.layout}")
 
 
-class ResidentScheduler:
+class ResidentSchedulerSide:
     """The scheduler side in resident mode: a :class:`Residency` under vLLM's block pool, fed at arrival."""
 
     def __init__(self, client: SlabClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
                  identity: EngineIdentity, load: bool = True, save: bool = True,
                  device: int | None = None) -> None:  # fmt: skip
-        from kvpool.integrations.vllm import blockpool
+        from kvpool.integrations.vllm import blockpool, generations
 
         slab = client.slab
         if slab is None:
@@ -139,13 +128,22 @@ class ResidentScheduler:
         self.since: dict[str, float] = {}
         self._wait_until: float | None = None  # the end of this step's wait for answers, once a request began it
         self.block_pool: Any = None
-        blockpool.install(self.residency, self._answer, self._bind, lambda request: request.request_id in self.later,
-                          self.reset)  # fmt: skip
+        self.generation = generations.current()
+        #: this engine's resident ``BlockPool`` class: vLLM 0.26 builds it, later ones' block pool becomes it
+        self.pool_class = blockpool.bound(self.residency, self._answer, self._bind,
+                                          lambda request: request.request_id in self.later, self.reset)  # fmt: skip
+        self.generation.start_scheduler(self.pool_class)
         slab.refill_ahead()  # the slab starts full, and its refill thread exists before the first burst
         SCHEDULERS.add(self)
 
     def _bind(self, block_pool: Any) -> None:
         self.block_pool = block_pool
+
+    def adopt(self, manager: Any) -> None:
+        """vLLM built its ``KVCacheManager``: make it and its block pool resident (no-op where they are)."""
+        from kvpool.integrations.vllm import blockpool
+
+        blockpool.adopt(manager, self.pool_class)
 
     # -- arrivals -----------------------------------------------------------------------------------------
 
@@ -267,9 +265,7 @@ class ResidentScheduler:
         self.residency.step()
 
     def close(self) -> None:
-        from kvpool.integrations.vllm import blockpool
-
-        blockpool.uninstall()
+        self.generation.stop_scheduler()
         self.residency.close()
         self.client.close()
 
@@ -280,13 +276,19 @@ class ResidentWorker:
     def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout) -> None:
         import torch
 
-        from kvpool.integrations.vllm import kvmemory
+        from kvpool.integrations.vllm import generations, kvmemory
 
         self.client = client
         device = descriptor.device.index if descriptor.arenas and descriptor.device is not None else None
         arena = client.arena(descriptor.layout, device=device)
         self.kv = kvmemory.ArenaKV(arena.raw.view(torch.int8), descriptor.layout, descriptor.num_blocks)
-        self.runners = kvmemory.install(self.kv, _layer_index)
+        self.generation = generations.current()
+        self.runners = self.generation.start_worker(self.kv, _layer_index)
+
+    def mem_pool_context(self) -> Any:
+        """Where vLLM 0.31+ allocates the KV cache: the arena (None: this vLLM allocates it elsewhere)."""
+        # TODO(h48m): attaching = whether another engine already serves from the arena (its KV must not be zeroed)
+        return self.generation.mem_pool_context(self.kv, attaching=True)
 
     def check(self) -> None:
         """Before each launch: raise ``PoolGone`` unless the blocks this step writes are still this engine's (the
@@ -301,7 +303,7 @@ class ResidentWorker:
     def register(self, kv_caches: dict[str, Any]) -> None:
         self.kv.check(kv_caches)
         log.info("kvpool: resident mode: vLLM's KV cache is the arena's %d layer regions (model runners patched: %s)",
-                 len(kv_caches), ", ".join(self.runners))  # fmt: skip
+                 len(kv_caches), ", ".join(self.runners) or "none, the memory pool context")  # fmt: skip
 
     def close(self) -> None:
         self.client.close()  # the mapping stays while the process lives: CUDA graphs hold its addresses

@@ -110,7 +110,8 @@ def check_engine(pool: KVLayout, engine: KVLayout, pool_model: str, engine_model
         )
 
 
-#: vLLM releases resident mode was proven on, on a GPU (tokens against vLLM's own cache): elsewhere copy mode
+#: vLLM releases resident mode was proven on, on a GPU (tokens against vLLM's own cache): elsewhere copy mode. The
+#: scheduler side runs on the CPU against 0.26, 0.29, 0.31 and 0.33 in CI (.ci/vllm-cpu); see docs/vllm.md
 RESIDENT_VLLM = ("0.26.",)
 #: speculative methods that add no KV layers of their own (a drafter model does)
 NO_DRAFT_KV = ("ngram", "suffix")
@@ -157,4 +158,6 @@ def why_not_resident(config: Any, vllm_version: str) -> str | None:
             'kv_role "kv_producer": vLLM then frees blocks a step may still write, and other engines could take '
             'them; use "kv_both"'
         )
-    return None
+    from kvpool.integrations.vllm import generations
+
+    return generations.of_version(vllm_version).why_not(config)
