@@ -223,7 +223,10 @@ class ArenaPool:
 
         self._callbacks = (_MALLOC(malloc), _FREE(free))
         self.allocator = _custom_allocator(*self._callbacks)
-        self.pool = torch.cuda.MemPool(self.allocator, no_split=True)
+        try:
+            self.pool = torch.cuda.MemPool(self.allocator, no_split=True)  # the segment past the KV is no one's
+        except TypeError:  # torch before 2.13 (vLLM 0.29+ pins 2.13+): nothing else allocates in the context
+            self.pool = torch.cuda.MemPool(self.allocator)
         _KEEP.append(self)
 
 
