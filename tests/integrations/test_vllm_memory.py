@@ -7,6 +7,7 @@ request gets the arena, the zero fill, the refusals) needs no vLLM.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from types import SimpleNamespace
 from typing import Any
@@ -97,7 +98,8 @@ class Spy(TorchFunctionMode):
         self.calls: list[str] = []
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        self.calls.append(getattr(func, "__name__", str(func)))
+        if func in (torch.zeros, torch.empty):
+            self.calls.append(func.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -111,6 +113,42 @@ def test_attaching_turns_only_the_kv_backing_s_zeros_into_empty() -> None:
     assert mode.turned == 1
     assert backing.numel() == 4096 and backing.dtype == torch.int8
     assert not other_size.any() and not other_dtype.any()
+
+
+# --- the context's books ------------------------------------------------------------------------------------------
+
+
+class BooksOnly:
+    """The pool without CUDA: the test plays torch's allocator by asking the handout itself."""
+
+    def __init__(self, handout: memory.Handout) -> None:
+        self.handout, self.error, self.pool = handout, None, None
+
+
+@pytest.fixture
+def no_cuda_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "ArenaPool", BooksOnly)
+    monkeypatch.setattr(memory, "_device_index", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "use_mem_pool", lambda pool, device=None: contextlib.nullcontext())
+
+
+def test_the_context_refuses_at_exit_unless_the_arena_became_the_backing_and_starts_afresh_each_time(
+    no_cuda_pool: None,
+) -> None:
+    kv = arena(layout())
+    n = memory.kv_bytes(kv)
+    ctx = memory.arena_context(kv, attaching=True)
+    spy = Spy()
+    with spy, ctx:
+        assert ctx.pool is not None and ctx.pool.handout.take(memory.segment_bytes(n), 0) == kv.raw.data_ptr()
+        torch.zeros(n, dtype=torch.int8)
+    assert spy.calls == ["empty"]  # attaching: the backing's zeros became empty
+    with ctx:  # vLLM enters it again (a second allocation): the arena is handed again, not "already taken"
+        assert ctx.pool is not None and ctx.pool.handout.take(memory.segment_bytes(n), 0) == kv.raw.data_ptr()
+    with pytest.raises(LayoutMismatch, match="did not fit the arena"), ctx:
+        assert ctx.pool is not None and ctx.pool.handout.take(n + 4 * MiB, 0) is None  # not the arena's size
+    with pytest.raises(ValueError, match="vLLM's own"), ctx:
+        raise ValueError("vLLM's own error is not masked by the arena's")
 
 
 # --- the plan ---------------------------------------------------------------------------------------------------

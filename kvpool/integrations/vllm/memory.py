@@ -265,22 +265,20 @@ class ArenaContext(AbstractContextManager[None]):
     def __init__(self, arena: ArenaLike, attaching: bool) -> None:
         self.arena = arena
         self.attaching = attaching
-        self.handout = Handout(
-            arena.raw.data_ptr(),
-            _device_index(arena.raw.device),
-            kv_bytes(arena),
-            arena.raw.numel() * arena.raw.element_size(),
-        )
-        self.zeros = ZerosAsEmpty(self.handout.kv_bytes)
         self._stack: ExitStack | None = None
         self.pool: ArenaPool | None = None
+        self.handout: Handout | None = None
 
     def __enter__(self) -> None:
-        stack = ExitStack()
+        raw = self.arena.raw
+        mapped = raw.numel() * raw.element_size()
+        self.handout = Handout(raw.data_ptr(), _device_index(raw.device), kv_bytes(self.arena), mapped)
         if self.handout.mapped < self.handout.kv_bytes:
             raise LayoutMismatch(
                 f"the arena maps {self.handout.mapped} bytes, less than its KV span {self.handout.kv_bytes}"
             )
+        self.zeros = ZerosAsEmpty(self.handout.kv_bytes)
+        stack = ExitStack()
         self.pool = ArenaPool(self.handout)
         stack.enter_context(torch.cuda.use_mem_pool(self.pool.pool, device=self.arena.raw.device))
         if self.attaching:
@@ -293,6 +291,7 @@ class ArenaContext(AbstractContextManager[None]):
             stack.close()
         if kind is not None:
             return
+        assert self.handout is not None
         why = (self.pool.error if self.pool is not None else None) or self.handout.missed()
         if why is not None:
             raise LayoutMismatch(f"kvpool: {why}")
