@@ -313,3 +313,17 @@ def test_the_backport_is_installed_only_where_vllm_s_worker_lacks_the_hook(monke
     finally:
         memory.uninstall_backport()
     assert Worker._maybe_get_memory_pool_context is original and memory.installed() == []
+
+
+def test_kv_placement_reports_each_cache_s_offset_into_the_mapped_arena(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool import arena as arenas
+
+    lay = layout()
+    kv = arena(lay)
+    monkeypatch.setattr(arenas, "_mapped", {("epoch", "handle"): SimpleNamespace(raw=kv.raw, closed=False)})
+    outside = torch.zeros(16, dtype=torch.int8)
+    worker = SimpleNamespace(model_runner=SimpleNamespace(kv_caches=[kv.layer(2), kv.layer(0), outside]))
+    where = memory.kv_placement(worker)
+    size = lay.layer_region(BLOCKS, 1)[1]
+    assert where["offsets"] == [2 * size, 0, None]
+    assert where["replaced"] == memory.installed()

@@ -373,3 +373,22 @@ def installed() -> list[str]:
         return []
     replaced = getattr(Worker._maybe_get_memory_pool_context, _WRAPPED, None) is not None
     return ["vllm.v1.worker.gpu_worker.Worker._maybe_get_memory_pool_context"] if replaced else []
+
+
+def kv_placement(worker: Any) -> dict[str, Any]:
+    """Where this worker's KV caches are: each one's byte offset into the pool arena this process mapped that holds
+    it (None: outside every arena), and the vLLM attributes replaced. Ask an engine with
+    ``LLM.collective_rpc(kv_placement)``; a resident engine answers its layer regions' offsets and, on vLLM 0.31+,
+    no attribute."""
+    from kvpool import arena as arenas
+
+    spans = [
+        (a.raw.data_ptr(), a.raw.numel() * a.raw.element_size()) for a in list(arenas._mapped.values()) if not a.closed
+    ]
+    caches = getattr(worker.model_runner, "kv_caches", None) or []
+    offsets: list[int | None] = []
+    for cache in caches:
+        for tensor in cache if isinstance(cache, (list, tuple)) else [cache]:
+            ptr = tensor.data_ptr()
+            offsets.append(next((ptr - base for base, size in spans if base <= ptr < base + size), None))
+    return {"offsets": offsets, "replaced": installed()}
