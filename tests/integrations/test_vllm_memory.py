@@ -157,6 +157,17 @@ def test_the_context_refuses_at_exit_unless_the_arena_became_the_backing_and_sta
 def test_the_default_plan_of_a_model_shaped_like_the_arena_passes() -> None:
     lay = layout()
     memory.check_plan(arena(lay), config(tensor(lay)), layer_index, "LBNHC")
+    memory.check_plan(arena(lay), SimpleNamespace(**vars(config(tensor(lay))), kv_cache_layout="LBNHC"), layer_index)
+
+
+def test_the_plan_s_own_layout_is_checked_and_an_unresolved_one_refused() -> None:
+    lay = layout()
+    with pytest.raises(LayoutMismatch, match="as LBHNC"):
+        memory.check_plan(
+            arena(lay), SimpleNamespace(**vars(config(tensor(lay))), kv_cache_layout="LBHNC"), layer_index
+        )
+    with pytest.raises(LayoutMismatch, match="unresolved"):
+        memory.check_plan(arena(lay), config(tensor(lay)), layer_index)
 
 
 @pytest.mark.parametrize(

@@ -95,11 +95,14 @@ def segment_bytes(nbytes: int) -> int:
     return -(-size // _ROUND_LARGE) * _ROUND_LARGE
 
 
-def check_plan(arena: ArenaLike, kv_cache_config: Any, layer_index: Callable[[str], int], layout: str) -> None:
-    """Refuse, naming the setting, a vLLM KV plan (its ``KVCacheConfig`` and resolved layout name) whose views of
-    the one backing would not be the arena's layer regions. The connector calls it when it is built (it gets the
-    ``KVCacheConfig``), before the worker allocates."""
+def check_plan(
+    arena: ArenaLike, kv_cache_config: Any, layer_index: Callable[[str], int], layout: str | None = None
+) -> None:
+    """Refuse, naming the setting, a vLLM KV plan (its ``KVCacheConfig``, and the physical layout's name, by default
+    the one the engine core resolved into it) whose views of the one backing would not be the arena's layer regions.
+    The connector's worker side calls it when it is built (it gets the ``KVCacheConfig``), before vLLM allocates."""
     lay = arena.layout
+    layout = layout or getattr(kv_cache_config, "kv_cache_layout", None) or "an unresolved layout"
     if layout != LAYOUT:
         raise LayoutMismatch(
             f"vLLM lays this engine's KV cache out as {layout}; the arena is kv_packed, vLLM's {LAYOUT}: unset "
