@@ -307,9 +307,10 @@ class ArenaContext(AbstractContextManager[None]):
 def arena_context(arena: ArenaLike, attaching: bool) -> ArenaContext:
     """The context the connector's ``get_mem_pool_context()`` returns (vLLM 0.31+, or 0.29-0.30 through
     :func:`install_backport`): inside it, vLLM's one KV backing allocation is the arena. ``attaching``: True while
-    any other engine may hold KV in this arena (the safe answer whenever the connector cannot tell); only the first
-    engine on a fresh arena may pass False, and then vLLM zeroes the arena as it zeroes its own cache. Call
-    :func:`check_plan` first, and :func:`check_bound` in ``register_kv_caches``."""
+    any other engine may hold KV in this arena. The pool zeroes a GPU arena when it creates it, so True is always
+    right, and race-free where two engines start together; False (vLLM zeroes the arena, as it zeroes its own cache)
+    only for the first engine on a fresh arena. Call :func:`check_plan` first (the connector's worker side, when it
+    is built), :func:`install_backport` there too, and :func:`check_bound` in ``register_kv_caches``."""
     return ArenaContext(arena, attaching)
 
 
