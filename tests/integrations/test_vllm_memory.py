@@ -72,7 +72,6 @@ def test_the_arena_goes_once_to_the_kv_backing_on_its_device_and_to_nothing_else
     assert h.missed() is not None
     assert h.take(12 * MiB, 1) == 0x7000  # the segment torch asks for the KV backing
     assert h.take(12 * MiB, 1) is None  # never twice
-    assert h.owns(0x7000) and not h.owns(0x8000)
     assert h.missed() is None
 
 

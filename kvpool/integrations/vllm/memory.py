@@ -56,14 +56,9 @@ _WRAPPED = "_kvpool_memory"
 #: what the caching allocator asks a pool's allocator for, torch 2.13-2.14 (``CUDACachingAllocator.cpp``
 #: ``round_size`` and ``get_allocation_size``): the request rounded up to 512 bytes, then to a 2 MiB segment above
 #: 1 MiB and 10 MiB, or the fixed 2 MiB / 20 MiB buffers below
-_MIN_BLOCK, _SMALL, _SMALL_BUFFER, _LARGE_BUFFER, _MIN_LARGE, _ROUND_LARGE = (
-    512,
-    1 << 20,
-    2 << 20,
-    20 << 20,
-    10 << 20,
-    2 << 20,
-)
+_MIN_BLOCK, _ROUND_LARGE = 512, 2 << 20
+_SMALL, _MIN_LARGE = 1 << 20, 10 << 20
+_SMALL_BUFFER, _LARGE_BUFFER = 2 << 20, 20 << 20
 #: the CUDA callbacks and pools handed to torch: C++ holds their addresses for the life of the process
 _KEEP: list[Any] = []
 
@@ -114,11 +109,11 @@ def check_plan(
             f"this engine has {kv_cache_config.num_blocks} KV blocks, the pool's arena {arena.num_blocks}: start "
             f"vLLM with --num-gpu-blocks-override {arena.num_blocks}"
         )
-    tensors = [t for t in kv_cache_config.kv_cache_tensors if not getattr(t, "host_resident", False)]
-    if len(tensors) != 1 or len(tensors) != len(kv_cache_config.kv_cache_tensors):
+    tensors = kv_cache_config.kv_cache_tensors
+    if len(tensors) != 1 or getattr(tensors[0], "host_resident", False):
         raise LayoutMismatch(
-            f"this model's KV cache has {len(kv_cache_config.kv_cache_tensors)} placements (layers of several "
-            "shapes, hybrid or host-resident groups); resident mode holds one: use the connector's copy mode"
+            f"this model's KV cache has {len(tensors)} placements (layers of several shapes, hybrid or "
+            "host-resident groups); resident mode holds one on the GPU: use the connector's copy mode"
         )
     (tensor,) = tensors
     page = lay.block_nbytes // lay.num_layers
@@ -165,9 +160,6 @@ class Handout:
         self.others.append(size)
         return None
 
-    def owns(self, ptr: int) -> bool:
-        return self.handed and ptr == self.base
-
     def missed(self) -> str | None:
         """Why the arena did not become vLLM's KV backing (None: it did)."""
         if self.handed:
@@ -196,8 +188,9 @@ def _custom_allocator(malloc: Any, free: Any) -> Any:
 
 class ArenaPool:
     """A ``torch.cuda.MemPool`` whose allocator serves the KV backing from the arena (:class:`Handout`) and anything
-    else with ``cudaMalloc``; freeing the arena is a no-op. The callbacks run inside torch's allocator: they never
-    raise (an exception would come back to C++ as a null pointer) and keep what went wrong for the context's exit."""
+    else with ``cudaMalloc``; freeing the arena is a no-op. The callbacks run inside torch's allocator, under its
+    lock, and take the GIL: they never raise (an exception would come back to C++ as a null pointer), keep what went
+    wrong for the context's exit, and run only while vLLM's worker allocates its KV cache, before it serves."""
 
     def __init__(self, handout: Handout) -> None:
         from kvpool import cuda
