@@ -337,3 +337,15 @@ def test_kv_placement_reports_each_cache_s_offset_into_the_mapped_arena(monkeypa
     size = lay.layer_region(BLOCKS, 1)[1]
     assert where["offsets"] == [2 * size, 0, None]
     assert where["replaced"] == memory.installed()
+
+
+def test_every_name_the_memory_side_relies_on_is_in_this_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The drift test of the memory side: it fails on a vLLM wheel (0.29+) that moved one of them."""
+    vllm = pytest.importorskip("vllm")
+    if tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 29):
+        pytest.skip("this vLLM allocates per layer (before 0.29): kvmemory.py's path")
+    assert memory.missing() == []
+    from vllm.v1.worker import utils
+
+    monkeypatch.delattr(utils, "allocate_kv_cache")  # as a release that moved it would
+    assert memory.missing() == ["vllm.v1.worker.utils.allocate_kv_cache"]

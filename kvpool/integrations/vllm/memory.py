@@ -311,6 +311,46 @@ def _device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+def missing() -> list[str]:
+    """The vLLM and torch names this module relies on that this install lacks (empty: the memory side can make vLLM's
+    KV the arena). The vLLM ones move between releases: the drift test runs this against each supported wheel."""
+    import importlib
+
+    need = [
+        ("vllm.v1.worker.utils", "allocate_kv_cache"),
+        ("vllm.v1.kv_cache_layout", "KVCacheLayout"),
+        ("vllm.v1.kv_cache_interface", "KVCacheTensor"),
+        ("vllm.distributed.kv_transfer", "get_kv_transfer_group"),
+        ("vllm.distributed.kv_transfer", "has_kv_transfer_group"),
+    ]
+    gone = []
+    for module, name in need:
+        try:
+            if not hasattr(importlib.import_module(module), name):
+                gone.append(f"{module}.{name}")
+        except ImportError:
+            gone.append(f"{module}.{name}")
+    if not gone and LAYOUT not in importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout.__members__:
+        gone.append(f"vllm.v1.kv_cache_layout.KVCacheLayout.{LAYOUT}")
+    if not gone and not has_hook():
+        from vllm.v1.worker.gpu_worker import Worker
+
+        if not hasattr(Worker, "_maybe_get_memory_pool_context"):
+            gone.append("vllm.v1.worker.gpu_worker.Worker._maybe_get_memory_pool_context")
+    if torch.cuda.is_available():
+        gone += [f"torch.{n}" for n in ("_C._cuda_customAllocator", "cuda.MemPool", "cuda.use_mem_pool") if not _has(n)]
+    return gone
+
+
+def _has(dotted: str) -> bool:
+    obj: Any = torch
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
 def has_hook() -> bool:
     """Whether this vLLM's worker asks the connector for the KV allocation context (0.31 and later)."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
