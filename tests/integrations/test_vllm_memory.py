@@ -17,7 +17,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from kvpool.errors import LayoutMismatch
-from kvpool.integrations.vllm import memory
+from kvpool.integrations.vllm import arenapool, memory
 from kvpool.integrations.vllm.kvmemory import ArenaKV
 from kvpool.layout import KVLayout
 
@@ -53,41 +53,6 @@ def config(*tensors: SimpleNamespace, num_blocks: int = BLOCKS) -> SimpleNamespa
     return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=list(tensors))
 
 
-# --- which allocation gets the arena -------------------------------------------------------------------------------
-
-
-def test_segment_bytes_is_what_torch_s_caching_allocator_asks_a_pool_for() -> None:
-    assert memory.segment_bytes(1) == 2 * MiB
-    assert memory.segment_bytes(MiB) == 2 * MiB
-    assert memory.segment_bytes(MiB + 1) == 20 * MiB
-    assert memory.segment_bytes(10 * MiB) == 10 * MiB
-    assert memory.segment_bytes(10 * MiB + 1) == 12 * MiB
-
-
-def test_the_arena_goes_once_to_the_kv_backing_on_its_device_and_to_nothing_else() -> None:
-    kv = 11 * MiB + 300
-    h = memory.Handout(base=0x7000, device=1, kv_bytes=kv, mapped=12 * MiB)
-    assert h.take(2 * MiB, 1) is None  # a small tensor allocated in the context
-    assert h.take(12 * MiB, 0) is None  # the right size on another device
-    assert h.missed() is not None
-    assert h.take(12 * MiB, 1) == 0x7000  # the segment torch asks for the KV backing
-    assert h.take(12 * MiB, 1) is None  # never twice
-    assert h.missed() is None
-
-
-def test_a_kv_backing_larger_than_the_arena_s_span_is_not_given_the_arena_and_the_miss_says_why() -> None:
-    kv = 11 * MiB + 300
-    h = memory.Handout(base=0x7000, device=0, kv_bytes=kv, mapped=12 * MiB)
-    assert h.take(14 * MiB, 0) is None  # an engine with more blocks than the arena
-    why = h.missed()
-    assert why is not None and str(14 * MiB) in why and "--num-gpu-blocks-override" in why
-
-
-def test_a_small_arena_takes_torch_s_fixed_segment() -> None:
-    h = memory.Handout(base=0x7000, device=0, kv_bytes=3 * MiB, mapped=4 * MiB)
-    assert h.take(20 * MiB, 0) == 0x7000  # below 10 MiB torch asks for a 20 MiB segment; the pool never splits it
-
-
 # --- the zero fill ----------------------------------------------------------------------------------------------
 
 
@@ -120,7 +85,7 @@ def test_attaching_turns_only_the_kv_backing_s_zeros_into_empty() -> None:
 class BooksOnly:
     """The pool without CUDA: the test plays torch's allocator by asking the handout itself."""
 
-    def __init__(self, handout: memory.Handout) -> None:
+    def __init__(self, handout: arenapool.Handout) -> None:
         self.handout, self.error, self.pool = handout, None, None
 
 
@@ -139,11 +104,11 @@ def test_the_context_refuses_at_exit_unless_the_arena_became_the_backing_and_sta
     ctx = memory.arena_context(kv, attaching=True)
     spy = Spy()
     with spy, ctx:
-        assert ctx.pool is not None and ctx.pool.handout.take(memory.segment_bytes(n), 0) == kv.raw.data_ptr()
+        assert ctx.pool is not None and ctx.pool.handout.take(arenapool.segment_bytes(n), 0) == kv.raw.data_ptr()
         torch.zeros(n, dtype=torch.int8)
     assert spy.calls == ["empty"]  # attaching: the backing's zeros became empty
     with ctx:  # vLLM enters it again (a second allocation): the arena is handed again, not "already taken"
-        assert ctx.pool is not None and ctx.pool.handout.take(memory.segment_bytes(n), 0) == kv.raw.data_ptr()
+        assert ctx.pool is not None and ctx.pool.handout.take(arenapool.segment_bytes(n), 0) == kv.raw.data_ptr()
     with pytest.raises(LayoutMismatch, match="did not fit the arena"), ctx:
         assert ctx.pool is not None and ctx.pool.handout.take(n + 4 * MiB, 0) is None  # not the arena's size
     with pytest.raises(ValueError, match="vLLM's own"), ctx:
