@@ -246,6 +246,19 @@ def test_vllm_s_views_of_its_one_backing_are_the_arena_s_layer_regions(
     assert kv.raw[BLOCKS * lay.block_nbytes :].eq(0).all(), "vLLM's views reach past the arena's KV span"
 
 
+def test_vllm_s_own_zeros_of_the_backing_is_what_attaching_turns_into_empty() -> None:
+    lay = layout()
+    kv = arena(lay)
+    plan, _ = vllm_views(kv.raw, lay, "LBNHC", None)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    spy = Spy()
+    with spy, memory.ZerosAsEmpty(memory.kv_bytes(kv)) as mode:
+        allocate_kv_cache(plan, torch.device("cpu"), KVCacheLayout.LBNHC, None)
+    assert mode.turned == 1 and spy.calls == ["empty"]
+
+
 @pytest.mark.parametrize("vllm_layout", ["LBHNC", "LHBNC", "BLNHC", "BLHNC", "BHLNC"])
 def test_every_other_vllm_layout_is_refused_by_the_plan_and_by_the_bound_check(vllm_layout: str) -> None:
     lay = layout()
