@@ -327,3 +327,43 @@ def test_every_name_the_memory_side_relies_on_is_in_this_vllm(monkeypatch: pytes
 
     monkeypatch.delattr(utils, "allocate_kv_cache")  # as a release that moved it would
     assert memory.missing() == ["vllm.v1.worker.utils.allocate_kv_cache"]
+
+
+def test_vllm_s_own_worker_allocates_the_kv_inside_the_connector_s_context(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's ``Worker.initialize_from_config`` hands the model runner the connector's ``get_mem_pool_context()`` as
+    its KV allocation context: by its own hook on 0.31+, through the backport on 0.29-0.30 (and not without it)."""
+    vllm = pytest.importorskip("vllm")
+    if tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 29):
+        pytest.skip("this vLLM allocates per layer (before 0.29): kvmemory.py's path")
+    from vllm.distributed import kv_transfer
+    from vllm.v1.worker import gpu_worker
+
+    ours = contextlib.nullcontext("the arena's")
+    connector = SimpleNamespace(get_mem_pool_context=lambda: ours)
+    for module in (gpu_worker, kv_transfer):
+        monkeypatch.setattr(module, "has_kv_transfer_group", lambda: True)
+        monkeypatch.setattr(module, "get_kv_transfer_group", lambda: connector)
+        monkeypatch.setattr(module, "ensure_kv_transfer_initialized", lambda *args, **kw: None)
+    vllms = contextlib.nullcontext("vLLM's")
+    monkeypatch.setattr(gpu_worker.Worker, "_maybe_get_memory_pool_context", lambda worker, tag: vllms)
+
+    def allocation_context() -> Any:
+        got: dict[str, Any] = {}
+        worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
+        worker.cache_config, worker.vllm_config = SimpleNamespace(), SimpleNamespace()
+        worker.model_config = SimpleNamespace(enable_return_routed_experts=False)
+        worker.model_runner = SimpleNamespace(initialize_kv_cache=lambda config, **kw: got.update(kw))
+        plan = SimpleNamespace(
+            num_blocks=BLOCKS, kv_cache_layout=None, hash_block_size=16, cache_hit_alignment_tokens=16,
+            needs_kv_cache_zeroing=False,
+        )  # fmt: skip
+        gpu_worker.Worker.initialize_from_config(worker, plan)
+        return got["kv_cache_allocation_context"]
+
+    if not memory.has_hook():
+        assert allocation_context() is vllms  # 0.29-0.30 on their own: the connector is not asked
+    try:
+        memory.install_backport()
+        assert allocation_context() is ours
+    finally:
+        memory.uninstall_backport()
