@@ -162,6 +162,7 @@ class ArenaContext(AbstractContextManager[None]):
         self._stack: ExitStack | None = None
         self.pool: ArenaPool | None = None
         self.handout: Handout | None = None
+        self.zeros: ZerosAsEmpty | None = None
 
     def __enter__(self) -> None:
         raw = self.arena.raw
@@ -169,7 +170,8 @@ class ArenaContext(AbstractContextManager[None]):
         self.handout = Handout(raw.data_ptr(), _device_index(raw.device), kv_bytes(self.arena), mapped)
         if self.handout.mapped < self.handout.kv_bytes:
             raise LayoutMismatch(
-                f"the arena maps {self.handout.mapped} bytes, less than its KV span {self.handout.kv_bytes}"
+                f"the arena maps {self.handout.mapped} bytes, less than its KV span {self.handout.kv_bytes}: this "
+                "engine mapped another pool's arena than the one it asked the layout of; restart the engine"
             )
         self.zeros = ZerosAsEmpty(self.handout.kv_bytes)
         stack = ExitStack()
