@@ -82,18 +82,21 @@ class ArenaKV:
                 "runner kvpool does not know, or the cross-layer layout): use the kvpool connector's copy mode"
             )
         lay = self.layout
-        want = (
-            lay.block_size * lay.num_kv_heads * 2 * lay.head_dim,
-            2 * lay.head_dim,
-            lay.num_kv_heads * 2 * lay.head_dim,
-            1,
-        )
         for name, cache in kv_caches.items():
             index = self.handed.get(name)
             if index is None:
                 raise LayoutMismatch(f"vLLM bound a KV cache for {name} that kvpool did not give it")
             start = self.layer(index).data_ptr()
-            shape = (self.num_blocks, lay.num_kv_heads, lay.block_size, 2 * lay.head_dim)
+            # a backend that splits a block into kernel blocks (vLLM 0.29+) views the same bytes, r rows a block
+            split = max(1, cache.shape[0] // self.num_blocks) if cache.dim() == 4 else 1
+            tokens = lay.block_size // split
+            shape = (self.num_blocks * split, lay.num_kv_heads, tokens, 2 * lay.head_dim)
+            want = (
+                tokens * lay.num_kv_heads * 2 * lay.head_dim,
+                2 * lay.head_dim,
+                lay.num_kv_heads * 2 * lay.head_dim,
+                1,
+            )
             if cache.data_ptr() != start or tuple(cache.shape) != shape or tuple(cache.stride()) != want:
                 raise LayoutMismatch(
                     f"vLLM's KV cache of {name} is not the arena's layer {index} as kv_packed lays it out (shape "
