@@ -286,8 +286,9 @@ class ResidentWorker:
         self.runners = self.generation.start_worker(self.kv, _layer_index)
 
     def mem_pool_context(self) -> Any:
-        """Where vLLM 0.31+ allocates the KV cache: the arena (None: this vLLM allocates it elsewhere)."""
-        # TODO(h48m): attaching = whether another engine already serves from the arena (its KV must not be zeroed)
+        """Where vLLM 0.31+ allocates the KV cache: the arena (None: this vLLM allocates it elsewhere). Always as an
+        engine attaching to a live arena (vLLM's zero fill skipped): the pool zeroed the arena when it made it, and
+        another engine may already serve from it."""
         return self.generation.mem_pool_context(self.kv, attaching=True)
 
     def check(self) -> None:
@@ -301,7 +302,12 @@ class ResidentWorker:
             raise PoolGone(f"kvpool: this engine's pool session lapsed ({why}); it launches nothing more. Restart it")
 
     def register(self, kv_caches: dict[str, Any]) -> None:
-        self.kv.check(kv_caches)
+        if self.runners:  # vLLM 0.26: the patched runners recorded which arena layer each of vLLM's layers took
+            self.kv.check(kv_caches)
+        else:
+            from kvpool.integrations.vllm import memory
+
+            memory.check_bound(self.kv, kv_caches, _layer_index)
         log.info("kvpool: resident mode: vLLM's KV cache is the arena's %d layer regions (model runners patched: %s)",
                  len(kv_caches), ", ".join(self.runners) or "none, the memory pool context")  # fmt: skip
 

@@ -55,10 +55,6 @@ def start_worker(kv: Any, layer_index: Any) -> list[str]:
 
 def mem_pool_context(kv: Any, attaching: bool) -> AbstractContextManager[Any] | None:
     """The arena as the memory vLLM allocates its KV cache from, zeroing it only where no engine serves from it."""
-    try:
-        from kvpool.integrations.vllm import memory  # type: ignore[attr-defined]
-    except ImportError as exc:  # TODO(h48m): memory.arena_context lands with the worker side
-        raise NotImplementedError(
-            "kvpool: resident mode's worker side on vLLM 0.31+ needs kvpool's memory module"
-        ) from exc
-    return memory.arena_context(kv, None, attaching)
+    from kvpool.integrations.vllm import memory
+
+    return memory.arena_context(kv, attaching)
