@@ -136,6 +136,7 @@ class ControlPlane:
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
             peer_copy=peer_copy,
             quarantine=Quarantine(ProcTable(), s.lapsed_sessions),
+            pins=s.pins,
         )
         self.slabs = open_slab_table(s, self._pool)
         if self.slabs is not None:

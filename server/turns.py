@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
-import socket
-import struct
 from collections import deque
 from typing import Any
 
-PEERCRED = struct.Struct("3i")
+from kvpool.server.processes import peer_of
+
 #: the longest a turn waits between two requests of a peer, however long the first was held
 MAX_GAP_S = 0.01
 
@@ -84,20 +82,6 @@ class Turns:
 
 
 def peer_key(transport: asyncio.BaseTransport) -> str:
-    """Who is on the other end, as the kernel says: a Unix socket's user, a TCP address (loopback as one)."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family == socket.AF_UNIX:
-        try:
-            _pid, uid, _gid = PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, PEERCRED.size))
-        except OSError:
-            return "unix"
-        return f"uid {uid}"
-    peername = transport.get_extra_info("peername")
-    host = peername[0] if isinstance(peername, tuple) and peername else ""
-    try:
-        addr = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return "loopback" if addr.is_loopback else str(addr)
+    """Who is on the other end, as the kernel says: its share (:attr:`kvpool.server.processes.Peer.share`)."""
+    peer = peer_of(transport.get_extra_info("socket"), transport.get_extra_info("peername"))
+    return peer.share if peer is not None else "unknown"
