@@ -320,7 +320,8 @@ class ControlPlane:
         ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
         assert ids is not None  # the books checked them: fenced ids fit in int64
         addressee.deliveries += 1
-        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries)
+        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries,
+                                   parked_by=h.parked_by)  # fmt: skip
         seal = seal_delivery(addressee.inbox_key, datagram)
         self._outbox = self._outbox or Outbox()
         self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))
