@@ -23,6 +23,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
+from kvpool.server.processes import Peer
 from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
 
 
@@ -50,6 +51,7 @@ class Parking:
     # provided by the pool's session half
     session: Callable[[str], Session]
     named: Callable[[str], Session]
+    share_of: Callable[[Peer | None], str | None]
     exceeded: Callable[[str, str], KvpoolError]
     limits_exceeded: Counter[str]
     _live: Callable[[str], Session | None]
@@ -112,7 +114,7 @@ class Parking:
                 )
             if len(self.handoffs) >= limits.max_handoffs:
                 raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
-            share = session.peer.share if session.peer is not None else None
+            share = self.share_of(session.peer)
             if share is not None and self._handoffs_of[share] >= limits.max_handoffs_per_peer:
                 raise self.exceeded("max_handoffs_per_peer", f"{share} has {self._handoffs_of[share]} handoffs parked")
             mine = self._parked_by.get(session_id, ())

@@ -8,6 +8,7 @@ status.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from array import array
 from pathlib import Path
@@ -137,6 +138,7 @@ class ControlPlane:
             peer_copy=peer_copy,
             quarantine=Quarantine(ProcTable(), s.lapsed_sessions),
             pins=s.pins,
+            own_uid=os.getuid(),
         )
         self.slabs = open_slab_table(s, self._pool)
         if self.slabs is not None:

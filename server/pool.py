@@ -85,6 +85,9 @@ class Pool(Parking, PoolStats):
     quarantine: Quarantine | None = None
     #: names the operator pinned to a Unix user (``--names``): name, or a prefix ending in ``*``, -> uid
     pins: dict[str, int] = field(default_factory=dict)
+    #: the pool's own user: its processes could stop the pool itself, so they take no per-peer share (the compose
+    #: deployment runs every container as it); None: every peer has its share (tests)
+    own_uid: int | None = None
 
     def __post_init__(self) -> None:
         self.paused_s = 0.0  # how long the pool did not run, all pauses together
@@ -174,7 +177,7 @@ class Pool(Parking, PoolStats):
         self.layout.require(layout)
         if len(self.sessions) >= self.limits.max_sessions:
             raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
-        share = peer.share if peer is not None else None
+        share = self.share_of(peer)
         if share is not None and self._sessions_of[share] >= self.limits.max_sessions_per_peer:
             raise self.exceeded("max_sessions_per_peer", f"{share} has {self._sessions_of[share]} sessions open")
         digest = self._name_digest(name, name_key, peer)
@@ -188,7 +191,7 @@ class Pool(Parking, PoolStats):
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
         if digest is not None:
-            self._keep_name(name, digest, share)
+            self._keep_name(name, digest, peer.share if peer is not None else None)
         self.counters.sessions_opened += 1
         return session
 
@@ -215,6 +218,12 @@ class Pool(Parking, PoolStats):
                 "(PoolClient name_key=, KVPOOL_NAME_KEY), or under another name"
             )
         return digest
+
+    def share_of(self, peer: Peer | None) -> str | None:
+        """Whose per-peer bounds a session of ``peer`` counts against; None: the pool-wide bounds only."""
+        if peer is None or (peer.address is None and peer.uid == self.own_uid):
+            return None
+        return peer.share
 
     def pinned(self, name: str) -> int | None:
         """The uid the operator pinned ``name`` to, if any (a pin ending in ``*`` covers every name it starts)."""
@@ -552,10 +561,11 @@ class Pool(Parking, PoolStats):
         The refusal is kept, so a claim of one (by a restarted consumer, or its producer asking) says why.
         """
         sid = session.session_id
-        if session.peer is not None:
-            self._sessions_of[session.peer.share] -= 1
-            if not self._sessions_of[session.peer.share]:
-                del self._sessions_of[session.peer.share]
+        share = self.share_of(session.peer)
+        if share is not None:
+            self._sessions_of[share] -= 1
+            if not self._sessions_of[share]:
+                del self._sessions_of[share]
         named = self._by_name.get(session.name)
         if named is not None:
             named.pop(sid, None)

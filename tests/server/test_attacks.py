@@ -805,29 +805,30 @@ def test_a_socket_of_ours_in_a_private_directory_passes(pool_server: PoolProcess
 
 def test_one_peer_s_kept_handoffs_leave_the_others_their_share(tmp_path: Path) -> None:
     """Finding 6: kept handoffs over one block, addressed to the attacker's own idle sessions, fill the attacker's
-    share of --max-handoffs (and its sessions its share of --max-sessions), never the pool's: a producer of another
-    peer (here: over TCP, where the attacker came over the Unix socket) still parks."""
+    share of --max-handoffs (and its sessions its share of --max-sessions), never the pool's: the workers (here the
+    pool's own user on the Unix socket, where the attacker came over TCP) still open sessions and park."""
     pool = start_pool(*SMALL_POOL, "--max-handoffs", "64", "--max-handoffs-per-peer", "16", "--max-sessions", "16",
                       "--max-sessions-per-peer", "4")  # fmt: skip
     try:
         with (
-            PoolClient(pool.url, name="attacker") as attacker,
-            PoolClient(pool.url, name="idle-1"),
-            PoolClient(pool.url, name="idle-2"),
+            PoolClient(pool.tcp_url, name="attacker") as attacker,
+            PoolClient(pool.tcp_url, name="idle-1"),
+            PoolClient(pool.tcp_url, name="idle-2"),
+            pool.http() as http,
         ):
-            with http_client(pool.url, None, 10.0) as http:  # the Unix socket, as the attacker's other sessions
-                r = http.post("/sessions", json={"name": "idle-3"})
-                assert r.status_code == 200
-                r = http.post("/sessions", json={"name": "idle-4"})
-                assert r.status_code == 429 and "KVPOOL_MAX_SESSIONS_PER_PEER" in r.json()["detail"], r.text
+            assert http.post("/sessions", json={"name": "idle-3"}).status_code == 200
+            r = http.post("/sessions", json={"name": "idle-4"})
+            assert r.status_code == 429 and "KVPOOL_MAX_SESSIONS_PER_PEER" in r.json()["detail"], r.text
             block = attacker.alloc(1)
             attacker.commit(block, list(range(4)))
             for i in range(16):
                 attacker.handoff(f"k{i}", block, 4, to=f"idle-{1 + i % 2}", keep=True)
             with pytest.raises(LimitExceeded, match="max-handoffs-per-peer"):
                 attacker.handoff("k16", block, 4, to="idle-1", keep=True)
-            with PoolClient(pool.tcp_url, name="prefill-0") as p, PoolClient(pool.tcp_url, name="decode-0") as d:
-                p.handoff("r", p.alloc(2), 8, to="decode-0")
+            workers = [PoolClient(pool.url, name=f"worker-{i}") for i in range(6)]  # past 4: no share of its own
+            with contextlib.ExitStack() as stack:
+                p, d, *_ = (stack.enter_context(w) for w in workers)
+                p.handoff("r", p.alloc(2), 8, to="worker-1")
                 assert len(d.claim("r", timeout_s=5).block_ids) == 2
     finally:
         pool.stop()

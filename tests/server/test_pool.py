@@ -624,3 +624,15 @@ def test_a_name_pinned_by_the_operator_opens_only_for_its_user():
                 pool.open_session(name, "other", name_key="a squatter's key", peer=peer)
         assert pool.open_session(name, "other", name_key=KEY, peer=ME).name == name
     assert pool.open_session("decode-1", "other", peer=OTHER).name == "decode-1"  # not pinned
+
+
+def test_the_pool_s_own_user_takes_no_share():
+    """Its processes could stop the pool itself; and every container of the compose deployment runs as it."""
+    limits = Limits(max_sessions=16, max_sessions_per_peer=2)
+    pool = Pool(8, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), limits=limits, own_uid=ME.uid)
+    for i in range(4):
+        pool.open_session(f"w{i}", "other", peer=ME)
+    pool.open_session("o0", "other", peer=OTHER), pool.open_session("o1", "other", peer=OTHER)
+    with pytest.raises(LimitExceeded, match="max-sessions-per-peer"):
+        pool.open_session("o2", "other", peer=OTHER)
+    assert pool._sessions_of == {OTHER.share: 2}
