@@ -32,6 +32,7 @@ from kvpool.protocol import (
     FreeResponse,
     HandoffRequest,
     HandoffResponse,
+    Health,
     HeldBlocks,
     LookupManyRequest,
     LookupManyResponse,
@@ -63,6 +64,7 @@ class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
         self.settings = settings
         self.epoch = epoch or secrets.token_hex(8)
+        self._health: dict[bool, tuple[int, bytes]] = {}
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
         self.owned_arenas: list[OwnedArena] = []
@@ -183,6 +185,19 @@ class ControlPlane:
     @property
     def ready(self) -> bool:
         return self._pool is not None
+
+    def health(self) -> tuple[int, bytes]:
+        """``GET /health``'s status and body, made once for each state: what anyone may ask without the token
+        costs the loop only writing it (see :class:`kvpool.server.gates.RequireToken`)."""
+        ready = self.ready
+        answer = self._health.get(ready)
+        if answer is None:
+            status = "ok" if ready else "starting"
+            answer = self._health[ready] = (
+                200 if ready else 503,
+                Health(status=status, epoch=self.epoch).model_dump_json().encode(),
+            )
+        return answer
 
     @property
     def pool(self) -> Pool:
