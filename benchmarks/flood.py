@@ -1,7 +1,9 @@
 """flood: token holders' latency on the pool's Unix socket while someone without the token floods it.
 
 One pool with a token. A token holder times alloc + free pairs over the Unix socket, over HTTP and over the fast
-channel, for each attack on a quiet pool first and then under the attack (the same run, the same pool):
+channel, for each attack on a quiet pool and under the attack (the same run, the same pool), in ``--rounds``
+alternating quiet and attacked stretches: on a machine shared with other work, the load beside the run then weighs
+on both alike:
 
   pipelined   ``--connections`` TCP connections (no token), each writing ``GET /health`` requests pipelined as fast
               as the pool reads them (a first write of ``--pipelined`` of them) and reading the answers
@@ -134,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     device = machine.resolve_device(args)
     connections = args.connections or (20 if args.quick else 100)
     calls = args.calls or (200 if args.quick else 1000)
+    rounds = args.rounds or (1 if args.quick else 5)
     max_body = 16 << 20
-    config = {"connections": connections, "pipelined": args.pipelined, "once": args.once, "calls": calls}
+    config = {"connections": connections, "pipelined": args.pipelined, "once": args.once, "calls": calls,
+              "rounds": rounds}  # fmt: skip
     report = harness.Report("flood", args, device, config)
     flags = [*harness.layout_flags(LAYOUT), "--num-blocks", "256", "--token", TOKEN]
     with harness.servers(lambda: harness.start_pool(device, *flags)) as (pool,):
@@ -144,14 +148,22 @@ def run(args: argparse.Namespace) -> int:
         http = PoolClient(pool.url, name="flood-http", token=TOKEN, fast=False, heartbeat=False)
         _timed(fast, 100), _timed(http, 100)  # warm up
         for attack in ATTACKS:
-            for phase in ("quiet", attack):
-                peak = _Peak(pid)
-                with _attack(phase, pool, connections, args, max_body):
-                    time.sleep(1.0)  # the attack under way
-                    figures = {name: _percentiles(_timed(c, calls)) for name, c in (("http", http), ("fast", fast))}
-                rss = peak.stop()
-                for name, f in figures.items():
-                    report.results.append({"attack": attack, "phase": phase, "transport": name, "rss": rss, **f})
+            timed: dict[tuple[str, str], tuple[list[float], int]] = {}
+            rss = {"quiet": 0, attack: 0}
+            for _ in range(rounds):
+                for phase in ("quiet", attack):
+                    peak = _Peak(pid)
+                    with _attack(phase, pool, connections, args, max_body):
+                        time.sleep(1.0)  # the attack under way
+                        for name, client in (("http", http), ("fast", fast)):
+                            took, failed = _timed(client, -(-calls // rounds))
+                            got = timed.setdefault((phase, name), ([], 0))
+                            timed[(phase, name)] = (got[0] + took, got[1] + failed)
+                    rss[phase] = max(rss[phase], peak.stop())
+            for (phase, name), samples in timed.items():
+                report.results.append(
+                    {"attack": attack, "phase": phase, "transport": name, "rss": rss[phase], **_percentiles(samples)}
+                )
         fast.close(), http.close()
     _targets(report)
     report.print_block("flood", _body(report))

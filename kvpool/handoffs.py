@@ -67,7 +67,9 @@ class Claim:
     (``block_ids``, built on first use, so that a caller building a block table from ``ids`` never pays for it).
 
     ``direct`` is True when the ids were delivered to this client's inbox; the pool's answer to the claim is
-    then still on its way (see :meth:`kvpool.client.PoolClient.confirm`).
+    then still on its way (see :meth:`kvpool.client.PoolClient.confirm`). ``parked_by`` is the name of the session
+    that parked the handoff, as the pool knew it: what a consumer checks before it trusts the blocks (from the pool's
+    answer, or the pool's sealed delivery to an inbox; None for one that came slab to slab).
     """
 
     __slots__ = ("_list", "direct", "ids", "meta", "num_tokens", "parked_by", "request_id")
@@ -182,7 +184,7 @@ class DirectHandoffs:
             got = self._delivery(None, min(self.spin_s, timeout_s))
         if got is not None:
             self._pipeline(b"accept", got.request_id, ACCEPT_WAIT_S)
-            return Claim(got.request_id, got.num_tokens, got.meta, got.ids, direct=True)
+            return Claim(got.request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
         return from_pool(None, max(0.0, timeout_s - (time.perf_counter() - start)))
 
     def claim_expected(self, request_id: str, timeout_s: float) -> Claim:
@@ -198,9 +200,9 @@ class DirectHandoffs:
                     if status != 200:
                         raise_for(status, body)
                     return self.claimed_in_pool(*decode(ClaimResponse, body))
-                return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True)
+                return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
         self._pipeline(b"accept", request_id, ACCEPT_WAIT_S)
-        return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True)
+        return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
 
     def claimed_in_pool(self, resp: ClaimResponse, ids: array | None) -> Claim:
         """A claim the pool answered; a direct copy of it that arrives later is dropped."""

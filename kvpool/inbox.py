@@ -43,11 +43,11 @@ from kvpool.ids import ITEM, unpack_ids
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVH3"
+MAGIC = b"KVH4"
 #: magic, number of ids, num_tokens, the delivery's number in its session, meta bytes, request id bytes, epoch
-#: bytes; the ids (fenced, int64) follow, 8-byte aligned, then the epoch, the request id, the meta JSON and last
-#: the seal
-HEAD = struct.Struct("<4sIQQIHH")
+#: bytes, parked_by bytes; the ids (fenced, int64) follow, 8-byte aligned, then the epoch, the request id, the name
+#: of the session that parked it, the meta JSON and last the seal
+HEAD = struct.Struct("<4sIQQIHHH")
 SEAL_BYTES = 16
 #: a datagram larger than this is not sent; the consumer then gets the handoff through the pool
 MAX_DATAGRAM = 1 << 20
@@ -60,6 +60,7 @@ class Delivery:
     meta: dict[str, Any]
     ids: array
     seq: int = 0
+    parked_by: str = ""  # the name of the session that parked it, as the pool knew it (sealed with the rest)
 
 
 def encode_delivery(
@@ -70,16 +71,17 @@ def encode_delivery(
     meta: bytes,
     seq: int,
     seal: bytes = bytes(SEAL_BYTES),
+    parked_by: str = "",
 ) -> bytes:
     """The datagram of one handoff; ``ids`` are packed int64 (see :func:`kvpool.ids.pack_ids`), ``meta`` JSON,
     ``seq`` the delivery's number in its session (from 1).
 
     Without ``seal`` it is what the pool seals (:func:`seal_delivery`), with room left for the seal at its end.
     """
-    rid, ep = request_id.encode(), epoch.encode()
+    rid, ep, by = request_id.encode(), epoch.encode(), parked_by.encode()
     extra = b"" if meta == b"{}" else meta
-    head = HEAD.pack(MAGIC, len(ids) // ITEM, num_tokens, seq, len(extra), len(rid), len(ep))
-    return b"".join((head, ids, ep, rid, extra, seal))
+    head = HEAD.pack(MAGIC, len(ids) // ITEM, num_tokens, seq, len(extra), len(rid), len(ep), len(by))
+    return b"".join((head, ids, ep, rid, by, extra, seal))
 
 
 def seal_delivery(key: bytes, datagram: bytes) -> bytes:
@@ -91,10 +93,11 @@ def decode_delivery(data: memoryview, epoch: bytes, key: bytes) -> Delivery | No
     """The handoff a datagram carries, or None for one that is malformed, unsealed, or from another pool epoch."""
     if len(data) < HEAD.size + SEAL_BYTES:
         return None
-    magic, n, num_tokens, seq, meta_len, rid_len, ep_len = HEAD.unpack_from(data)
+    magic, n, num_tokens, seq, meta_len, rid_len, ep_len, by_len = HEAD.unpack_from(data)
     at = HEAD.size + ITEM * n
     rid_at = at + ep_len
-    if magic != MAGIC or len(data) != rid_at + rid_len + meta_len + SEAL_BYTES:
+    by_at = rid_at + rid_len
+    if magic != MAGIC or len(data) != by_at + by_len + meta_len + SEAL_BYTES:
         return None
     mac = hashlib.blake2b(data[:-SEAL_BYTES], key=key, digest_size=SEAL_BYTES).digest()
     if not hmac.compare_digest(mac, data[-SEAL_BYTES:]):
@@ -104,12 +107,13 @@ def decode_delivery(data: memoryview, epoch: bytes, key: bytes) -> Delivery | No
         log.debug("dropped a handoff delivery of another pool epoch")
         return None
     try:
-        request_id = str(data[rid_at : rid_at + rid_len], "utf-8")
-        meta = json.loads(data[rid_at + rid_len : -SEAL_BYTES].tobytes()) if meta_len else {}
+        request_id = str(data[rid_at:by_at], "utf-8")
+        parked_by = str(data[by_at : by_at + by_len], "utf-8")
+        meta = json.loads(data[by_at + by_len : -SEAL_BYTES].tobytes()) if meta_len else {}
     except ValueError:
         return None
     ids = unpack_ids(data[HEAD.size : at])
-    return Delivery(request_id, num_tokens, meta if isinstance(meta, dict) else {}, ids, seq)
+    return Delivery(request_id, num_tokens, meta if isinstance(meta, dict) else {}, ids, seq, parked_by)
 
 
 class Inbox:

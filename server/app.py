@@ -89,7 +89,7 @@ def create_app(plane: ControlPlane) -> FastAPI:
     app.state.on_start = []
     app.state.on_stop = []
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(RequireToken, token=token)  # added last, so it runs first: no body is read for a stranger
+    app.add_middleware(RequireToken, token=token, health=plane.health)  # added last, so it runs first
 
     @app.exception_handler(KvpoolError)
     async def _domain_error(request: Request, exc: KvpoolError) -> JSONResponse:

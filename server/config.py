@@ -22,6 +22,21 @@ from kvpool.layout import DTYPE_ALIASES, DType, KVLayout, Order
 DEFAULT_NUM_BLOCKS = 1024
 
 
+def pins_of(names: str) -> dict[str, int]:
+    """``--names`` (``NAME=UID,...``) as a map of name (or prefix ending in ``*``) to uid; ValueError saying what is
+    wrong."""
+    pins: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in names.split(","))):
+        name, eq, uid = item.partition("=")
+        name, uid = name.strip(), uid.strip()
+        if not eq or not name or not uid.isdigit() or len(name) > 128:
+            raise ValueError(f"--names takes NAME=UID pairs separated by commas (like decode-0=1000), got {item!r}")
+        if name in pins:
+            raise ValueError(f"--names pins {name!r} twice")
+        pins[name] = int(uid)
+    return pins
+
+
 def parse_size(value: str | int) -> int:
     """Bytes from ``123``, ``64MiB``, ``8GiB``, ``1.5G`` (binary units with ``i``, decimal without)."""
     try:
@@ -104,7 +119,22 @@ class PoolSettings(BaseSettings):
     token: SecretStr | None = Field(None, description="bearer token required on every endpoint but /health")
     max_body_bytes: ByteSize = Field(ByteSize(16 << 20), ge=1024, description="largest accepted request body")
     max_sessions: int = Field(1024, ge=1, description="live sessions at once; more are refused with 429")
+    max_sessions_per_peer: int = Field(
+        256,
+        ge=1,
+        description="live sessions of one peer (a user on the Unix socket, an address on TCP, loopback as one)",
+    )
     max_handoffs: int = Field(65536, ge=1, description="parked handoffs at once, all sessions together")
+    max_handoffs_per_peer: int = Field(
+        16384,
+        ge=1,
+        description="parked handoffs that the sessions of one peer parked (a peer as for max_sessions_per_peer)",
+    )
+    names: str = Field(
+        "",
+        description="session names pinned to a Unix user, as NAME=UID separated by commas (a NAME ending in * pins "
+        "every name it starts): only that user's processes, over the Unix socket, may open them",
+    )
     max_handoffs_per_session: int = Field(
         4096, ge=1, description="handoffs a live session has parked, and handoffs addressed to it, at once"
     )
@@ -220,6 +250,16 @@ class PoolSettings(BaseSettings):
             raise ValueError(f"a peer is an http:// or https:// URL of a pool, got {bad[0]!r}")
         return ",".join(urls)
 
+    @field_validator("names")
+    @classmethod
+    def _names(cls, value: str) -> str:
+        pins_of(value)
+        return value
+
+    @property
+    def pins(self) -> dict[str, int]:
+        return pins_of(self.names)
+
     @property
     def peer_list(self) -> list[str]:
         return self.peers.split(",") if self.peers else []
@@ -305,9 +345,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "across nodes (docs/across-nodes.md)": ("peers", "peer_timeout_s"),
     "prefix cache and host tier": ("prefix_hash", "host_blocks", "host_bytes", "peer_copy"),
     "sessions and limits": (
-        "lease_ttl_s", "handoff_ttl_s", "lapsed_sessions", "max_body_bytes", "max_sessions", "max_handoffs",
-        "max_handoffs_per_session", "max_meta_bytes", "max_claims_per_session", "max_fast_connections",
-        "hello_timeout_s", "max_http_connections", "max_requests_per_peer", "read_timeout_s", "max_fast_buffer_bytes",
+        "lease_ttl_s", "handoff_ttl_s", "lapsed_sessions", "max_body_bytes", "max_sessions", "max_sessions_per_peer",
+        "max_handoffs", "max_handoffs_per_peer", "max_handoffs_per_session", "names", "max_meta_bytes",
+        "max_claims_per_session", "max_fast_connections", "hello_timeout_s", "max_http_connections",
+        "max_requests_per_peer", "read_timeout_s", "max_fast_buffer_bytes",
     ),
     "slabs (docs/operations.md)": ("slabs", "slab_regions", "slab_max_blocks"),
     "KV events (docs/kv-events.md)": (

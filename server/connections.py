@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvpool.errors import LimitExceeded, body_for, error_body
 from kvpool.server.processes import Peer, peer_of
-from kvpool.server.turns import Turns, peer_key
+from kvpool.server.turns import Turns
 
 log = logging.getLogger("kvpool")
 
@@ -233,10 +233,10 @@ def _guarded(guard: HTTPGuard) -> type[asyncio.Protocol]:
             self._head = 0  # bytes of the request's head given to the parser, while it is in the head (else -1)
             self._tail = b""  # the last bytes of the head given to the parser: its end may come in the next read
             self._body_left: int | None = None  # bytes of a content-length body still to give to the parser
-            self._key = peer_key(transport)
+            peer = peer_of(transport.get_extra_info("socket"), transport.get_extra_info("peername"))
+            self._key = peer.share if peer is not None else "unknown"
             self._peer = guard.turns.join(self._key)
             super().connection_made(transport)  # type: ignore[arg-type]
-            peer = peer_of(transport.get_extra_info("socket"))
             if peer is not None:  # each request's scope["state"] is a copy of this: the peer goes with it
                 self.app_state = {**self.app_state, PEER: peer}
             transport.set_write_buffer_limits(high=WRITE_BYTES)  # type: ignore[attr-defined]
@@ -429,7 +429,8 @@ def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
 
 
 def request_peer(scope: dict[str, Any]) -> Peer | None:
-    """The process that sent a request, where it came over the Unix socket (:class:`HTTPGuard` notes it)."""
+    """Who sent a request: its process and user over the Unix socket, its address over TCP (:class:`HTTPGuard` notes
+    it)."""
     peer = scope.get("state", {}).get(PEER)
     return peer if isinstance(peer, Peer) else None
 

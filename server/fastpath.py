@@ -164,7 +164,7 @@ class FastChannel:
         if task is not None:
             self._serving[task] = writer
         authorized = False
-        peer = peer_of(writer.get_extra_info("socket"))
+        peer = peer_of(writer.get_extra_info("socket"), writer.get_extra_info("peername"))
         head: asyncio.Future[bytes] | None = None  # the next frame's header, when a waiting claim started its read
 
         def watch() -> asyncio.Future[bytes]:

@@ -23,6 +23,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
+from kvpool.server.processes import Peer
 from kvpool.server.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
 
 
@@ -41,13 +42,16 @@ class Parking:
     _open: dict[str, None]
     _sealed: dict[str, None]
     _addressed: dict[str, dict[str, None]]
+    _sealed_to: dict[str, dict[str, None]]
     _parked_by: dict[str, set[str]]
+    _handoffs_of: Counter[str]
     _handoff_deadlines: list[tuple[float, int, str]]
     _seq: int
 
     # provided by the pool's session half
     session: Callable[[str], Session]
     named: Callable[[str], Session]
+    share_of: Callable[[Peer | None], str | None]
     exceeded: Callable[[str, str], KvpoolError]
     limits_exceeded: Counter[str]
     _live: Callable[[str], Session | None]
@@ -110,13 +114,16 @@ class Parking:
                 )
             if len(self.handoffs) >= limits.max_handoffs:
                 raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
+            share = self.share_of(session.peer)
+            if share is not None and self._handoffs_of[share] >= limits.max_handoffs_per_peer:
+                raise self.exceeded("max_handoffs_per_peer", f"{share} has {self._handoffs_of[share]} handoffs parked")
             mine = self._parked_by.get(session_id, ())
             if len(mine) >= limits.max_handoffs_per_session:
                 raise self.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
             addressee = None if to is None else self.named(to).session_id
-            waiting = self._addressed.get(addressee or "", ())
-            if len(waiting) >= limits.max_handoffs_per_session:
-                raise self.exceeded("max_handoffs_per_session", f"{len(waiting)} handoffs wait for {to!r}")
+            waiting = len(self._addressed.get(addressee or "", ())) + len(self._sealed_to.get(addressee or "", ()))
+            if waiting >= limits.max_handoffs_per_session:
+                raise self.exceeded("max_handoffs_per_session", f"{waiting} handoffs wait for {to!r}")
             blocks = self.unfence(block_ids)
             ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
             self._seq += 1
@@ -134,6 +141,7 @@ class Parking:
                 blocks=blocks,
                 sealed=sealed,
                 parked_by=session.name,
+                share=share,
             )
             if keep:
                 self.allocator.check_held(session.holder, blocks)
@@ -161,23 +169,30 @@ class Parking:
     def _park(self, handoff: Handoff) -> None:
         rid = handoff.request_id
         self.handoffs[rid] = handoff
+        if handoff.share is not None:
+            self._handoffs_of[handoff.share] += 1
         if handoff.to is None:
             (self._sealed if handoff.sealed else self._open)[rid] = None
             self._push_deadline(handoff)
         else:
-            self._addressed.setdefault(handoff.to, {})[rid] = None
+            (self._sealed_to if handoff.sealed else self._addressed).setdefault(handoff.to, {})[rid] = None
 
     def _unpark(self, handoff: Handoff) -> None:
         rid = handoff.request_id
         del self.handoffs[rid]
+        if handoff.share is not None:
+            self._handoffs_of[handoff.share] -= 1
+            if not self._handoffs_of[handoff.share]:
+                del self._handoffs_of[handoff.share]
         self._open.pop(rid, None)
         self._sealed.pop(rid, None)
         if handoff.to is not None:
-            waiting = self._addressed.get(handoff.to)
+            by_addressee = self._sealed_to if handoff.sealed else self._addressed
+            waiting = by_addressee.get(handoff.to)
             if waiting is not None:
                 waiting.pop(rid, None)
                 if not waiting:
-                    del self._addressed[handoff.to]
+                    del by_addressee[handoff.to]
         mine = self._parked_by.get(handoff.from_session)
         if mine is not None:
             mine.discard(rid)
@@ -269,7 +284,8 @@ class Parking:
         return True
 
     def _oldest_for(self, session_id: str) -> str | None:
-        """The oldest handoff the session may claim: addressed to it, or to nobody and not sealed."""
+        """The oldest handoff the session may claim without naming it: addressed to it, or to nobody, and not
+        sealed (a sealed one addressed to it waits for a claim that names it)."""
         mine = next(iter(self._addressed.get(session_id, ())), None)
         anyones = next(iter(self._open), None)
         if mine is None or anyones is None:

@@ -8,6 +8,7 @@ status.
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from array import array
 from pathlib import Path
@@ -31,6 +32,7 @@ from kvpool.protocol import (
     FreeResponse,
     HandoffRequest,
     HandoffResponse,
+    Health,
     HeldBlocks,
     LookupManyRequest,
     LookupManyResponse,
@@ -62,6 +64,7 @@ class ControlPlane:
     def __init__(self, settings: PoolSettings, epoch: str | None = None) -> None:
         self.settings = settings
         self.epoch = epoch or secrets.token_hex(8)
+        self._health: dict[bool, tuple[int, bytes]] = {}
         self._pool: Pool | None = None
         self._descriptor: ArenaDescriptor | None = None
         self.owned_arenas: list[OwnedArena] = []
@@ -136,6 +139,8 @@ class ControlPlane:
             host_tier=self.host_tier.tier if self.host_tier is not None else None,
             peer_copy=peer_copy,
             quarantine=Quarantine(ProcTable(), s.lapsed_sessions),
+            pins=s.pins,
+            own_uid=os.getuid(),
         )
         self.slabs = open_slab_table(s, self._pool)
         if self.slabs is not None:
@@ -180,6 +185,19 @@ class ControlPlane:
     @property
     def ready(self) -> bool:
         return self._pool is not None
+
+    def health(self) -> tuple[int, bytes]:
+        """``GET /health``'s status and body, made once for each state: what anyone may ask without the token
+        costs the loop only writing it (see :class:`kvpool.server.gates.RequireToken`)."""
+        ready = self.ready
+        answer = self._health.get(ready)
+        if answer is None:
+            status = "ok" if ready else "starting"
+            answer = self._health[ready] = (
+                200 if ready else 503,
+                Health(status=status, epoch=self.epoch).model_dump_json().encode(),
+            )
+        return answer
 
     @property
     def pool(self) -> Pool:
@@ -319,7 +337,8 @@ class ControlPlane:
         ids = memoryview(packed).cast("B") if packed is not None else pack_ids(h.block_ids)
         assert ids is not None  # the books checked them: fenced ids fit in int64
         addressee.deliveries += 1
-        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries)
+        datagram = encode_delivery(self.epoch, h.request_id, ids, h.num_tokens, h.meta_json, addressee.deliveries,
+                                   parked_by=h.parked_by)  # fmt: skip
         seal = seal_delivery(addressee.inbox_key, datagram)
         self._outbox = self._outbox or Outbox()
         self._outbox.send(addressee.inbox, b"".join((memoryview(datagram)[:-SEAL_BYTES], seal)))

@@ -16,7 +16,7 @@ import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvpool.errors import (
     InvalidRequest,
@@ -83,6 +83,11 @@ class Pool(Parking, PoolStats):
     peer_copy: PeerCopy | None = None
     #: the fence (see kvpool.server.quarantine); None: a lapsed session's blocks are all released at once
     quarantine: Quarantine | None = None
+    #: names the operator pinned to a Unix user (``--names``): name, or a prefix ending in ``*``, -> uid
+    pins: dict[str, int] = field(default_factory=dict)
+    #: the pool's own user: its processes could stop the pool itself, so they take no per-peer share (the compose
+    #: deployment runs every container as it); None: every peer has its share (tests)
+    own_uid: int | None = None
 
     def __post_init__(self) -> None:
         self.paused_s = 0.0  # how long the pool did not run, all pauses together
@@ -118,10 +123,14 @@ class Pool(Parking, PoolStats):
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
         # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
         self._by_name: dict[str, dict[str, None]] = {}
-        self._name_keys: OrderedDict[str, bytes] = OrderedDict()  # name -> its key's digest, least recent first
+        self._name_keys: dict[str, tuple[bytes, str | None]] = {}  # name -> its key's digest, the share that keyed it
+        self._names_of: dict[str | None, OrderedDict[str, None]] = {}  # share -> the names it keyed, least recent first
+        self._sessions_of: Counter[str] = Counter()  # share -> its live sessions
+        self._handoffs_of: Counter[str] = Counter()  # share -> the handoffs its sessions parked, still parked
         self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
         self._sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
         self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
+        self._sealed_to: dict[str, dict[str, None]] = {}  # addressee -> those of its handoffs it must name
         self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
         self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
@@ -154,34 +163,54 @@ class Pool(Parking, PoolStats):
         name_key: str | None = None,
         peer: Peer | None = None,
     ) -> Session:
-        """A new session called ``name``; with ``name_key``, the name is held under that key from then on.
+        """A new session called ``name``, opened by ``peer``; with ``name_key``, the name is held under that key,
+        and by that peer's share (:attr:`Peer.share`), from then on.
 
         A name is how producers address handoffs, and any token holder may open a session under any name: a
         stranger (or a second deployment, a worker started twice) could take a consumer's name while it restarts
-        and receive what is addressed to it. A name opened with a key can only be opened again with the same key,
-        also after every session of it ended (the pool remembers the last ``NAMES_KEPT`` such names), so a
-        restarted worker takes its name back and nobody else can.
+        and receive what is addressed to it. A name opened with a key can only be opened again with the same key
+        and by the same share (another user cannot open it, key or not), also after every session of it ended: the
+        pool remembers the last ``NAMES_KEPT`` keyed names of each share apart, so one peer's opens never make it
+        forget another's. A name the operator pinned (``--names``) opens only for the user it is pinned to, from
+        the pool's first moment, so nobody can take it first.
         """
         self.layout.require(layout)
         if len(self.sessions) >= self.limits.max_sessions:
             raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
-        digest = self._name_digest(name, name_key)
+        share = self.share_of(peer)
+        if share is not None and self._sessions_of[share] >= self.limits.max_sessions_per_peer:
+            raise self.exceeded("max_sessions_per_peer", f"{share} has {self._sessions_of[share]} sessions open")
+        digest = self._name_digest(name, name_key, peer)
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
         session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox, key, peer=peer)
         self.sessions[sid] = session
+        if share is not None:
+            self._sessions_of[share] += 1
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
         if digest is not None:
-            self._keep_name(name, digest)
+            self._keep_name(name, digest, peer.share if peer is not None else None)
         self.counters.sessions_opened += 1
         return session
 
-    def _name_digest(self, name: str, name_key: str | None) -> bytes | None:
-        """The digest of ``name_key``, after checking that it may open ``name`` (NameTaken if not)."""
+    def _name_digest(self, name: str, name_key: str | None, peer: Peer | None) -> bytes | None:
+        """The digest of ``name_key``, after checking that ``peer`` may open ``name`` with it (NameTaken if not)."""
+        pinned = self.pinned(name)
+        if pinned is not None and (peer is None or peer.address is not None or peer.uid != pinned):
+            raise NameTaken(
+                f"the name {name!r} is pinned to uid {pinned} by the pool's operator (--names, KVPOOL_NAMES): open "
+                "it from that user's processes over the pool's Unix socket, or use another name"
+            )
         digest = None if name_key is None else hashlib.blake2b(name_key.encode(), digest_size=32).digest()
-        held = self._name_keys.get(name)
+        held, owner = self._name_keys.get(name, (None, None))
+        share = peer.share if peer is not None else None
+        if held is not None and owner is not None and share != owner:
+            raise NameTaken(
+                f"the name {name!r} is held under a name key by another peer ({owner}): open it from that peer's "
+                "processes, or under another name (an operator pins names to users with --names)"
+            )
         if held is not None and (digest is None or not hmac.compare_digest(held, digest)):
             raise NameTaken(
                 f"the name {name!r} is held under a name key, and this session gave "
@@ -190,16 +219,32 @@ class Pool(Parking, PoolStats):
             )
         return digest
 
-    def _keep_name(self, name: str, digest: bytes) -> None:
-        """Remember ``name``'s key; past ``NAMES_KEPT``, forget the least recently opened name that no session holds."""
-        names = self._name_keys
-        names[name] = digest
+    def share_of(self, peer: Peer | None) -> str | None:
+        """Whose per-peer bounds a session of ``peer`` counts against; None: the pool-wide bounds only."""
+        if peer is None or (peer.address is None and peer.uid == self.own_uid):
+            return None
+        return peer.share
+
+    def pinned(self, name: str) -> int | None:
+        """The uid the operator pinned ``name`` to, if any (a pin ending in ``*`` covers every name it starts)."""
+        pin = self.pins.get(name)
+        if pin is not None or not self.pins:
+            return pin
+        return next((uid for n, uid in self.pins.items() if n.endswith("*") and name.startswith(n[:-1])), None)
+
+    def _keep_name(self, name: str, digest: bytes, share: str | None) -> None:
+        """Remember ``name``'s key, as the share that keyed it first; past ``NAMES_KEPT`` names of that share,
+        forget its least recently opened name that no session holds."""
+        owner = self._name_keys.get(name, (b"", share))[1]
+        self._name_keys[name] = (digest, owner)
+        names = self._names_of.setdefault(owner, OrderedDict())
+        names[name] = None
         names.move_to_end(name)
         if len(names) <= NAMES_KEPT:
             return
         for old in names:
             if old not in self._by_name:
-                del names[old]
+                del names[old], self._name_keys[old]
                 return
 
     def session(self, session_id: str) -> Session:
@@ -231,8 +276,8 @@ class Pool(Parking, PoolStats):
         """Extend the lease; a session opened where its process was unknown (TCP) takes the process that renews it
         over a Unix socket: that one holds the session, and could write its blocks."""
         session = self.session(session_id)
-        if session.peer is None and peer is not None:
-            session.peer = peer
+        if session.peer is not None and not session.peer.process and peer is not None and peer.process:
+            session.peer = replace(peer, address=session.peer.address)  # its share stays the one it opened as
         return session
 
     def held(self, session_id: str) -> list[int]:
@@ -516,13 +561,18 @@ class Pool(Parking, PoolStats):
         The refusal is kept, so a claim of one (by a restarted consumer, or its producer asking) says why.
         """
         sid = session.session_id
+        share = self.share_of(session.peer)
+        if share is not None:
+            self._sessions_of[share] -= 1
+            if not self._sessions_of[share]:
+                del self._sessions_of[share]
         named = self._by_name.get(session.name)
         if named is not None:
             named.pop(sid, None)
             if not named:
                 del self._by_name[session.name]
         self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
-        orphaned = list(self._addressed.pop(sid, ()))
+        orphaned = [*self._addressed.pop(sid, ()), *self._sealed_to.pop(sid, ())]
         why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
         for request_id in orphaned:
             handoff = self.handoffs[request_id]

@@ -84,9 +84,9 @@ class Quarantine:
         refs: the holder to move ``writable``'s refs to, or None where they are released at once (no known process,
         or nothing to fence). Logs one line saying which."""
         who = f"session {session_id} ({name!r})"
-        if peer is None or not writable or not self.processes.alive(peer):
+        if peer is None or not peer.process or not writable or not self.processes.alive(peer):
             why = (
-                "no known process (opened over TCP)" if peer is None
+                "no known process (opened over TCP)" if peer is None or not peer.process
                 else "nothing it could write" if not writable
                 else f"its process ({peer}) gone"
             )  # fmt: skip

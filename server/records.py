@@ -32,7 +32,9 @@ class Limits:
     """Bounds on what one client can make the pool hold; each is a setting of ``kvpool serve`` (same name)."""
 
     max_sessions: int = 1024
+    max_sessions_per_peer: int = 256
     max_handoffs: int = 65536
+    max_handoffs_per_peer: int = 16384
     max_handoffs_per_session: int = 4096
     max_meta_bytes: int = 16 << 10
     max_claims_per_session: int = 64
@@ -63,7 +65,8 @@ class Session:
     inbox_key: bytes = b""
     #: deliveries sent to its inbox so far: each one's number, which its inbox takes only in increasing order
     deliveries: int = 0
-    #: the process that opened it (over a Unix socket; None over TCP): what the fence waits for when it lapses
+    #: who opened it (:class:`Peer`): the process the fence waits for when it lapses (over a Unix socket), and the
+    #: share (a user, a TCP address) whose per-peer bounds it counts against; None: the books called directly
     peer: Peer | None = None
 
     @property
@@ -88,6 +91,7 @@ class Handoff:
     blocks: list[int] = field(default_factory=list)  # the blocks block_ids (fenced) name, as the allocator knows them
     sealed: bool = False  # taken only by a claim that names it
     parked_by: str = ""  # the name of the session that parked it, for the claimer to check
+    share: str | None = None  # the share of that session's peer: whose --max-handoffs-per-peer it counts against
 
     @property
     def holder(self) -> str:

@@ -582,3 +582,15 @@ def test_close_neither_imports_torch_nor_syncs_a_device_never_used(pool_server, 
     monkeypatch.delitem(sys.modules, "torch")
     settle_device()
     assert synced == [] and "torch" not in sys.modules
+
+
+def test_a_delivery_to_an_inbox_says_who_parked_it(pool_server) -> None:
+    """A claim answered by the pool says parked_by; one delivered straight to an inbox said nothing, so a consumer
+    checking its producer could not tell who parked what it read."""
+    inbox = PoolClient(pool_server.url, name="decode-1", inbox=True)
+    with inbox, PoolClient(pool_server.url, name="prefill-1") as prefill:
+        prefill.handoff("direct", prefill.alloc(1), 4, to="decode-1")
+        got = inbox.claim("direct", timeout_s=5)
+        assert (got.direct, got.parked_by) == (True, "prefill-1")
+        inbox.confirm()
+        inbox.free(got.ids)

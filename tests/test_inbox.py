@@ -51,6 +51,15 @@ def test_a_delivery_round_trips():
     assert empty is not None and empty.meta == {}
 
 
+def test_a_delivery_says_who_parked_it_under_the_seal():
+    unsealed = encode_delivery(EPOCH, "r", memoryview(pack_ids([1, 2])), 8, b"{}", 3, parked_by="prefill-é")
+    sealed = unsealed[:-SEAL_BYTES] + seal_delivery(KEY, unsealed)
+    got = decode_delivery(memoryview(sealed), EPOCH.encode(), KEY)
+    assert got is not None and (got.parked_by, got.ids.tolist(), got.seq) == ("prefill-é", [1, 2], 3)
+    forged = sealed.replace(b"prefill-\xc3\xa9", b"attacker\xc3\xa9")
+    assert decode_delivery(memoryview(forged), EPOCH.encode(), KEY) is None
+
+
 def test_a_delivery_of_another_pool_epoch_is_dropped():
     assert decode_delivery(memoryview(datagram()), b"fedcba9876543210", KEY) is None
 

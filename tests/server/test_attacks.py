@@ -225,8 +225,9 @@ def test_sessions_expiring_together_never_stall_the_others(tmp_path: Path) -> No
     blocks = str(producers * per_producer + 64)  # one block a handoff (of 1 KiB each)
     pool = start_pool(
         *SMALL_POOL, "--num-blocks", blocks, "--lease-ttl-s", "2", "--max-sessions", str(sessions + 100),
-        "--handoff-ttl-s", "3600",
-    )  # fmt: skip
+        "--handoff-ttl-s", "3600", "--max-sessions-per-peer", str(sessions + 100),
+        "--max-handoffs-per-peer", str(producers * per_producer),
+    )  # fmt: skip  # one peer (loopback TCP) opens them all: its share is not what this tests
     try:
         with PoolClient(pool.url, name="victim") as victim, pool.http() as http:
             conn = hello(pool)
@@ -801,3 +802,69 @@ def test_a_socket_of_ours_in_a_private_directory_passes(pool_process: PoolProces
     assert stat.S_IMODE(pool_process.socket.parent.stat().st_mode) & 0o022 == 0
     with PoolClient(pool_process.url, name="fine") as ok:
         assert ok.health().status == "ok"
+
+
+def test_one_peer_s_kept_handoffs_leave_the_others_their_share(tmp_path: Path) -> None:
+    """Finding 6: kept handoffs over one block, addressed to the attacker's own idle sessions, fill the attacker's
+    share of --max-handoffs (and its sessions its share of --max-sessions), never the pool's: the workers (here the
+    pool's own user on the Unix socket, where the attacker came over TCP) still open sessions and park."""
+    pool = start_pool(*SMALL_POOL, "--max-handoffs", "64", "--max-handoffs-per-peer", "16", "--max-sessions", "16",
+                      "--max-sessions-per-peer", "4")  # fmt: skip
+    try:
+        with (
+            PoolClient(pool.tcp_url, name="attacker") as attacker,
+            PoolClient(pool.tcp_url, name="idle-1"),
+            PoolClient(pool.tcp_url, name="idle-2"),
+            pool.http() as http,
+        ):
+            assert http.post("/sessions", json={"name": "idle-3"}).status_code == 200
+            r = http.post("/sessions", json={"name": "idle-4"})
+            assert r.status_code == 429 and "KVPOOL_MAX_SESSIONS_PER_PEER" in r.json()["detail"], r.text
+            block = attacker.alloc(1)
+            attacker.commit(block, list(range(4)))
+            for i in range(16):
+                attacker.handoff(f"k{i}", block, 4, to=f"idle-{1 + i % 2}", keep=True)
+            with pytest.raises(LimitExceeded, match="max-handoffs-per-peer"):
+                attacker.handoff("k16", block, 4, to="idle-1", keep=True)
+            workers = [PoolClient(pool.url, name=f"worker-{i}") for i in range(6)]  # past 4: no share of its own
+            with contextlib.ExitStack() as stack:
+                p, d, *_ = (stack.enter_context(w) for w in workers)
+                p.handoff("r", p.alloc(2), 8, to="worker-1")
+                assert len(d.claim("r", timeout_s=5).block_ids) == 2
+    finally:
+        pool.stop()
+
+
+def test_a_pinned_name_is_its_user_s_from_the_pool_s_start_and_after_a_restart() -> None:
+    """Finding 7: --names pins decode-0 to this user and prefill-* to another: nobody else opens them, with any key,
+    over either listener, at the first moment the pool answers /health, nor after the pool restarts."""
+    me = os.getuid()
+    pins = f"decode-0={me},prefill-*={me + 1}"
+    for _ in range(2):  # started, then started again: the pins come from the settings, not from who came first
+        pool = start_pool(*SMALL_POOL, "--names", pins)
+        try:
+            with http_client(pool.url, None, 10.0) as unix, pool.http() as tcp:
+                for client, name in ((unix, "prefill-0"), (tcp, "decode-0"), (unix, "prefill-7")):
+                    r = client.post("/sessions", json={"name": name, "name_key": "a squatter's own key"})
+                    assert r.status_code == 409 and "pinned" in r.json()["detail"], r.text
+            with PoolClient(pool.url, name="decode-0", name_key="decode-0's own secret key") as d:
+                assert d.session_id
+            with pytest.raises(NameTaken, match="pinned"):
+                PoolClient(pool.tcp_url, name="decode-0", name_key="decode-0's own secret key")
+        finally:
+            pool.stop()
+
+
+def test_a_keyed_name_is_bound_to_the_peer_that_keyed_it() -> None:
+    """Finding 7: a second peer (here: over TCP, which the pool cannot tell apart from any other local user)
+    cannot take a name keyed over the Unix socket while its worker is down, not even with its key."""
+    pool = start_pool(*SMALL_POOL)
+    try:
+        key = "decode-0's key, seen in a log"
+        PoolClient(pool.url, name="decode-0", name_key=key).close()
+        with pytest.raises(NameTaken, match="another peer"):
+            PoolClient(pool.tcp_url, name="decode-0", name_key=key)
+        with PoolClient(pool.url, name="decode-0", name_key=key) as back:
+            assert back.session_id
+    finally:
+        pool.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,3 +144,12 @@ def test_metrics_read_the_same_snapshot_as_stats(plane: ControlPlane) -> None:
     text = generate_latest(registry_for(plane.stats)).decode()
     assert 'kvpool_blocks{state="in_use"} 5.0' in text
     assert 'kvpool_blocks{state="free"} 11.0' in text
+
+
+def test_health_answers_are_made_once_for_each_state(plane: ControlPlane) -> None:
+    """What ``GET /health`` answers at the door (server/gates.py) is what its route said: 503 starting, then 200."""
+    status, body = plane.health()
+    assert (status, json.loads(body)) == (200, {"status": "ok", "epoch": plane.epoch})
+    assert plane.health()[1] is body
+    starting = ControlPlane(plane.settings)
+    assert starting.health() == (503, b'{"status":"starting","epoch":"%s"}' % starting.epoch.encode())

@@ -12,6 +12,7 @@ from kvpool.errors import (
     HandoffRefused,
     InvalidRequest,
     LayoutMismatch,
+    LimitExceeded,
     NameTaken,
     NotOwner,
     PoolExhausted,
@@ -19,6 +20,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.server.pool import Pool
+from kvpool.server.processes import Peer
 from kvpool.server.records import NAMES_KEPT, Limits
 
 
@@ -104,6 +106,24 @@ def test_a_sealed_handoff_is_taken_only_by_a_claim_that_names_it_and_says_who_pa
     clock.now += 1.5
     assert pool.expire() == (0, 1), "a sealed handoff nobody claims is released after its TTL"
     assert pool.free(d, ids) == 2 and balanced(pool)
+
+
+def test_a_sealed_handoff_addressed_to_a_session_is_not_its_oldest():
+    """A sealed handoff with ``to`` was still taken by its addressee's claim of the oldest: the seal must hold for
+    it as for one addressed to nobody, and it is refused with its addressee as any addressed handoff."""
+    pool = make_pool(Clock())
+    p = pool.open_session("prefill-0", "prefill").session_id
+    d = pool.open_session("decode-0", "decode").session_id
+    mine = pool.alloc(p, 1)
+    pool.handoff(p, "secret", mine, 4, to="decode-0", sealed=True)
+    with pytest.raises(HandoffNotFound):
+        pool.claim(d)
+    assert pool.claim(d, "secret").block_ids == mine
+    pool.handoff(p, "orphan", pool.alloc(p, 1), 4, to="decode-0", sealed=True)
+    pool.close_session(d)
+    with pytest.raises(HandoffRefused):
+        pool.claim(p, "orphan")
+    assert balanced(pool) and pool.stats()["handoffs"] == 0
 
 
 def test_unclaimed_handoff_is_released_after_its_ttl():
@@ -555,3 +575,64 @@ def test_a_paused_pool_expires_nobody_for_the_silence_it_did_not_hear():
         pool.heartbeat(a)
         pool.expire()
     assert pool.live_sessions() == [pool.sessions[a]] and pool.counters.sessions_expired == 1
+
+
+ME, OTHER = Peer(None, 1000, 1000, None), Peer(None, 1001, 1001, None)  # two users' processes on the Unix socket
+
+
+def test_one_peer_cannot_take_the_pool_s_handoff_or_session_budget_from_the_others():
+    """Finding 6: kept handoffs cost no block, so a peer with one block and its own idle addressees could park the
+    pool's whole --max-handoffs. Each peer gets a share of it, and of --max-sessions."""
+    limits = Limits(max_sessions=16, max_sessions_per_peer=4, max_handoffs=64, max_handoffs_per_peer=16)
+    pool = Pool(8, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), limits=limits)
+    attacker = [pool.open_session(f"a{i}", "other", peer=OTHER).session_id for i in range(4)]
+    with pytest.raises(LimitExceeded, match="max-sessions-per-peer"):
+        pool.open_session("a4", "other", peer=OTHER)
+    block = pool.alloc(attacker[0], 1)
+    pool.commit(attacker[0], block, list(range(4)))
+    for i in range(16):
+        pool.handoff(attacker[0], f"k{i}", block, 4, to=f"a{1 + i % 3}", keep=True)
+    with pytest.raises(LimitExceeded, match="max-handoffs-per-peer"):
+        pool.handoff(attacker[0], "k16", block, 4, to="a1", keep=True)
+    victim = pool.open_session("prefill-0", "prefill", peer=ME).session_id
+    pool.open_session("decode-0", "decode", peer=Peer.tcp("loopback"))
+    pool.handoff(victim, "r", pool.alloc(victim, 1), 4, to="decode-0")  # the others' share is still theirs
+    assert pool.limits_exceeded == {"max_sessions_per_peer": 1, "max_handoffs_per_peer": 1}
+    pool.close_session(attacker[1])  # its handoffs are refused with it, and their share comes back
+    assert pool._handoffs_of[OTHER.share] == 10 and pool._sessions_of[OTHER.share] == 3
+
+
+def test_another_peer_s_keyed_opens_never_flush_a_name_s_key():
+    """Finding 7: 4,096 keyed opens once made the pool forget a down worker's key, and the attacker took its name."""
+    pool = Pool(4, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), limits=Limits(max_sessions=8))
+    pool.close_session(pool.open_session("decode-0", "decode", name_key=KEY, peer=ME).session_id)
+    for i in range(NAMES_KEPT + 8):  # the worker is down; an attacker keys name after name, as another user
+        pool.close_session(pool.open_session(f"x{i}", "other", name_key="attacker's own key", peer=OTHER).session_id)
+    with pytest.raises(NameTaken):
+        pool.open_session("decode-0", "decode", name_key="attacker's own key", peer=OTHER)
+    with pytest.raises(NameTaken, match="another peer"):  # a key seen in a log is not enough either
+        pool.open_session("decode-0", "decode", name_key=KEY, peer=OTHER)
+    assert pool.open_session("decode-0", "decode", name_key=KEY, peer=ME).name == "decode-0"
+    assert len(pool._names_of[OTHER.share]) == NAMES_KEPT  # the attacker's own names are the ones forgotten
+
+
+def test_a_name_pinned_by_the_operator_opens_only_for_its_user():
+    pool = Pool(4, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), pins={"decode-0": 1000, "prefill-*": 1000})
+    for name in ("decode-0", "prefill-3"):
+        for peer in (OTHER, Peer.tcp("loopback"), None):  # a squatter first, keyed or not, over TCP, unknown
+            with pytest.raises(NameTaken, match="pinned"):
+                pool.open_session(name, "other", name_key="a squatter's key", peer=peer)
+        assert pool.open_session(name, "other", name_key=KEY, peer=ME).name == name
+    assert pool.open_session("decode-1", "other", peer=OTHER).name == "decode-1"  # not pinned
+
+
+def test_the_pool_s_own_user_takes_no_share():
+    """Its processes could stop the pool itself; and every container of the compose deployment runs as it."""
+    limits = Limits(max_sessions=16, max_sessions_per_peer=2)
+    pool = Pool(8, KVLayout(block_size=4), lease_ttl_s=2.0, clock=Clock(), limits=limits, own_uid=ME.uid)
+    for i in range(4):
+        pool.open_session(f"w{i}", "other", peer=ME)
+    pool.open_session("o0", "other", peer=OTHER), pool.open_session("o1", "other", peer=OTHER)
+    with pytest.raises(LimitExceeded, match="max-sessions-per-peer"):
+        pool.open_session("o2", "other", peer=OTHER)
+    assert pool._sessions_of == {OTHER.share: 2}

@@ -41,10 +41,17 @@ def test_a_unix_peer_is_its_pid_uid_and_start_time(child) -> None:
     assert not ProcTable().alive(Peer(proc.pid, peer.uid, peer.gid, peer.start + 1))  # a reused pid is another
 
 
-def test_no_peer_over_tcp_nor_for_the_pool_s_own_process() -> None:
+def test_no_process_over_tcp_nor_for_the_pool_s_own_process_but_a_share_for_each() -> None:
     a, b = socket.socketpair()
     with a, b, socket.socket() as tcp:
-        assert peer_of(a) is None and peer_of(tcp) is None and peer_of(None) is None
+        own = peer_of(a)
+        assert own == Peer(None, os.getuid(), os.getgid(), None) and not own.process
+        assert own.share == f"uid {os.getuid()}" and not ProcTable().alive(own)
+        for host in ("127.0.0.1", "127.0.0.2", "::1", "::ffff:127.0.0.1"):
+            assert peer_of(tcp, (host, 5)) == Peer.tcp("loopback")
+        remote = peer_of(tcp, ("10.1.2.3", 5))
+        assert remote is not None and remote.share == "10.1.2.3" and not remote.process
+        assert peer_of(tcp) is None and peer_of(None) is None
 
 
 def test_kill_ends_the_peer_and_it_is_gone_once_dead(child) -> None:

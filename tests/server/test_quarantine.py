@@ -47,7 +47,7 @@ class FakeProcesses:
         return peer
 
     def alive(self, peer: Peer) -> bool:
-        return peer in self.running
+        return any((p.pid, p.start) == (peer.pid, peer.start) for p in self.running)  # a process: pid, start time
 
     def kill(self, peer: Peer) -> str | None:
         if not self.may_kill:
@@ -188,7 +188,7 @@ def test_an_explicit_close_releases_at_once_whatever_the_process() -> None:
 def test_a_tcp_session_renewed_over_the_unix_socket_takes_its_process() -> None:
     clock, procs = Clock(), FakeProcesses()
     pool = make_pool(clock, procs)
-    sid = pool.open_session("engine", "both").session_id
+    sid = pool.open_session("engine", "both", peer=Peer.tcp("loopback")).session_id
     pool.alloc(sid, 3)
     pool.heartbeat(sid, procs.spawn(77))
     lapse(pool, clock)

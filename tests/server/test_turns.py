@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-from kvpool.server.turns import Turns, peer_key
+from kvpool.server.turns import MAX_GAP_S, MIN_GAP_S, Turns, peer_key
 
 
 class Conn:
@@ -29,7 +29,7 @@ def test_turns_are_capped_and_handed_on_in_order() -> None:
         peer.forget(d)
         peer.give()
         peer.give()
-        await asyncio.sleep(0)
+        await asyncio.sleep(5 * MIN_GAP_S)  # its timer (MIN_GAP_S) comes first
         assert peer.taken == 1  # c has one, handed over; the other came back
         peer.give()
         turns.leave("loopback", peer)
@@ -37,6 +37,25 @@ def test_turns_are_capped_and_handed_on_in_order() -> None:
         return log
 
     assert asyncio.run(scenario()) == ["c"]
+
+
+def test_a_turn_handed_on_waits_as_long_as_it_was_held_and_a_millisecond_at_least() -> None:
+    """A flood of cheap token-less requests (a ``/health`` answered at the door) got a turn every few tens of
+    microseconds, 7,500 answers a second and most of a core, and the token holders waited for the CPU: the gap
+    between two of a peer's requests has a floor, so they come 1,000 a second at most."""
+
+    async def scenario() -> list[float]:
+        gaps: list[float] = []
+        loop = asyncio.get_running_loop()
+        loop.call_later = lambda delay, callback, *args: gaps.append(delay)  # type: ignore[method-assign, assignment]
+        peer = Turns(1).join("loopback")
+        assert peer.take(Conn("a", []))
+        for held in (0.00003, 0.004, 1.0):
+            assert not peer.take(Conn("b", []))
+            peer.give(held)
+        return gaps
+
+    assert asyncio.run(scenario()) == [MIN_GAP_S, 0.004, MAX_GAP_S]
 
 
 class FakeTransport:
