@@ -221,6 +221,7 @@ SUITES = {
     "tests/server/test_multi_arena.py": "a pool of several arenas",
     "tests/server/test_stale.py": "stale ids refused on every way a call comes",
     "tests/workers/test_flow.py": "the workers as processes around a pool",
+    "tests/integrations/test_vllm_drift.py": "the installed vLLM wheel against every private symbol a generation names",
     "tests/workers/test_gpu.py": "the Triton kernels on CUDA",
     "tests/workers/test_host_tier.py": "the same tokens with and without the host tier",
     "tests/workers/test_transformers.py": "the model against Hugging Face transformers",
