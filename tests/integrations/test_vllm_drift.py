@@ -25,15 +25,15 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 import kvpool
 from kvpool.integrations.vllm import blockpool, generations
-from tests.conftest import PoolProcess, start_pool
+from tests.conftest import PoolProcess
 from tests.integrations.test_vllm_scheduler import (
     BS,
     HEAD_DIM,
     HEADS,
-    LAYERS,
     NAMES,
     config,
     resident_engine,
+    resident_pool,
     tiny_llama,
 )
 
@@ -96,10 +96,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def pool() -> Iterator[PoolProcess]:
-    flags = ["--num-blocks", str(NUM_BLOCKS), "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
-             "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32", "--order", "kv_packed",
-             "--slabs", "--slab-max-blocks", str(NUM_BLOCKS)]  # fmt: skip
-    proc = start_pool(*flags)
+    proc = resident_pool(NUM_BLOCKS)
     yield proc
     proc.stop()
 

@@ -34,17 +34,17 @@ from kvpool.errors import LayoutMismatch, PoolExhausted, UnknownSession
 from kvpool.integrations.vllm import resident
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.residency import PoolGone
-from tests.conftest import PoolProcess, start_pool
+from tests.conftest import PoolProcess
 from tests.integrations.test_vllm_scheduler import (
     BS,
     HASH,
     HEAD_DIM,
     HEADS,
-    LAYERS,
     LAYOUT,
     NAMES,
     config,
     resident_engine,
+    resident_pool,
     tiny_llama,
 )
 
@@ -59,10 +59,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def pool() -> Iterator[PoolProcess]:
-    flags = ["--num-blocks", str(NUM_BLOCKS), "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
-             "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32", "--order", "kv_packed",
-             "--slabs", "--slab-max-blocks", str(NUM_BLOCKS)]  # fmt: skip
-    proc = start_pool(*flags)
+    proc = resident_pool(NUM_BLOCKS)
     yield proc
     proc.stop()
 

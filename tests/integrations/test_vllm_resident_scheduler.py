@@ -20,18 +20,18 @@ from vllm.v1.structured_output import StructuredOutputManager
 from kvpool.client import PoolClient
 from kvpool.integrations.vllm import resident
 from kvpool.integrations.vllm.identity import EngineIdentity
-from tests.conftest import PoolProcess, start_pool
+from tests.conftest import PoolProcess
 from tests.integrations.test_vllm_blockpool import hold_back_lookups
 from tests.integrations.test_vllm_scheduler import (
     BS,
     HEAD_DIM,
     HEADS,
-    LAYERS,
     LAYOUT,
     NAMES,
     config,
     request,
     resident_engine,
+    resident_pool,
     tiny_llama,
 )
 
@@ -45,10 +45,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def pool() -> Iterator[PoolProcess]:
-    flags = ["--num-blocks", str(NUM_BLOCKS), "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
-             "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32", "--order", "kv_packed",
-             "--slabs", "--slab-max-blocks", str(NUM_BLOCKS)]  # fmt: skip
-    proc = start_pool(*flags)
+    proc = resident_pool(NUM_BLOCKS)
     yield proc
     proc.stop()
 

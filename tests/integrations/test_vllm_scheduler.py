@@ -62,6 +62,14 @@ def tiny_llama(d: Path) -> Path:
     return d
 
 
+def resident_pool(num_blocks: int) -> PoolProcess:
+    """A pool that resident engines of :func:`tiny_llama` run in: a kv_packed arena of ``num_blocks`` blocks, all of
+    which one engine's slab may hold."""
+    return start_pool("--num-blocks", str(num_blocks), "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
+                      "--head-dim", str(HEAD_DIM), "--block-size", str(BS), "--dtype", "float32", "--order",
+                      "kv_packed", "--slabs", "--slab-max-blocks", str(num_blocks))  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def pool() -> Iterator[PoolProcess]:
     flags = ["--num-blocks", "128", "--num-layers", str(LAYERS), "--num-kv-heads", str(HEADS),
