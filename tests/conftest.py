@@ -6,8 +6,11 @@ only a process shows (a crash, a restart, a signal, a worker process of its own 
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +46,24 @@ def free_port() -> int:
 
 
 PoolProcess = ServerProcess
+
+
+def stop_process(pid: int, timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it is stopped: the signal lands asynchronously, and a thread
+    still running on a loaded machine would answer one more call before it does."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        if states and all(s in "Tt" for s in states):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {pid} was sent SIGSTOP and still had a running thread after {timeout_s} s")
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import torch
 
 from kvpool.client import PoolClient
 from kvpool.server.nixlagent import load_nixl
-from tests.conftest import PoolProcess, free_port
+from tests.conftest import PoolProcess, free_port, stop_process
 from tests.server.books import assert_balanced
 from tests.server.procs import SMALL_LAYOUT, serve
 
@@ -217,7 +217,7 @@ def test_a_peer_killed_before_the_read_fails_it_and_the_blocks_go_back() -> None
 def test_a_stalled_peer_times_out_and_its_blocks_come_back_once_the_read_ends() -> None:
     a_port, b_port = free_port(), free_port()
     a = start(a_port, [url(b_port)])
-    proxy = Proxy(url(a_port), "/claim", lambda: os.kill(a.proc.pid, signal.SIGSTOP))
+    proxy = Proxy(url(a_port), "/claim", lambda: stop_process(a.proc.pid))
     b = start(b_port, [url(proxy.port)], "--peer-timeout-s", "1")
     try:
         want = park(a, "req-3")
