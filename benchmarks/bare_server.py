@@ -7,7 +7,8 @@ of socket. ``/alloc`` answers a ready-made list of the asked length, ``/free`` t
 parsed and the reply built and serialized exactly as the pool does, but no book is touched. The difference between
 the pool and this server over the same transport is what kvpool itself costs.
 
-The fast channel's floor is the pool's own :class:`kvpool.server.fastpath.FastChannel` in front of a stub plane that
+The fast channel's floor is the pool's own :class:`kvpool.server.transports.fastpath.FastChannel` in front of a stub
+plane that
 answers the same way, at ``<socket>.fast``: its framing and pydantic work without the pool's.
 """
 
@@ -32,8 +33,8 @@ from kvpool.protocol import (
     SessionCreate,
     SessionInfo,
 )
-from kvpool.server.fastpath import FastChannel
 from kvpool.server.main import bind_tcp, bind_unix
+from kvpool.server.transports.fastpath import FastChannel
 
 EPOCH = "bare"
 SESSION = f"{EPOCH}-session"

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _client(conn: Any, urls: dict[str, tuple[str, bool, float]], inproc_blocks: int) -> None:
     """One client process: a PoolClient per transport and a private allocator; runs timed chunks on command."""
     from kvpool.client import PoolClient
-    from kvpool.server.allocator import BlockAllocator
+    from kvpool.server.books.allocator import BlockAllocator
 
     clients = {
         name: PoolClient(url, name=f"bench-{name}", fast=fast, heartbeat=False, reply_spin_s=spin)

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from kvpool.server.arenas import create_owned_arena, describe
-    from kvpool.server.tiermemory import HostTierMemory
+    from kvpool.server.tiers.tiermemory import HostTierMemory
 
     device = machine.resolve_device(args)
     layout = LAYOUTS[args.layout]

@@ -50,7 +50,7 @@ class _InProc:
     """The pool's books in this process: ``Pool.commit`` and ``Pool.lookup``, nothing around them."""
 
     def __init__(self, num_blocks: int, layout: KVLayout) -> None:
-        from kvpool.server.pool import Pool
+        from kvpool.server.books.pool import Pool
 
         self.pool = Pool(num_blocks, layout, lease_ttl_s=3600)
         self.sid = self.pool.open_session("bench", "other").session_id

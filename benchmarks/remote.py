@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvpool.server.nixlagent import load_nixl
+    from kvpool.server.remote.nixlagent import load_nixl
 
     load_nixl()
     device = machine.resolve_device(args)
@@ -175,7 +175,7 @@ def _contiguous(blocks: list[int]) -> bool:
 def _raw_agent(device: Any, gpu: int, nbytes: int) -> tuple[Any, Any, int]:
     import torch
 
-    from kvpool.server.nixlagent import NixlAgent
+    from kvpool.server.remote.nixlagent import NixlAgent
 
     if device.is_cuda:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{gpu}")
@@ -220,7 +220,7 @@ def serve_buffer(nbytes: int, gpu: int, memory: str) -> None:
     """The source of the raw READ between plain buffers: allocate, register, say where, wait for stdin to end."""
     import torch
 
-    from kvpool.server.nixlagent import NixlAgent
+    from kvpool.server.remote.nixlagent import NixlAgent
 
     on_gpu = memory == "VRAM"
     buf = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{gpu}" if on_gpu else "cpu")

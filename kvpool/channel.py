@@ -1,5 +1,6 @@
-"""Framing of the fast channel (see ``server/fastpath.py``), its blocking client connection, and the reply that
-carries a file descriptor (:func:`recv_frame_with_fd`; the pool sends it: ``server/fdpass.py``).
+"""Framing of the fast channel (see ``server/transports/fastpath.py``), its blocking client connection, and the reply
+that
+carries a file descriptor (:func:`recv_frame_with_fd`; the pool sends it: ``server/transports/fdpass.py``).
 
 A frame is ``len || head \\n body``: head is an op name in requests and a status code in replies. The body is
 the request or reply model as JSON; for a model with ``block_ids`` the ids may instead follow the JSON packed as

@@ -17,7 +17,6 @@ from types import FrameType
 import uvicorn
 
 from kvpool.commands import Parser
-from kvpool.server.app import create_app
 from kvpool.server.arenas import cuda_available
 from kvpool.server.config import (
     GROUPS,
@@ -27,10 +26,11 @@ from kvpool.server.config import (
     describe_error,
     settings_from_args,
 )
-from kvpool.server.connections import HTTPGuard, RefusalLog, open_files_limit, size_caps
-from kvpool.server.fastpath import FastChannel
 from kvpool.server.plane import ControlPlane
 from kvpool.server.shm import shm_problem
+from kvpool.server.transports.app import create_app
+from kvpool.server.transports.connections import HTTPGuard, RefusalLog, open_files_limit, size_caps
+from kvpool.server.transports.fastpath import FastChannel
 from kvpool.trust import directory_problem
 
 log = logging.getLogger("kvpool")

@@ -1,6 +1,6 @@
 """The control plane: the handlers that both the HTTP API and the fast channel call.
 
-It owns the arena's allocation, the pool's books and the claims that wait (:mod:`kvpool.server.claims`). Handlers
+It owns the arena's allocation, the pool's books and the claims that wait (:mod:`kvpool.server.books.claims`). Handlers
 take and return the protocol models; the transports only parse, authenticate and map :class:`KvpoolError` to a
 status.
 """
@@ -44,18 +44,18 @@ from kvpool.protocol import (
     SessionSummary,
 )
 from kvpool.server.arenas import OwnedArena, create_arenas, describe, resolve_backend
-from kvpool.server.claims import ClaimWaits, Watch
+from kvpool.server.books.claims import ClaimWaits, Watch
+from kvpool.server.books.pool import Pool
+from kvpool.server.books.prefix import DIGESTS, token_bytes
+from kvpool.server.books.processes import Peer, ProcTable
+from kvpool.server.books.quarantine import Quarantine
+from kvpool.server.books.records import Limits, Session, sweep_period_s
 from kvpool.server.config import PoolSettings
-from kvpool.server.feed import KVEventsFeed, index_listing, media_of
-from kvpool.server.pool import Pool
-from kvpool.server.prefix import DIGESTS, token_bytes
-from kvpool.server.processes import Peer, ProcTable
-from kvpool.server.quarantine import Quarantine
-from kvpool.server.records import Limits, Session, sweep_period_s
-from kvpool.server.remote import RemotePeers, open_remote
-from kvpool.server.slabs import SlabBooks, open_slab_table
-from kvpool.server.tiercopy import ArenaCopier
-from kvpool.server.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
+from kvpool.server.events.feed import KVEventsFeed, index_listing, media_of
+from kvpool.server.remote.reads import RemotePeers, open_remote
+from kvpool.server.slabs.books import SlabBooks, open_slab_table
+from kvpool.server.tiers.tiercopy import ArenaCopier
+from kvpool.server.tiers.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class ControlPlane:
 
     def health(self) -> tuple[int, bytes]:
         """``GET /health``'s status and body, made once for each state: what anyone may ask without the token
-        costs the loop only writing it (see :class:`kvpool.server.gates.RequireToken`)."""
+        costs the loop only writing it (see :class:`kvpool.server.transports.gates.RequireToken`)."""
         ready = self.ready
         answer = self._health.get(ready)
         if answer is None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from kvpool.errors import InvalidRequest
 from kvpool.server.arenas import resolve_backend, size_in_blocks
 from kvpool.server.config import PoolSettings
-from kvpool.server.tiermemory import host_tier_blocks
+from kvpool.server.tiers.tiermemory import host_tier_blocks
 
 #: filesystems whose files are memory
 MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})

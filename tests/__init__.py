@@ -2,7 +2,7 @@
 
 * ``tests/test_<module>.py`` tests ``kvpool/<module>.py``, what a worker imports (``test_client.py`` for
   ``kvpool/client.py``); ``tests/server/``, ``tests/workers/`` and ``tests/benchmarks/`` do the same for
-  ``server/``, ``workers/`` and ``benchmarks/`` (``tests/server/test_pool.py`` for ``server/pool.py``), and
+  ``server/``, ``workers/`` and ``benchmarks/`` (``tests/server/books/test_pool.py`` for ``server/books/pool.py``), and
   ``tests/integrations/test_vllm_<module>.py`` for ``kvpool/integrations/vllm/<module>.py``. A module whose tests
   need more than one file adds what they are about: ``test_<module>_<aspect>.py`` (``test_pool_fences.py``).
 * A suite that checks what several modules do together is named for what it checks and listed in

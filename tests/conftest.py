@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.server.launch import ServerProcess, child_env, spawn
-from kvpool.server.local import LocalPool
+from kvpool.server.transports.local import LocalPool
 
 ROOT = Path(__file__).resolve().parent.parent
 

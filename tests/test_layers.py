@@ -49,7 +49,7 @@ def modules_named(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def module_files() -> dict[str, Path]:
-    """Every module of the four folders, by its installed name (``kvpool.server.pool`` for server/pool.py)."""
+    """Every module of the four folders, by its installed name (``kvpool.server.books.pool``: server/books/pool.py)."""
     found = {}
     for folder, (package, _) in LAYERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -186,15 +186,33 @@ def test_the_core_and_the_pool_never_reach_into_the_integrations():
     assert bad == []
 
 
+#: what the pool's books (server/books/) may never import: the rest of the server, and the machinery around it
+NOT_IN_BOOKS = ("kvpool.server", "torch", "fastapi", "starlette", "uvicorn", "httpx", "nixl")
+
+
+def test_the_books_stand_on_nothing_but_kvpool_and_each_other():
+    """server/books/ is the pool's pure-Python core: transports, tiers, slabs, events and remote reads stand on it,
+    and it on none of them (nor on torch or HTTP), so it is tested with plain function calls."""
+    bad = []
+    for path in sorted((ROOT / "server" / "books").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        imported = [(n.lineno, a.name) for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        imported += [(n.lineno, n.module) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+        bad += [f"{path.relative_to(ROOT)}:{line}: {name}" for line, name in imported
+                if not name.startswith("kvpool.server.books")
+                and any(name == x or name.startswith(x + ".") for x in NOT_IN_BOOKS)]  # fmt: skip
+    assert bad == []
+
+
 def test_the_check_catches_an_upward_import(tmp_path):
     """The checker itself: a lazy import, a from-import and an import by name all count."""
     source = (
-        "def f():\n    from kvpool.server.pool import Pool\n"
+        "def f():\n    from kvpool.server.books.pool import Pool\n"
         "import importlib\nimportlib.import_module('kvpool.workers.demo')\n"
         "from kvpool.benchmarks import harness\n"
     )
     names = [name for _, name in modules_named(ast.parse(source))]
-    assert "kvpool.server.pool" in names
+    assert "kvpool.server.books.pool" in names
     assert "kvpool.workers.demo" in names
     assert "kvpool.benchmarks" in names
 
@@ -203,6 +221,7 @@ def test_the_check_catches_an_upward_import(tmp_path):
 MIRRORS = {
     "tests": ("kvpool", ""),
     "tests/server": ("server", ""),
+    **{f"tests/server/{p}": (f"server/{p}", "") for p in ("books", "events", "remote", "slabs", "transports")},
     "tests/workers": ("workers", ""),
     "tests/benchmarks": ("benchmarks", ""),
     "tests/integrations": ("kvpool/integrations/vllm", "vllm_"),
@@ -282,7 +301,19 @@ def test_a_built_wheel_adds_nothing_but_kvpool_to_site_packages(tmp_path):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"kvpool"}
-    assert {"kvpool/server/pool.py", "kvpool/workers/demo.py", "kvpool/benchmarks/harness.py"} <= names
+    assert {"kvpool/server/books/pool.py", "kvpool/workers/demo.py", "kvpool/benchmarks/harness.py"} <= names
+    modules = module_files().items()
+    assert {m.replace(".", "/") + ("/__init__.py" if p.name == "__init__.py" else ".py") for m, p in modules} <= names
+
+
+def test_every_package_of_the_tree_is_one_that_pyproject_installs():
+    """setuptools installs only the packages pyproject lists: a folder left off ships in an editable install and is
+    missing from the wheel (``kvpool.integrations.vllm.generations`` once was)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {name for name, path in module_files().items() if path.name == "__init__.py"}
+    assert found == listed
 
 
 def test_the_license_file_is_the_apache_2_0_that_pyproject_names():

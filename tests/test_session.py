@@ -10,7 +10,7 @@ import pytest
 
 from kvpool.errors import InvalidRequest, LeaseLapsed, PoolRestarted, UnknownSession
 from kvpool.protocol import SessionInfo
-from kvpool.server.local import LocalPool
+from kvpool.server.transports.local import LocalPool
 from kvpool.session import Session
 from kvpool.transport import Transport
 from tests.conftest import SMALL_POOL, local_pool

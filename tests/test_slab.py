@@ -832,7 +832,7 @@ def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(p
 
 def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
     # over TCP, where the pool cannot know the process: its blocks are released at once, as the test needs (over the
-    # Unix socket they would stay quarantined while this process lives: tests/server/test_quarantine.py)
+    # Unix socket they would stay quarantined while this process lives: tests/server/books/test_quarantine.py)
     with SlabClient(pool.tcp_url, name="slab-z", slab=SMALL, heartbeat=False) as z:
         ids = z.alloc(1)
         deadline = time.monotonic() + 10

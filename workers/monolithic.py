@@ -3,8 +3,8 @@
 :func:`greedy_generate` is the plain reference (every prompt computed from scratch, then decoded in batches) that
 the tests hold the workers' tokens to. :class:`MonolithicEngine` (``python -m kvpool.workers.monolithic``) is the fair
 serving baseline: the same model, kernels, batched chunked prefill (:mod:`workers.batching`) and decode step as
-the workers, and a prefix cache of its own: the pool's very books (:class:`kvpool.server.pool.Pool`), in process, over
-a private cache that no other process sees.
+the workers, and a prefix cache of its own: the pool's very books (:class:`kvpool.server.books.pool.Pool`), in
+process, over a private cache that no other process sees.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 from kvpool.errors import PoolExhausted
 from kvpool.ids import Fences
 from kvpool.layout import KVLayout
-from kvpool.server.pool import LookupResult, Pool
+from kvpool.server.books.pool import LookupResult, Pool
 from kvpool.workers.batching import PrefillBatcher
 from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.kvcache import private_kv_caches

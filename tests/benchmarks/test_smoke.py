@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.errors import InvalidRequest
-from kvpool.server.nixlagent import load_nixl
+from kvpool.server.remote.nixlagent import load_nixl
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -14,7 +14,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.layout import KVLayout
 from kvpool.server.arenas import create_owned_arena, describe
-from kvpool.server.tiermemory import HostTierMemory
+from kvpool.server.tiers.tiermemory import HostTierMemory
 from tests.conftest import start_pool
 
 pytestmark = pytest.mark.gpu

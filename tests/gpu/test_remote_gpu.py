@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two GPUs", allow_module_level=True)
 
-from kvpool.server.nixlagent import load_nixl  # noqa: E402
+from kvpool.server.remote.nixlagent import load_nixl  # noqa: E402
 
 try:
     load_nixl()

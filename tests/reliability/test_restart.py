@@ -21,7 +21,7 @@ from kvpool.arena import Arena
 from kvpool.client import PoolClient
 from kvpool.errors import ArenaClosed, PoolRestarted, PoolUnavailable
 from tests.conftest import PoolProcess, start_pool
-from tests.server.books import assert_balanced
+from tests.server.balance import assert_balanced
 from tests.server.procs import serve
 
 LEASE_TTL_S = 1.0

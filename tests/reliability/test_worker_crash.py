@@ -22,7 +22,7 @@ import pytest
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, HandoffRefused, NotOwner
 from tests.conftest import ROOT, PoolProcess, start_pool
-from tests.server.books import assert_balanced
+from tests.server.balance import assert_balanced
 
 LEASE_TTL_S = 1.0
 NUM_BLOCKS = 64

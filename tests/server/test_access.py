@@ -23,7 +23,7 @@ from kvpool.client import PoolClient
 from kvpool.errors import Unauthorized
 from kvpool.server.config import PoolSettings
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, free_port, start_pool
-from tests.server.books import books
+from tests.server.balance import books
 from tests.server.procs import SMALL_LAYOUT, serve
 
 TOKEN = "s3cret-token-for-tests"
@@ -417,7 +417,7 @@ def test_nothing_received_is_unpickled() -> None:
     uses = [use for path in sources for use in unsafe_uses(path)]
     assert uses == [], "code-running deserializers in the package:\n" + "\n".join(uses)
     # The transports decode with pydantic's JSON parser.
-    assert "model_validate_json" in (ROOT / "server" / "fastpath.py").read_text()
+    assert "model_validate_json" in (ROOT / "server" / "transports" / "fastpath.py").read_text()
 
 
 def test_the_unpickling_scan_finds_what_it_looks_for(tmp_path: Path) -> None:

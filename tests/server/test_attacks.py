@@ -43,7 +43,7 @@ from kvpool.errors import (
 from kvpool.inbox import encode_delivery
 from kvpool.protocol import AllocResponse
 from tests.conftest import SMALL_POOL, LocalPool, PoolProcess, start_pool
-from tests.server.books import assert_balanced
+from tests.server.balance import assert_balanced
 
 OTHER_UID = 65534  # nobody: a second local user, made a member of the pool's socket group for the attack
 TOKEN = "attack-tests-token"

@@ -31,7 +31,7 @@ from kvpool.errors import (
     UnknownSession,
 )
 from tests.conftest import SMALL_POOL, LocalPool, local_pool
-from tests.server.books import books
+from tests.server.balance import books
 
 NUM_BLOCKS = 64
 BLOCK_SIZE = 4

@@ -33,7 +33,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error, positive_data_acceptance
 
 from tests.conftest import SMALL_POOL, PoolProcess, start_pool
-from tests.server.books import assert_balanced
+from tests.server.balance import assert_balanced
 
 MAX_EXAMPLES = 110  # per operation and generation mode; 9 operations take input, so well over 1000 cases
 MIN_CASES = 1000

@@ -22,7 +22,7 @@ import zmq
 
 from kvpool.server.launch import ServerProcess
 from tests.conftest import free_port, start_pool
-from tests.server.books import assert_balanced
+from tests.server.balance import assert_balanced
 from tests.server.kv_router import Subscriber
 from tests.server.procs import serve
 from tests.test_cli import kvpool

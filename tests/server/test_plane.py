@@ -137,7 +137,7 @@ def test_a_claim_times_out_with_404_and_stopping_answers_waiters(plane: ControlP
 def test_metrics_read_the_same_snapshot_as_stats(plane: ControlPlane) -> None:
     from prometheus_client import generate_latest
 
-    from kvpool.server.metrics import registry_for
+    from kvpool.server.events.metrics import registry_for
 
     a = session(plane)
     plane.alloc(AllocRequest(session_id=a, num_blocks=5))
@@ -147,7 +147,8 @@ def test_metrics_read_the_same_snapshot_as_stats(plane: ControlPlane) -> None:
 
 
 def test_health_answers_are_made_once_for_each_state(plane: ControlPlane) -> None:
-    """What ``GET /health`` answers at the door (server/gates.py) is what its route said: 503 starting, then 200."""
+    """What ``GET /health`` answers at the door (server/transports/gates.py) is what its route said: 503 starting,
+    then 200."""
     status, body = plane.health()
     assert (status, json.loads(body)) == (200, {"status": "ok", "epoch": plane.epoch})
     assert plane.health()[1] is body

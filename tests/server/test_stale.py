@@ -15,7 +15,7 @@ from kvpool.errors import HandoffNotFound, HandoffRefused, StaleBlock, UnknownSe
 from kvpool.ids import block_of, pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, decode_delivery, encode_delivery, seal_delivery
 from tests.conftest import SMALL_POOL, LocalPool, local_pool, start_pool
-from tests.server.books import books
+from tests.server.balance import books
 
 
 @pytest.fixture(scope="module")

@@ -42,7 +42,7 @@ def _tiers(url: str) -> dict[str, dict[str, int]]:
 
 
 def test_tokens_equal_whether_the_prefix_was_computed_or_came_from_either_tier(workdir: Path) -> None:
-    """The copies' both block layouts are tested in tests/server/test_hosttier.py; here the default one, end to end."""
+    """Both block layouts of the copies are tested in tests/server/books/test_hosttier.py; here the default one."""
     layout = layout_for(TINY, BS, "float32", "layer_major")
     rng = random.Random(3)
     prompt = [rng.randrange(TINY.vocab_size) for _ in range(5 * BS + 3)]

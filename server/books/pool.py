@@ -1,0 +1,584 @@
+"""The pool's books: sessions with leases, block refs, the prefix index and parked handoffs.
+
+This is the whole domain logic of the pool manager, with no HTTP and no torch: the server validates requests
+and calls these methods from one event loop, so they need no lock. Refs are held by *holders*: a session
+(``s:<id>``) or a parked handoff (``h:<request_id>``); handing off and claiming move refs between holders, so a
+block is never unowned and a crashed worker's refs are found and released when its lease runs out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import hmac
+import itertools
+import secrets
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from kvpool.errors import (
+    InvalidRequest,
+    LimitExceeded,
+    NameTaken,
+    StaleBlock,
+    UnknownSession,
+)
+from kvpool.layout import KVLayout
+from kvpool.server.books.allocator import BlockAllocator
+from kvpool.server.books.hosttier import HostTier
+from kvpool.server.books.parking import Parking
+from kvpool.server.books.peers import PeerCopies, PeerCopy
+from kvpool.server.books.poolstats import PoolStats
+from kvpool.server.books.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
+from kvpool.server.books.processes import Peer
+from kvpool.server.books.quarantine import Quarantine
+from kvpool.server.books.records import (
+    NAMES_KEPT,
+    RESERVED,
+    SESSION_ID,
+    Clock,
+    CommitResult,
+    Counters,
+    Handoff,
+    Limits,
+    LookupResult,
+    Refusal,
+    Session,
+)
+
+
+@dataclass
+class Pool(Parking, PoolStats):
+    """Everything the control plane manages: one arena of ``num_blocks`` blocks, or one per device (a list).
+
+    Block ids are global across arenas; ``arena`` arguments pick where new blocks come from and which arena's
+    prefix chains a lookup walks (the same prompt on two GPUs is two different sets of blocks).
+    """
+
+    num_blocks: int | Sequence[int]
+    layout: KVLayout
+    lease_ttl_s: float = 10.0
+    handoff_ttl_s: float = 60.0
+    #: the longest the pool's clock may move between two of its own readings while the pool runs (the server reads
+    #: it at least every sweep); a longer gap was a pause (SIGSTOP, a frozen cgroup, swap, a debugger), and only
+    #: this much of it counts towards leases and handoff time-outs. None: every second counts (a test's clock)
+    pause_slack_s: float | None = None
+    model: str = ""
+    clock: Clock = time.monotonic
+    epoch: str = field(default_factory=lambda: secrets.token_hex(8))
+    digest: Digest | None = None
+    on_handoff: Callable[[str], None] | None = None
+    on_session_end: Callable[[Session], None] | None = None
+    #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
+    on_release: Callable[[Session], None] | None = None
+    on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
+    #: before a session's call gives up blocks (free, commit, handoff): what its slab handed must move first
+    on_gives_up: Callable[[str], None] | None = None
+    limits: Limits = field(default_factory=Limits)
+    index_listener: IndexListener | None = None  # told what the index finds (KV events)
+    host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
+    #: copies blocks between the arenas (several GPUs): lookups on one arena are served from the others too
+    peer_copy: PeerCopy | None = None
+    #: the fence (see kvpool.server.books.quarantine); None: a lapsed session's blocks are all released at once
+    quarantine: Quarantine | None = None
+    #: names the operator pinned to a Unix user (``--names``): name, or a prefix ending in ``*``, -> uid
+    pins: dict[str, int] = field(default_factory=dict)
+    #: the pool's own user: its processes could stop the pool itself, so they take no per-peer share (the compose
+    #: deployment runs every container as it); None: every peer has its share (tests)
+    own_uid: int | None = None
+
+    def __post_init__(self) -> None:
+        self.paused_s = 0.0  # how long the pool did not run, all pauses together
+        if self.pause_slack_s is not None:
+            self._wall = self.clock
+            self._last_read = self._wall()
+            self.clock = self._heard
+        self.index = PrefixIndex(self.index_listener)
+        tier = self.host_tier
+        self._forget = tier.evicted if tier else self.index.remove_block
+        self.allocator = BlockAllocator(self.num_blocks, on_evict=self._evicted,
+                                        after_evict=tier.flush if tier else None)  # fmt: skip
+        if tier is not None:
+            tier.bind(self.index, self.allocator)
+        for start in self.allocator.starts:
+            for block in range(start, start + self.layout.reserved_blocks):
+                self.allocator.reserve(RESERVED, block)
+        self.arena_sizes = self.allocator.sizes
+        multi = len(self.arena_sizes) > 1
+        self.peers = PeerCopies(self, self.peer_copy) if self.peer_copy is not None and multi else None
+        self.total_blocks = self.allocator.num_blocks
+        hasher_args = {} if self.digest is None else {"digest": self.digest}
+        namespace = self.layout.namespace(self.model)
+        self.hashers = [
+            PrefixHasher(namespace if i == 0 else f"{namespace}|arena{i}", self.layout.block_size, **hasher_args)
+            for i in range(len(self.arena_sizes))
+        ]
+        self.sessions: dict[str, Session] = {}
+        self.handoffs: dict[str, Handoff] = {}
+        self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
+        self.counters = Counters()
+        self.limits_exceeded: Counter[str] = Counter()  # calls refused for a per-client limit, by limit
+        # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
+        # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
+        self._by_name: dict[str, dict[str, None]] = {}
+        self._name_keys: dict[str, tuple[bytes, str | None]] = {}  # name -> its key's digest, the share that keyed it
+        self._names_of: dict[str | None, OrderedDict[str, None]] = {}  # share -> the names it keyed, least recent first
+        self._sessions_of: Counter[str] = Counter()  # share -> its live sessions
+        self._handoffs_of: Counter[str] = Counter()  # share -> the handoffs its sessions parked, still parked
+        self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
+        self._sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
+        self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
+        self._sealed_to: dict[str, dict[str, None]] = {}  # addressee -> those of its handoffs it must name
+        self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
+        self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
+        self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
+        self._seq = 0
+
+    def _heard(self) -> float:
+        """The pool's time as it could hear its clients: the clock, less the pauses it slept through.
+
+        A lease counts a client's silence as the pool heard it. A pool that was not running heard nothing, and the
+        heartbeats its clients sent meanwhile wait in its sockets: expiring them when it wakes, before it read
+        those, would release every healthy session's blocks. So a gap between two readings longer than
+        ``pause_slack_s`` counts as that slack alone, and every deadline (kept in this time) moves with the pause.
+        """
+        wall = self._wall()
+        gap = wall - self._last_read
+        self._last_read = wall
+        assert self.pause_slack_s is not None
+        if gap > self.pause_slack_s:
+            self.paused_s += gap - self.pause_slack_s
+        return wall - self.paused_s
+
+    # -- sessions ---------------------------------------------------------------------------------------
+
+    def open_session(
+        self,
+        name: str,
+        role: str,
+        layout: KVLayout | None = None,
+        inbox: str | None = None,
+        name_key: str | None = None,
+        peer: Peer | None = None,
+    ) -> Session:
+        """A new session called ``name``, opened by ``peer``; with ``name_key``, the name is held under that key,
+        and by that peer's share (:attr:`Peer.share`), from then on.
+
+        A name is how producers address handoffs, and any token holder may open a session under any name: a
+        stranger (or a second deployment, a worker started twice) could take a consumer's name while it restarts
+        and receive what is addressed to it. A name opened with a key can only be opened again with the same key
+        and by the same share (another user cannot open it, key or not), also after every session of it ended: the
+        pool remembers the last ``NAMES_KEPT`` keyed names of each share apart, so one peer's opens never make it
+        forget another's. A name the operator pinned (``--names``) opens only for the user it is pinned to, from
+        the pool's first moment, so nobody can take it first.
+        """
+        self.layout.require(layout)
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise self.exceeded("max_sessions", f"the pool has {len(self.sessions)} sessions open")
+        share = self.share_of(peer)
+        if share is not None and self._sessions_of[share] >= self.limits.max_sessions_per_peer:
+            raise self.exceeded("max_sessions_per_peer", f"{share} has {self._sessions_of[share]} sessions open")
+        digest = self._name_digest(name, name_key, peer)
+        now = self.clock()
+        sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
+        key = secrets.token_bytes(32) if inbox is not None else b""
+        session = Session(sid, name, role, now + self.lease_ttl_s, now, inbox, key, peer=peer)
+        self.sessions[sid] = session
+        if share is not None:
+            self._sessions_of[share] += 1
+        self._by_name.setdefault(name, {})[sid] = None
+        heapq.heappush(self._session_deadlines, (session.expires_at, sid))
+        if digest is not None:
+            self._keep_name(name, digest, peer.share if peer is not None else None)
+        self.counters.sessions_opened += 1
+        return session
+
+    def _name_digest(self, name: str, name_key: str | None, peer: Peer | None) -> bytes | None:
+        """The digest of ``name_key``, after checking that ``peer`` may open ``name`` with it (NameTaken if not)."""
+        pinned = self.pinned(name)
+        if pinned is not None and (peer is None or peer.address is not None or peer.uid != pinned):
+            raise NameTaken(
+                f"the name {name!r} is pinned to uid {pinned} by the pool's operator (--names, KVPOOL_NAMES): open "
+                "it from that user's processes over the pool's Unix socket, or use another name"
+            )
+        digest = None if name_key is None else hashlib.blake2b(name_key.encode(), digest_size=32).digest()
+        held, owner = self._name_keys.get(name, (None, None))
+        share = peer.share if peer is not None else None
+        if held is not None and owner is not None and share != owner:
+            raise NameTaken(
+                f"the name {name!r} is held under a name key by another peer ({owner}): open it from that peer's "
+                "processes, or under another name (an operator pins names to users with --names)"
+            )
+        if held is not None and (digest is None or not hmac.compare_digest(held, digest)):
+            raise NameTaken(
+                f"the name {name!r} is held under a name key, and this session gave "
+                f"{'another' if digest is not None else 'none'}: open it with the key of the worker it belongs to "
+                "(PoolClient name_key=, KVPOOL_NAME_KEY), or under another name"
+            )
+        return digest
+
+    def share_of(self, peer: Peer | None) -> str | None:
+        """Whose per-peer bounds a session of ``peer`` counts against; None: the pool-wide bounds only."""
+        if peer is None or (peer.address is None and peer.uid == self.own_uid):
+            return None
+        return peer.share
+
+    def pinned(self, name: str) -> int | None:
+        """The uid the operator pinned ``name`` to, if any (a pin ending in ``*`` covers every name it starts)."""
+        pin = self.pins.get(name)
+        if pin is not None or not self.pins:
+            return pin
+        return next((uid for n, uid in self.pins.items() if n.endswith("*") and name.startswith(n[:-1])), None)
+
+    def _keep_name(self, name: str, digest: bytes, share: str | None) -> None:
+        """Remember ``name``'s key, as the share that keyed it first; past ``NAMES_KEPT`` names of that share,
+        forget its least recently opened name that no session holds."""
+        owner = self._name_keys.get(name, (b"", share))[1]
+        self._name_keys[name] = (digest, owner)
+        names = self._names_of.setdefault(owner, OrderedDict())
+        names[name] = None
+        names.move_to_end(name)
+        if len(names) <= NAMES_KEPT:
+            return
+        for old in names:
+            if old not in self._by_name:
+                del names[old], self._name_keys[old]
+                return
+
+    def session(self, session_id: str) -> Session:
+        """The live session, its lease extended by any call it makes."""
+        session = self.sessions.get(session_id)
+        now = self.clock()
+        if session is None or session.expires_at < now:
+            if session is not None:
+                self._expire_session(session)
+            if not SESSION_ID.fullmatch(session_id):
+                raise UnknownSession(
+                    f"unknown session {session_id!r}: malformed, no pool makes ids like it; a session id is what "
+                    "POST /sessions returned (like 0123abcd-0123456789abcdef)"
+                )
+            if not session_id.startswith(self.epoch[:8]):
+                raise UnknownSession(
+                    f"unknown session {session_id!r}: it belongs to another pool epoch (this pool is "
+                    f"{self.epoch}); the pool restarted, open a new session and map the arena again"
+                )
+            raise UnknownSession(
+                f"unknown session {session_id!r}: closed, or expired after {self.lease_ttl_s}s without a "
+                "heartbeat (its blocks were released; those it had not committed stay out of use until the process "
+                "that opened it exits); open a new session"
+            )
+        session.expires_at = now + self.lease_ttl_s
+        return session
+
+    def heartbeat(self, session_id: str, peer: Peer | None = None) -> Session:
+        """Extend the lease; a session opened where its process was unknown (TCP) takes the process that renews it
+        over a Unix socket: that one holds the session, and could write its blocks."""
+        session = self.session(session_id)
+        if session.peer is not None and not session.peer.process and peer is not None and peer.process:
+            session.peer = replace(peer, address=session.peer.address)  # its share stays the one it opened as
+        return session
+
+    def held(self, session_id: str) -> list[int]:
+        """The fenced ids of the blocks the session holds, an id once per ref: what a client compares with what it
+        knows it holds (a block it holds and does not know of stays held until the session ends)."""
+        session = self._live(session_id) or self.session(session_id)  # asking is no heartbeat: no lease extended
+        fence_of = self.allocator.fence_of
+        return [fence_of[block] for block, refs in self.allocator.refs_of(session.holder).items() for _ in range(refs)]
+
+    def close_session(self, session_id: str) -> int:
+        session = self.session(session_id)
+        del self.sessions[session_id]
+        if self.on_release is not None:
+            self.on_release(session)
+        released = self.allocator.release_holder(session.holder)
+        self._ended(session)
+        return released
+
+    def addressee(self, handoff: Handoff) -> Session | None:
+        """The session a handoff is addressed to, if it is open (its lease may have run out since the last sweep)."""
+        return self.sessions.get(handoff.to) if handoff.to is not None else None
+
+    def live_sessions(self, name: str | None = None) -> list[Session]:
+        """Sessions whose lease has not run out (the sweep may not have removed the others yet), by name."""
+        now = self.clock()
+        if name is None:
+            return [s for s in self.sessions.values() if s.expires_at >= now]
+        found = (self.sessions[sid] for sid in self._by_name.get(name, ()))
+        return [s for s in found if s.expires_at >= now]
+
+    def exceeded(self, limit: str, what: str) -> LimitExceeded:
+        """The refusal of a call past ``limit``, counted (``kvpool_limits_exceeded``): a client hitting a bound."""
+        self.limits_exceeded[limit] += 1
+        return self.limits.exceeded(limit, what)
+
+    def _live(self, session_id: str) -> Session | None:
+        """The session if it is live, without extending its lease (for calls made by someone else)."""
+        session = self.sessions.get(session_id)
+        return session if session is not None and session.expires_at >= self.clock() else None
+
+    def named(self, name: str) -> Session:
+        """The one live session called ``name`` (the addressee of a handoff)."""
+        found = self.live_sessions(name)
+        if len(found) != 1:
+            why = "no live session is" if not found else f"{len(found)} live sessions are"
+            raise InvalidRequest(
+                f"{why} named {name!r}: address a handoff to a worker that is up, under a name it alone has"
+            )
+        return found[0]
+
+    # -- blocks -----------------------------------------------------------------------------------------
+
+    def alloc(self, session_id: str, num_blocks: int, arena: int = 0) -> list[int]:
+        holder = self.session(session_id).holder
+        self.counters.alloc_requests += 1
+        try:
+            blocks = self.allocator.allocate(holder, num_blocks, arena)
+        except Exception:
+            self.counters.alloc_exhausted += 1
+            if self.on_exhausted is not None:
+                self.on_exhausted(session_id)
+            raise
+        self.counters.alloc_blocks += num_blocks
+        return self.allocator.fenced(blocks)
+
+    def free(self, session_id: str, block_ids: Sequence[int]) -> int:
+        holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
+        self.allocator.drop(holder, self.unfence(block_ids, holder))
+        self.counters.free_requests += 1
+        self.counters.free_blocks += len(block_ids)
+        return len(block_ids)
+
+    def unfence(self, block_ids: Sequence[int], holder: str | None = None) -> list[int]:
+        """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
+        out, however the caller came by it (a delayed or replayed message, a lease that ran out); NotOwner unless
+        ``holder``, if given, holds them."""
+        try:
+            return self.allocator.unfence(block_ids, holder)
+        except StaleBlock as exc:
+            self.counters.stale_refused += 1
+            self.counters.stale_ids += len(exc.stale)
+            raise
+
+    # -- prefix cache -----------------------------------------------------------------------------------
+
+    def commit(
+        self,
+        session_id: str,
+        block_ids: Sequence[int],
+        token_ids: Sequence[int],
+        salt: str | None = None,
+        start: int = 0,
+        release: bool = False,
+    ) -> CommitResult:
+        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
+        ``salt``'s chains: only lookups with the same salt find them.
+
+        ``start``: the chain's first blocks are in the index already (a prefix the caller looked up), and
+        ``block_ids`` hold block ``start`` onwards; the pool checks that prefix instead of taking refs on it, and
+        commits nothing if part of it was evicted since (a chain cannot go on past a gap). ``release``: then drop
+        the caller's refs on ``block_ids``, as :meth:`free` does. A caller that saves a prompt after a hit thus
+        makes one call where it made three (lookup, commit, free).
+        """
+        holder = self.session(session_id).holder
+        if self.on_gives_up is not None:
+            self.on_gives_up(session_id)
+        num_full = len(token_ids) // self.layout.block_size
+        if start > num_full:
+            raise InvalidRequest(f"start {start} is past the {num_full} full blocks of token_ids")
+        if len(block_ids) < num_full - start:
+            raise InvalidRequest(
+                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens, {num_full - start} of them "
+                f"from block {start} on, but only {len(block_ids)} block ids were given"
+            )
+        if len(set(block_ids)) != len(block_ids):
+            raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
+        held = self.unfence(block_ids, holder)
+        result = self._index(held[: num_full - start], token_ids, salt, start, num_full)
+        if release:
+            self.allocator.drop(holder, held)
+            self.counters.free_blocks += len(held)
+        return result
+
+    def _evicted(self, block: int) -> None:
+        self._forget(block)
+        if self.peers is not None:
+            self.peers.evicted(block)
+
+    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int,
+               num_full: int, count: bool = True) -> CommitResult:  # fmt: skip
+        if not blocks:
+            return CommitResult(committed=0, duplicates=0, num_blocks=num_full)
+        arena = 0
+        if len(self.arena_sizes) > 1:
+            arenas = {self.allocator.arena_of[b] for b in blocks}
+            if len(arenas) > 1:
+                raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
+            arena = arenas.pop()
+        chain = self.hashers[arena].blocks(token_ids, salt)
+        parent, missing = self.index.tail(itertools.islice(chain, start)) if start else (None, 0)
+        if missing:
+            return CommitResult(committed=0, duplicates=0, num_blocks=num_full, missing=missing)
+        new = self.index.plan(chain, blocks, parent)
+        self.allocator.mark_committed([node.block for node in new])
+        self.index.apply(new)
+        if not count:
+            return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
+        c = self.counters
+        c.commit_requests += 1
+        c.committed_blocks += len(new)
+        c.duplicate_blocks += len(blocks) - len(new)
+        return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
+
+    def lookup(
+        self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None
+    ) -> LookupResult:
+        """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
+        block for the session."""
+        return self.lookup_many(session_id, [(token_ids, salt)], arena)[0]
+
+    def lookup_many(
+        self, session_id: str, lookups: Sequence[tuple[Sequence[int], str | None]], arena: int = 0
+    ) -> list[LookupResult]:
+        """:meth:`lookup` of each prompt in order. Blocks that other arenas copy over for all of them go in one copy
+        per pair of arenas once every prompt was looked up (a burst's prefixes in one large copy, which runs near
+        the link's speed, instead of one small copy each); a prompt that finds blocks an earlier one had copied
+        over in the same call hits them too. Where a copy fails, the prompts that named its blocks stop before
+        them."""
+        holder = self.session(session_id).holder
+        if self.peers is None:
+            return [self._hit(self._lookup(holder, t, arena, salt), t) for t, salt in lookups]
+        try:
+            found = [self._lookup(holder, t, arena, salt) for t, salt in lookups]
+        finally:
+            failed = self.peers.finish()
+        if failed:
+            for i, ids in enumerate(found):
+                cut = next((k for k, block in enumerate(ids) if block in failed), len(ids))
+                self.allocator.drop(holder, ids[cut:])
+                found[i] = ids[:cut]
+        return [self._hit(ids, t) for ids, (t, _) in zip(found, lookups, strict=True)]
+
+    def _lookup(self, holder: str, token_ids: Sequence[int], arena: int, salt: str | None) -> list[int]:
+        if not 0 <= arena < len(self.hashers):
+            raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
+        blocks = self.hashers[arena].blocks(token_ids, salt)
+        if self.host_tier is not None:
+            ids, _ = self.host_tier.lookup(holder, blocks, arena)
+        else:
+            ids = self.index.match(blocks)
+            self.allocator.acquire(holder, ids)
+        if self.peers is not None and len(ids) < len(token_ids) // self.layout.block_size:
+            ids = ids + self.peers.extend(holder, token_ids, salt, arena, ids)
+        return ids
+
+    def _hit(self, ids: list[int], token_ids: Sequence[int]) -> LookupResult:
+        c = self.counters
+        c.lookup_requests += 1
+        c.lookup_blocks += len(token_ids) // self.layout.block_size
+        c.hit_blocks += len(ids)
+        return LookupResult(self.allocator.fenced(ids), len(ids) * self.layout.block_size)
+
+    # -- reclaiming -------------------------------------------------------------------------------------
+
+    def expire(self) -> tuple[int, int]:
+        """Release sessions whose lease ran out and handoffs nobody claimed in time.
+
+        It costs what expired (and a look at each live session once a lease), never a pass over everything:
+        the sweep runs on the pool's one event loop, and a slow one would expire every other session too.
+        """
+        self.release_gone()
+        now = self.clock()
+        dead = 0
+        heap = self._session_deadlines
+        while heap and heap[0][0] < now:
+            _, sid = heapq.heappop(heap)
+            session = self.sessions.get(sid)
+            if session is None:
+                continue
+            if session.expires_at < now:
+                self._expire_session(session)
+                dead += 1
+            else:  # it renewed its lease since this entry was made
+                heapq.heappush(heap, (session.expires_at, sid))
+        stale = 0
+        heap = self._handoff_deadlines
+        while heap and heap[0][0] < now:
+            _, seq, rid = heapq.heappop(heap)
+            handoff = self.handoffs.get(rid)
+            if handoff is None or handoff.seq != seq or handoff.to is not None or handoff.expires_at >= now:
+                continue
+            self._unpark(handoff)
+            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
+            self.counters.handoffs_expired += 1
+            stale += 1
+        return dead, stale
+
+    def _expire_session(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        if self.on_release is not None:
+            self.on_release(session)
+        self._fence(session)
+        self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
+        self.counters.sessions_expired += 1
+        self._ended(session)
+
+    def _fence(self, session: Session) -> None:
+        """Move what a lapsed session could still write (its uncommitted blocks) to the quarantine, if its process
+        is known; the rest (committed blocks: immutable) is released as before."""
+        if self.quarantine is None:
+            return
+        committed = self.allocator.committed
+        writable: list[int] = []
+        released = 0
+        for block, refs in self.allocator.refs_of(session.holder).items():
+            if committed[block]:
+                released += refs
+            else:
+                writable += [block] * refs
+        holder = self.quarantine.lapsed(session.session_id, session.name, session.peer, writable, released)
+        if holder is not None:
+            self.allocator.transfer(session.holder, holder, writable)
+
+    def release_gone(self) -> int:
+        """Release the quarantined blocks of lapsed processes that are gone; how many blocks reached ref 0."""
+        if self.quarantine is None or not self.quarantine.fenced:
+            return 0
+        released = 0
+        for entry in self.quarantine.gone():
+            released += self.allocator.release_holder(entry.holder)
+        self.counters.blocks_reclaimed += released
+        return released
+
+    def _ended(self, session: Session) -> None:
+        """Handoffs addressed to a session that ended are refused, and their blocks released.
+
+        They were addressed to that session, not to its name: giving them to whoever holds the name next (the worker
+        restarted, or anyone else) or to anyone at all would hand a request to a session its producer never chose.
+        The refusal is kept, so a claim of one (by a restarted consumer, or its producer asking) says why.
+        """
+        sid = session.session_id
+        share = self.share_of(session.peer)
+        if share is not None:
+            self._sessions_of[share] -= 1
+            if not self._sessions_of[share]:
+                del self._sessions_of[share]
+        named = self._by_name.get(session.name)
+        if named is not None:
+            named.pop(sid, None)
+            if not named:
+                del self._by_name[session.name]
+        self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
+        orphaned = [*self._addressed.pop(sid, ()), *self._sealed_to.pop(sid, ())]
+        why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
+        for request_id in orphaned:
+            handoff = self.handoffs[request_id]
+            self._unpark(handoff)
+            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
+            self.counters.handoffs_orphaned += 1
+            self.remember_refusal(request_id, why, "after it was parked")
+        if self.on_session_end is not None:
+            self.on_session_end(session)
