@@ -90,6 +90,7 @@ class RemotePeers:
         self.http = httpx.AsyncClient(headers={"authorization": f"Bearer {token}"}, timeout=self.timeout)
         self.peers: dict[str, Peer] = {}
         self.stalled: list[tuple[str, Any, str]] = []  # (holder, NIXL handle, peer agent)
+        self.reading: set[str] = set()  # holders of the reads in flight
         self.counts = RemoteCounts()
         self._seq = itertools.count()
 
@@ -182,6 +183,7 @@ class RemotePeers:
             pool.allocator.release_holder(holder)
             raise PeerFailed(f"peer {peer.url}: {exc}") from None
         t0 = time.perf_counter()
+        self.reading.add(holder)
         try:
             await self._transfer(peer, mine, theirs)
         except _Stalled as stalled:
@@ -197,6 +199,8 @@ class RemotePeers:
             self.counts.failed += 1
             self._forget(peer)
             raise
+        finally:
+            self.reading.discard(holder)
         c = self.counts
         c.reads += 1
         c.read_blocks += len(local)
@@ -313,9 +317,11 @@ class RemotePeers:
 
     def stats(self) -> dict[str, Any]:
         c = self.counts
-        held = sum(len(self.pool().allocator.held(h)) for h, _, _ in self.stalled)
-        return {**c.__dict__, "peers": sorted(self.peers), "stalled_reads": len(self.stalled),
-                "stalled_blocks": held}  # fmt: skip
+        allocator = self.pool().allocator
+        held = sum(len(allocator.held(h)) for h, _, _ in self.stalled)
+        reading = sum(len(allocator.held(h)) for h in self.reading)
+        return {**c.__dict__, "peers": sorted(self.peers), "reads_in_flight": len(self.reading),
+                "reading_blocks": reading, "stalled_reads": len(self.stalled), "stalled_blocks": held}  # fmt: skip
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -1,7 +1,7 @@
 """Engines on two pools, two nodes' as far as one machine shows: a prefill parked on pool A is claimed by a decode
 engine on pool B through B (``/remote/claim``), read into B's arena over NIXL (UCX TCP, host arenas) and installed
-as a local claim is; a peer killed before B's read leaves the decode engine computing the prompt, B's blocks back.
-Needs NIXL; the tests inside vLLM's own scheduler need vLLM too (the CI's vLLM lane)."""
+as a local claim is; a peer killed before or during B's read leaves the decode engine computing the prompt, B's blocks
+back. Needs NIXL; the tests inside vLLM's own scheduler need vLLM too (the CI's vLLM lane)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from tests.integrations.test_vllm_proxy import HANDOFF, Engines
 from tests.integrations.test_vllm_residency import BS as RES_BS
 from tests.integrations.test_vllm_residency import Engine, books, holds
 from tests.server.procs import serve
-from tests.server.test_remote import ENV, TOKEN, Proxy, url  # skips this module as its own where NIXL is missing
+from tests.server.test_remote import ENV, TOKEN, KillMidRead, Proxy, url  # skips this module as its own where NIXL is missing
 
 RESIDENCY_POOL = ("--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
                   "--block-size", "4", "--dtype", "float32", "--order", "kv_packed", "--slabs",
@@ -51,12 +51,21 @@ def start(port: int, peers: list[str], flags: tuple[str, ...]) -> PoolProcess:
 
 
 @contextlib.contextmanager
-def two_pools(flags: tuple[str, ...], kill_after_claim: bool = False) -> Iterator[tuple[PoolProcess, PoolProcess, str]]:
+def two_pools(
+    flags: tuple[str, ...], kill_after_claim: bool = False, kill_mid_read: KillMidRead | None = None
+) -> Iterator[tuple[PoolProcess, PoolProcess, str]]:
     """Pools A and B, each the other's peer; and A's URL as B knows it. With ``kill_after_claim``, B knows A
-    through a proxy that kills A once A answered B's claim, before B reads."""
+    through a proxy that kills A once A answered B's claim, before B reads; with ``kill_mid_read`` (its pid and
+    B's port are filled in here), one that kills A while B's read is in flight."""
     a_port, b_port = free_port(), free_port()
     a = start(a_port, [url(b_port)], flags)
-    proxy = Proxy(url(a_port), "/claim", lambda: os.kill(a.proc.pid, signal.SIGKILL)) if kill_after_claim else None
+    proxy = None
+    if kill_mid_read is not None:
+        kill_mid_read.pid, kill_mid_read.b_port = a.proc.pid, b_port
+        proxy = Proxy(url(a_port), "/claim", kill_mid_read)
+        flags = (*flags, "--peer-timeout-s", "60")  # the peer's death, not the deadline, must end the read
+    elif kill_after_claim:
+        proxy = Proxy(url(a_port), "/claim", lambda: os.kill(a.proc.pid, signal.SIGKILL))
     peer = url(proxy.port) if proxy is not None else url(a_port)
     b = start(b_port, [peer], flags)
     try:
@@ -257,13 +266,14 @@ def test_resident_engines_on_two_pools_hand_a_prefill_over_as_on_one(
         assert remote_stats(a)["in_use"] == 1 and remote_stats(b)["in_use"] == 1
 
 
-def test_a_resident_decode_engine_whose_peer_dies_computes_the_prompt(
+def test_a_resident_decode_engine_whose_peer_dies_mid_read_computes_the_prompt(
     safety: ModuleType, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bs = safety.BS
     flags = vllm_layout(safety.NUM_BLOCKS, "--order", "kv_packed", "--slabs", "--slab-max-blocks",
                         str(safety.NUM_BLOCKS))  # fmt: skip
-    with two_pools(flags, kill_after_claim=True) as (a, b, peer):
+    kill = KillMidRead(0, 0)
+    with two_pools(flags, kill_mid_read=kill) as (a, b, peer):
         prompt = list(range(60, 60 + 2 * bs + 3))
         salt = safety.salt_of(model_dir, a.url)
         with PoolClient(a.url, name="prefill", layout=safety.PACKED) as prefill:
@@ -274,6 +284,7 @@ def test_a_resident_decode_engine_whose_peer_dies_computes_the_prompt(
             params = {HANDOFF_KEY: "k3", DIGEST_KEY: digest, FROM_KEY: prefill.session.name, PEER_KEY: peer}
         with safety.running(model_dir, b.url, monkeypatch) as d:
             assert safety.first_hit(d, decode_request(safety, prompt, params)) == 0, "recomputed, no crash"
+            assert kill.in_flight["reads_in_flight"] == 1 and kill.in_flight["reading_blocks"] == 2
             s = remote_stats(b)
             assert s["remote"]["failed"] == 1 and s["remote"]["stalled_blocks"] == 0
         assert remote_stats(b)["in_use"] == 1, "the read's blocks and the engine's went back"

@@ -82,6 +82,32 @@ class Proxy:
         self.server.shutdown()
 
 
+class KillMidRead:
+    """What a proxy of A does once A answered B's claim: stop A (so that B's read cannot end), then, from a thread,
+    kill A once B's ``/stats`` shows the read in flight. The read is then posted and unfinished when its peer dies,
+    whatever the machine's load."""
+
+    def __init__(self, pid: int, b_port: int) -> None:
+        self.pid, self.b_port = pid, b_port
+        self.in_flight: dict[str, Any] = {}
+
+    def __call__(self) -> None:
+        stop_process(self.pid)
+        threading.Thread(target=self._kill, daemon=True).start()
+
+    def _kill(self) -> None:
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                remote = httpx.get(url(self.b_port) + "/stats", headers=AUTH, timeout=10).json()["remote"]
+                if remote["reads_in_flight"]:
+                    self.in_flight = remote
+                    return
+                time.sleep(0.01)
+        finally:
+            os.kill(self.pid, signal.SIGKILL)
+
+
 @pytest.fixture
 def pair() -> Iterator[tuple[PoolProcess, PoolProcess]]:
     a_port, b_port = free_port(), free_port()
@@ -241,6 +267,32 @@ def test_a_stalled_peer_times_out_and_its_blocks_come_back_once_the_read_ends() 
         assert stats(a_port)["in_use"] == 0 and len(want) == 20
     finally:
         os.kill(a.proc.pid, signal.SIGCONT)
+        proxy.close()
+        b.stop()
+        a.stop()
+
+
+def test_a_peer_killed_mid_read_fails_it_in_bounded_time_and_the_blocks_go_back() -> None:
+    a_port, b_port = free_port(), free_port()
+    a = start(a_port, [url(b_port)])
+    kill = KillMidRead(a.proc.pid, b_port)
+    proxy = Proxy(url(a_port), "/claim", kill)
+    b = start(b_port, [url(proxy.port)], "--peer-timeout-s", "60")
+    try:
+        park(a, "req-4")
+        with PoolClient(url(b_port), name="decode", token=TOKEN) as decode:
+            t0 = time.monotonic()
+            r = remote_claim(b_port, decode.session_id, url(proxy.port), "req-4")
+            took = time.monotonic() - t0
+            assert kill.in_flight["reads_in_flight"] == 1 and kill.in_flight["reading_blocks"] == 5
+            assert r.status_code == 502, r.text  # the peer's death, not the 60 s deadline, ended the read
+            assert took < 45 and "died" in r.json()["detail"]
+            s = stats(b_port)
+            assert (s["in_use"], s["free"]) == (0, 64), "nothing installed, the read's blocks went back"
+            assert s["remote"]["failed"] == 1 and s["remote"]["reads"] == 0
+            assert (s["remote"]["reads_in_flight"], s["remote"]["stalled_blocks"]) == (0, 0)
+            assert decode.alloc(64) and stats(b_port)["in_use"] == 64, "all of B's blocks can be had again"
+    finally:
         proxy.close()
         b.stop()
         a.stop()
