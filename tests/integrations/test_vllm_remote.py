@@ -31,7 +31,7 @@ from tests.integrations.test_vllm_proxy import HANDOFF, Engines
 from tests.integrations.test_vllm_residency import BS as RES_BS
 from tests.integrations.test_vllm_residency import Engine, books, holds
 from tests.server.procs import serve
-from tests.server.test_remote import ENV, TOKEN, KillMidRead, Proxy, url  # skips this module as its own where NIXL is missing
+from tests.server.test_remote import ENV, TOKEN, KillMidRead, Proxy, url  # skips this module without NIXL
 
 RESIDENCY_POOL = ("--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
                   "--block-size", "4", "--dtype", "float32", "--order", "kv_packed", "--slabs",
