@@ -120,10 +120,13 @@ class RemotePeers:
                                    meta=got["meta"], parked_by=got.get("parked_by"), descriptors=ndesc,
                                    read_s=took)  # fmt: skip
 
-    async def lookup(self, req: RemoteLookupRequest) -> RemoteLookupResponse:
+    async def lookup(self, req: RemoteLookupRequest, arena: int = 0) -> RemoteLookupResponse:
         """This pool's hit, and past it the longest further hit a peer holds, read here and indexed here under the
         chain this pool computes itself. A peer that cannot serve is named in ``peer_errors``; the answer is then
         what this pool holds (the engine computes the rest)."""
+        if arena != 0:
+            raise InvalidRequest(f"device {req.device} is this pool's arena {arena}: a remote lookup reads into the "
+                                 "first arena only; look up with device null or the first of --devices")  # fmt: skip
         pool, tokens = self.pool(), req.token_seq()
         for url in req.peers or []:
             self._listed(url)

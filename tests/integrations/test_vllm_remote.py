@@ -313,3 +313,71 @@ def test_copy_mode_engines_on_two_pools_hand_a_prefill_over_as_on_one(safety: Mo
         finally:
             p.close()
             d.close()
+
+
+# -- a prefix held by another node's pool ---------------------------------------------------------------------
+
+
+def test_a_copy_mode_engine_hits_a_prefix_an_engine_on_another_pool_computed(
+    safety: ModuleType, model_dir: Path
+) -> None:
+    from tests.integrations import test_vllm_scheduler as copy
+
+    bs = copy.BS
+    with two_pools(vllm_layout(128)) as (a, b, _):
+        asks = copy.config(model_dir, b.url)
+        asks.kv_transfer_config.kv_connector_extra_config["peer_prefix_blocks"] = 0
+        keeps_out = copy.config(model_dir, b.url)
+        keeps_out.kv_transfer_config.kv_connector_extra_config["save"] = False  # leaves B's index as it was
+        p, plain, d = copy.Engine(copy.config(model_dir, a.url)), copy.Engine(keeps_out), copy.Engine(asks)
+        try:
+            shared = copy.prompt_of(1, 3 * bs)
+            pa, pb = shared + copy.prompt_of(2, 20), shared + copy.prompt_of(3, 9)
+            p.sched.add_request(copy.request("a1", pa))
+            blocks_a, computed_a, _ = p.step()["a1"]
+            assert computed_a == 0
+            plain.sched.add_request(copy.request("c1", pb))
+            assert plain.step()["c1"][1] == 0, "an engine that does not ask B's peers computes the prompt"
+            d.sched.add_request(copy.request("b1", pb))
+            blocks_b, computed_b, scheduled_b = d.step()["b1"]
+            assert (computed_b, scheduled_b) == (len(shared), len(pb) - len(shared))
+            for ka, kb in zip(p.kv(blocks_a, len(shared)), d.kv(blocks_b, len(shared)), strict=True):
+                assert torch.equal(ka, kb)
+            s = remote_stats(b)["remote"]
+            assert (s["reads"], s["read_blocks"], s["chain_mismatch"]) == (1, 3, 0)
+        finally:
+            for engine in (p, plain, d):
+                engine.close()
+        assert remote_stats(b)["in_use"] == 0 and remote_stats(b)["cached"] >= 3, "indexed on B, held by nobody"
+
+
+def test_a_resident_engine_hits_a_prefix_a_resident_engine_on_another_pool_computed(
+    safety: ModuleType, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bs = safety.BS
+    flags = vllm_layout(safety.NUM_BLOCKS, "--order", "kv_packed", "--slabs", "--slab-max-blocks",
+                        str(safety.NUM_BLOCKS))  # fmt: skip
+    with two_pools(flags) as (a, b, _):
+        prompt = list(range(70, 70 + 3 * bs + 5))
+        with (safety.running(model_dir, a.url, monkeypatch) as p,
+              PoolClient(a.url, name="forward-a", layout=safety.PACKED) as at_a):  # fmt: skip
+            assert safety.first_hit(p, safety.req("a1", prompt)) == 0
+            arena_a = at_a.arena()
+            for i, block in enumerate(p.kv_cache_manager.get_block_ids("a1")[0][:3]):  # the forward's KV
+                for t in arena_a.block(block):
+                    t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) + 1000 * (i + 1))
+            want = [t.clone() for block in p.kv_cache_manager.get_block_ids("a1")[0][:3] for t in arena_a.block(block)]
+            while p.requests:  # to its end: its full blocks are committed on A
+                safety.step(p)
+            p.connector._resident_sched.residency.drain()  # type: ignore[union-attr]
+        with (safety.running(model_dir, b.url, monkeypatch) as plain,
+              safety.running(model_dir, b.url, monkeypatch, peer_prefix_blocks=0) as d,
+              PoolClient(b.url, name="forward-b", layout=safety.PACKED) as at_b):  # fmt: skip
+            assert safety.first_hit(plain, safety.req("c1", prompt)) == 0, "an engine that does not ask computes it"
+            assert safety.first_hit(d, safety.req("d1", prompt)) == 3 * bs
+            arena_b = at_b.arena()
+            got = [t for block in d.kv_cache_manager.get_block_ids("d1")[0][:3] for t in arena_b.block(block)]
+            assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True)), "B's blocks hold A's KV"
+            s = remote_stats(b)["remote"]
+            assert (s["reads"], s["read_blocks"], s["chain_mismatch"]) == (1, 3, 0)
+        assert remote_stats(a)["in_use"] == 1 and remote_stats(b)["in_use"] == 1  # the null blocks alone

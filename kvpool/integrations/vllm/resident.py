@@ -104,7 +104,7 @@ class ResidentSchedulerSide:
 
     def __init__(self, client: SlabClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
                  identity: EngineIdentity, load: bool = True, save: bool = True,
-                 device: int | None = None) -> None:  # fmt: skip
+                 device: int | None = None, peer_prefix_blocks: int | None = None) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool, generations
 
         slab = client.slab
@@ -117,7 +117,7 @@ class ResidentSchedulerSide:
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
             free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead, hold=slab.holding,
-            claim_timeout_s=claim_timeout_s, device=device,
+            claim_timeout_s=claim_timeout_s, device=device, peer_prefix_blocks=peer_prefix_blocks,
             alive=lambda: _lapse(client),
         )  # fmt: skip
         #: requests the pool has answered, with their preemptions then: each is asked once, however often vLLM

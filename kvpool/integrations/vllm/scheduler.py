@@ -170,15 +170,16 @@ class SchedulerSide:
         return [], 0, lane
 
     def _lookup(self, client: Any, tokens: list[int], salt: str | None) -> tuple[list[int], int]:
-        hit = client.lookup(tokens, salt=salt)
-        self.epoch = client.epoch
-        return list(hit.block_ids), hit.num_tokens
+        [(ids, num_tokens)] = self._lookup_many(client, [tokens], [salt])
+        return ids, num_tokens
 
     def _lookup_many(
         self, client: Any, prompts: list[list[int]], salts: list[str | None]
     ) -> list[tuple[list[int], int]]:
         hits = client.lookup_many(prompts, salts=salts)
         self.epoch = client.epoch
+        if self.settings.peer_prefix_blocks is not None:
+            hits = remote.lookup_many(client, prompts, hits, salts, self.settings.peer_prefix_blocks, self.block_size)
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
     def _claim_many(self, client: Any, keys: list[tuple[str, str | None]]) -> list[Any]:
