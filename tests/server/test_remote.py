@@ -296,3 +296,36 @@ def test_a_peer_killed_mid_read_fails_it_in_bounded_time_and_the_blocks_go_back(
         proxy.close()
         b.stop()
         a.stop()
+
+
+def test_a_remote_claim_with_its_prompt_indexes_what_the_peer_s_index_vouches_for(
+    pair: tuple[PoolProcess, PoolProcess],
+) -> None:
+    a, b = pair
+    tokens = list(range(200, 214))  # three full blocks of 4, and two tokens more
+    with PoolClient(url(a.port), name="prefill", token=TOKEN) as prefill:
+        for key in ("req-6", "req-7"):
+            ids = prefill.alloc(3)
+            want = fill(prefill, ids, 3)
+            prefill.commit(ids, tokens[:12])  # req-7's blocks hold a copy the index does not name: not vouched for
+            prefill.handoff(key, ids, num_tokens=12)
+    with PoolClient(url(b.port), name="decode", token=TOKEN) as decode:
+        body = {"session_id": decode.session_id, "request_id": "req-6", "peer": url(a.port), "token_ids": tokens}
+        r = httpx.post(url(b.port) + "/remote/claim", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["indexed"] == 3
+        assert all(torch.equal(x, y) for x, y in zip(read(decode, got["block_ids"]), want, strict=True))
+        decode.free(got["block_ids"])
+        assert decode.lookup(tokens).block_ids == got["block_ids"], "B's index finds the blocks it read"
+        assert decode.lookup(tokens, salt="another-tenant").block_ids == []
+        decode.free(got["block_ids"])
+        other = httpx.post(url(b.port) + "/remote/claim", json={**body, "request_id": "req-7"}, headers=AUTH,
+                           timeout=60).json()  # fmt: skip
+        assert other["indexed"] == 0 and len(other["block_ids"]) == 3
+        bad = httpx.post(url(b.port) + "/remote/claim", json={**body, "token_ids": [-1] * 12}, headers=AUTH)
+        assert bad.status_code in (400, 422), "a token that is no token id is refused before anything is claimed"
+        decode.free(other["block_ids"])
+    s = stats(b.port)
+    assert (s["in_use"], s["cached"], s["remote"]["claim_indexed"]) == (0, 3, 3)
+    assert stats(a.port)["handoffs"] == 0 and stats(a.port)["in_use"] == 0
