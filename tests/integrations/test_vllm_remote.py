@@ -262,6 +262,7 @@ def test_resident_engines_on_two_pools_hand_a_prefill_over_as_on_one(
                 assert installed.num_computed_tokens >= 3 * bs
                 s = remote_stats(b)["remote"]
                 assert (s["reads"], s["read_blocks"], s["failed"]) == (1, 3, 0)
+                assert s["claim_indexed"] == 3, "indexed on B too: A's index vouched for the blocks it handed over"
             assert remote_stats(a)["handoffs"] == 0
         assert remote_stats(a)["in_use"] == 1 and remote_stats(b)["in_use"] == 1
 
@@ -310,6 +311,7 @@ def test_copy_mode_engines_on_two_pools_hand_a_prefill_over_as_on_one(safety: Mo
             for kp, kd in zip(p.kv(blocks_p, 2 * bs), d.kv(blocks_d, 2 * bs), strict=True):
                 assert torch.equal(kp, kd)
             assert remote_stats(b)["remote"]["reads"] == 1
+            assert remote_stats(b)["remote"]["claim_indexed"] == 2, "indexed on B: A's index vouched for them"
         finally:
             p.close()
             d.close()

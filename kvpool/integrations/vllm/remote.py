@@ -40,9 +40,16 @@ PEER_KEY = "kvpool_peer"
 ANSWER_MARGIN_S = 60.0
 
 
-def claim_many(client: Any, asks: Sequence[tuple[str, Any]], timeout_s: float) -> list[Any | None]:
+#: a prompt a claim's handoff holds, and its salt: with it, this pool indexes the blocks it reads
+Prompt = tuple[Sequence[int], str | None]
+
+
+def claim_many(
+    client: Any, asks: Sequence[tuple[str, Any]], timeout_s: float, prompts: Sequence[Prompt | None] | None = None
+) -> list[Any | None]:
     """The claim of each ``(key, peer)`` in order, ``None`` where there is nothing to load: those parked in this
-    engine's own pool (``peer`` empty) in one call, as before, then each parked at a peer through this pool."""
+    engine's own pool (``peer`` empty) in one call, as before, then each parked at a peer through this pool, which
+    indexes what it read under the prompt at the same place in ``prompts`` (if any)."""
     out: list[Any | None] = [None] * len(asks)
     local = [i for i, (_, peer) in enumerate(asks) if not peer]
     if local:
@@ -50,16 +57,21 @@ def claim_many(client: Any, asks: Sequence[tuple[str, Any]], timeout_s: float) -
             out[i] = got
     for i, (key, peer) in enumerate(asks):
         if peer:
-            out[i] = claim(client, key, peer, timeout_s)
+            out[i] = claim(client, key, peer, timeout_s, prompts[i] if prompts is not None else None)
     return out
 
 
-def claim(client: Any, key: str, peer: Any, timeout_s: float) -> RemoteClaimResponse | None:
+def claim(
+    client: Any, key: str, peer: Any, timeout_s: float, prompt: Prompt | None = None
+) -> RemoteClaimResponse | None:
     """The handoff ``key`` parked at ``peer``, read into this engine's pool; None if it could not be (the peer
     failed, stalled or lacks it, is no peer of this pool, or this pool has no room for it). An error about this
-    engine's own session or pool raises, as a local claim's does."""
+    engine's own session or pool raises, as a local claim's does. With ``prompt``, the pool indexes the blocks it
+    read under its chain, as far as the peer's index vouches for them, so that later requests on this node hit them."""
+    tokens, salt = (list(prompt[0]), prompt[1]) if prompt is not None else (None, None)
     try:  # the peer comes from the request's kv_transfer_params, which a client can set to anything
-        req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=str(peer))
+        req = RemoteClaimRequest(session_id=client.session_id, request_id=key, timeout_s=timeout_s, peer=str(peer),
+                                 token_ids=tokens, salt=salt)  # fmt: skip
     except ValidationError as exc:
         log.warning("kvpool: a handoff's peer %.80r is no pool URL (%s); the decode engine computes the prompt itself",
                     peer, exc.errors()[0]["msg"])  # fmt: skip

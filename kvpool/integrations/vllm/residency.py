@@ -216,7 +216,8 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer)
+                ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer,
+                            tokens if peer else None, salt)  # fmt: skip
                 future = self._claims.submit(ask)
             else:
                 future = self._lookups.submit((req_id, tokens[:loadable], salt))
@@ -250,7 +251,8 @@ class Residency:
     def _claim_many(self, asks: list[Claim]) -> list[Hit]:
         keys = [(ask.key, ask.peer) for ask in asks]
         out = []
-        for ask, got in zip(asks, remote.claim_many(self.pool, keys, self.claim_timeout_s), strict=True):
+        prompts: list[remote.Prompt | None] = [(a.tokens, a.salt) if a.tokens else None for a in asks]
+        for ask, got in zip(asks, remote.claim_many(self.pool, keys, self.claim_timeout_s, prompts), strict=True):
             if got is None:
                 log.warning("kvpool: the handoff for %s was not found; the decode engine computes the prompt itself",
                             ask.req_id)  # fmt: skip

@@ -164,7 +164,8 @@ class ResidentSchedulerSide:
         # the handoff must hold this prompt's KV of this identity, parked by the engine that says it prefilled it:
         # hashed as it arrives, checked as the claim's answer is read
         self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt, salt),
-                                parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY))  # fmt: skip
+                                parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY),
+                                salt=salt)  # fmt: skip
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""

@@ -148,7 +148,8 @@ class SchedulerSide:
         claims: list[Any] = [None] * len(batch)
         try:
             keys = [(str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY)) for _, params, _, _ in batch]
-            claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
+            prompts = [(prompt, salt) for prompt, _, salt, _ in batch]
+            claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys, prompts), claims)
         finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
             for claim, (prompt, params, salt, future) in zip(claims, batch, strict=True):
                 ids = self._claimed(claim, params, prompt, lane, salt)
@@ -182,15 +183,18 @@ class SchedulerSide:
             hits = remote.lookup_many(client, prompts, hits, salts, self.settings.peer_prefix_blocks, self.block_size)
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
-    def _claim_many(self, client: Any, keys: list[tuple[str, str | None]]) -> list[Any]:
-        """Each ``(key, peer)``'s claim; one parked at a peer pool is read into this one (:mod:`.remote`)."""
-        claims = remote.claim_many(client, keys, self.settings.claim_timeout_s)
+    def _claim_many(
+        self, client: Any, keys: list[tuple[str, str | None]], prompts: list[remote.Prompt] | None = None
+    ) -> list[Any]:
+        """Each ``(key, peer)``'s claim; one parked at a peer pool is read into this one (:mod:`.remote`) and
+        indexed there under its prompt."""
+        claims = remote.claim_many(client, keys, self.settings.claim_timeout_s, prompts)
         self.epoch = client.epoch
         return claims
 
     def _claim(self, params: dict[str, Any], prompt: list[int], lane: int, salt: str | None) -> list[int]:
         key = (str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY))
-        claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key]), [None])
+        claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key], [(prompt, salt)]), [None])
         return self._claimed(claims[0], params, prompt, lane, salt)
 
     def _claimed(
