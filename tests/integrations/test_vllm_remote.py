@@ -106,6 +106,47 @@ def test_a_peer_that_is_no_url_is_no_hit_and_asks_no_pool() -> None:
     assert remote.claim(Unreachable(), "k", "http://" + "a" * 600, 1.0) is None
 
 
+class Asks:
+    """A client whose pool answers remote lookups from ``answers`` (an exception: it raises that) and records
+    what was asked and freed."""
+
+    session_id = "s"
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers, self.asked, self.freed = list(answers), 0, []
+        self.transport = self
+
+    def request(self, method: str, path: str, req: Any, wait_s: float = 0.0) -> Any:
+        assert (method, path) == ("POST", "/remote/lookup")
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def free(self, ids: list[int]) -> int:
+        self.freed += ids
+        return len(ids)
+
+
+def test_a_prompt_missing_more_than_k_blocks_takes_the_longer_answer_and_gives_the_other_back() -> None:
+    from kvpool.errors import PeerFailed
+    from kvpool.protocol import LookupResponse
+
+    bs, prompt = 4, list(range(17))  # four full blocks
+    near = LookupResponse(block_ids=[1, 2, 3], num_tokens=12)  # misses one block: not asked with k=1
+    short = LookupResponse(block_ids=[1], num_tokens=4)
+    longer = {"block_ids": [1, 5, 6, 7], "num_tokens": 16, "read_blocks": 3}
+    client = Asks(longer, {"block_ids": [1], "num_tokens": 4}, PeerFailed("the pool has no peers"))
+    got = remote.lookup_many(client, [prompt, prompt], [near, short], [None, None], 1, bs)
+    assert client.asked == 1 and got[0] is near and list(got[1].block_ids) == [1, 5, 6, 7]
+    assert client.freed == [1], "the local hit's ref, now held twice, goes back once"
+    kept = remote.lookup_many(client, [prompt], [short], [None], 1, bs)
+    assert kept == [short] and client.freed == [1, 1], "a remote answer no longer than the local one goes back"
+    assert remote.lookup_many(client, [prompt], [short], [None], 1, bs) == [short], "a pool that fails: local hit"
+    assert client.freed == [1, 1] and client.answers == []
+
+
 # -- residency alone (no vLLM) --------------------------------------------------------------------------------
 
 

@@ -19,7 +19,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.server.nixlagent import load_nixl
 from tests.conftest import PoolProcess, free_port, stop_process
-from tests.server.books import assert_balanced
+from tests.server.books import assert_balanced, books
 from tests.server.procs import SMALL_LAYOUT, serve
 
 try:
@@ -329,3 +329,16 @@ def test_a_remote_claim_with_its_prompt_indexes_what_the_peer_s_index_vouches_fo
     s = stats(b.port)
     assert (s["in_use"], s["cached"], s["remote"]["claim_indexed"]) == (0, 3, 3)
     assert stats(a.port)["handoffs"] == 0 and stats(a.port)["in_use"] == 0
+
+
+def test_a_remote_lookup_for_an_arena_past_the_first_is_refused_and_changes_nothing() -> None:
+    p = start(free_port(), [url(free_port())], "--devices", "0,1")
+    try:
+        with PoolClient(url(p.port), name="decode", token=TOKEN) as decode:
+            before = books(stats(p.port))
+            body = {"session_id": decode.session_id, "token_ids": list(range(8)), "device": 1}
+            r = httpx.post(url(p.port) + "/remote/lookup", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 400 and "first arena" in r.json()["detail"], r.text
+            assert books(stats(p.port)) == before
+    finally:
+        p.stop()
