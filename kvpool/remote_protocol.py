@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from kvpool.layout import KVLayout
-from kvpool.protocol import ClaimRequest, ClaimResponse, LookupRequest, LookupResponse
+from kvpool.protocol import MAX_TOKENS, SALT_HELP, ClaimRequest, ClaimResponse, LookupRequest, LookupResponse
 
 PEER_HELP = "a peer pool's URL, exactly as the pool's --peers lists it"
 
@@ -36,11 +36,19 @@ class RemoteClaimRequest(ClaimRequest):
     answers with its own ids; the peer's blocks are released."""
 
     peer: str = Field(max_length=512, description=PEER_HELP)
+    token_ids: list[int] | None = Field(
+        None,
+        max_length=MAX_TOKENS,
+        description="the prompt the handoff holds: with it, the blocks read are indexed here too, as far as the "
+        "peer's own index says its claimed blocks hold this prompt's chain (null: not indexed)",
+    )
+    salt: str | None = Field(None, min_length=1, max_length=256, description=SALT_HELP)
 
 
 class RemoteClaimResponse(ClaimResponse):
     descriptors: int = Field(description="NIXL descriptors the read posted: one per run of ids and span of a block")
     read_s: float
+    indexed: int = Field(0, description="blocks of the answer indexed here under the prompt's chain (token_ids)")
 
 
 class RemoteLookupRequest(LookupRequest):

@@ -48,6 +48,6 @@ def remote_router(plane: ControlPlane) -> APIRouter:
     @router.post("/lookup")
     async def lookup(req: RemoteLookupRequest) -> RemoteLookupResponse:
         """A lookup that reads the longest further hit its peers hold into this pool and indexes it here."""
-        return await _remote(plane).lookup(req)
+        return await _remote(plane).lookup(req, plane.arena_index(req.device))
 
     return router

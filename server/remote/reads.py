@@ -40,6 +40,7 @@ from kvpool.remote_protocol import (
 from kvpool.runs import Geometry, descriptors
 from kvpool.server.arenas import OwnedArena
 from kvpool.server.books.pool import Pool
+from kvpool.server.books.prefix import token_bytes
 from kvpool.server.config import PoolSettings
 from kvpool.server.remote.nixlagent import NixlAgent
 
@@ -71,6 +72,7 @@ class RemoteCounts:
     failed: int = 0
     timed_out: int = 0
     chain_mismatch: int = 0
+    claim_indexed: int = 0  # blocks read for claims and indexed here
 
 
 class _Stalled(Exception):
@@ -90,6 +92,7 @@ class RemotePeers:
         self.http = httpx.AsyncClient(headers={"authorization": f"Bearer {token}"}, timeout=self.timeout)
         self.peers: dict[str, Peer] = {}
         self.stalled: list[tuple[str, Any, str]] = []  # (holder, NIXL handle, peer agent)
+        self.reading: set[str] = set()  # holders of the reads in flight
         self.counts = RemoteCounts()
         self._seq = itertools.count()
 
@@ -108,21 +111,54 @@ class RemotePeers:
     async def claim(self, req: RemoteClaimRequest) -> RemoteClaimResponse:
         pool = self.pool()
         pool.session(req.session_id)
+        if req.token_ids is not None:
+            token_bytes(req.token_ids)  # refused before anything is claimed
         peer = await self._peer(req.peer)
         async with self._session_at(peer) as sid:
             body = {"session_id": sid, "request_id": req.request_id, "timeout_s": req.timeout_s}
             got = await self._call(peer, "POST", "/claim", body, wait_s=req.timeout_s)
             t0 = time.perf_counter()
-            ids, ndesc = await self._read(req.session_id, peer, [block_of(i) for i in got["block_ids"]])
+            theirs = [block_of(i) for i in got["block_ids"]]
+            ids, ndesc = await self._read(req.session_id, peer, theirs)
             took = time.perf_counter() - t0
+            indexed = await self._vouched(req, peer, sid, theirs, ids) if req.token_ids else 0
         return RemoteClaimResponse(request_id=got["request_id"], block_ids=ids, num_tokens=got["num_tokens"],
                                    meta=got["meta"], parked_by=got.get("parked_by"), descriptors=ndesc,
-                                   read_s=took)  # fmt: skip
+                                   read_s=took, indexed=indexed)  # fmt: skip
 
-    async def lookup(self, req: RemoteLookupRequest) -> RemoteLookupResponse:
+    async def _vouched(self, req: RemoteClaimRequest, peer: Peer, sid: str, theirs: list[int],
+                       mine: list[int]) -> int:  # fmt: skip
+        """Index the blocks read for a claim under the prompt's chain, as far as the peer's own index vouches for
+        them: its chain for the prompt, asked on the session that holds the claimed blocks, names those very
+        blocks in the same places, with this pool's hashes of the prompt. How many blocks were indexed."""
+        pool, bs = self.pool(), self.pool().layout.block_size
+        tokens = list(req.token_ids or [])[: len(mine) * bs]
+        if len(tokens) < bs:
+            return 0
+        want = [h.hex() for h in pool.hashers[0].block_hashes(tokens, req.salt)]
+        try:
+            got = await self._call(peer, "POST", "/remote/chain", {"session_id": sid, "token_ids": tokens,
+                                                                    "salt": req.salt})  # fmt: skip
+            n = 0
+            for held, claimed, theirs_hash, ours in zip(got["block_ids"], theirs, got["hashes"], want, strict=False):
+                if block_of(held) != claimed or theirs_hash != ours:
+                    break
+                n += 1
+            if n:
+                pool.commit(req.session_id, mine[:n], tokens[: n * bs], req.salt)
+        except (KvpoolError, ValueError, KeyError, TypeError) as exc:  # the claim stands, unindexed
+            log.warning("blocks claimed from peer %s were not indexed here: %s: %s", peer.url, type(exc).__name__, exc)
+            return 0
+        self.counts.claim_indexed += n
+        return n
+
+    async def lookup(self, req: RemoteLookupRequest, arena: int = 0) -> RemoteLookupResponse:
         """This pool's hit, and past it the longest further hit a peer holds, read here and indexed here under the
         chain this pool computes itself. A peer that cannot serve is named in ``peer_errors``; the answer is then
         what this pool holds (the engine computes the rest)."""
+        if arena != 0:
+            raise InvalidRequest(f"device {req.device} is this pool's arena {arena}: a remote lookup reads into the "
+                                 "first arena only; look up with device null or the first of --devices")  # fmt: skip
         pool, tokens = self.pool(), req.token_seq()
         for url in req.peers or []:
             self._listed(url)
@@ -182,6 +218,7 @@ class RemotePeers:
             pool.allocator.release_holder(holder)
             raise PeerFailed(f"peer {peer.url}: {exc}") from None
         t0 = time.perf_counter()
+        self.reading.add(holder)
         try:
             await self._transfer(peer, mine, theirs)
         except _Stalled as stalled:
@@ -197,6 +234,8 @@ class RemotePeers:
             self.counts.failed += 1
             self._forget(peer)
             raise
+        finally:
+            self.reading.discard(holder)
         c = self.counts
         c.reads += 1
         c.read_blocks += len(local)
@@ -313,9 +352,11 @@ class RemotePeers:
 
     def stats(self) -> dict[str, Any]:
         c = self.counts
-        held = sum(len(self.pool().allocator.held(h)) for h, _, _ in self.stalled)
-        return {**c.__dict__, "peers": sorted(self.peers), "stalled_reads": len(self.stalled),
-                "stalled_blocks": held}  # fmt: skip
+        allocator = self.pool().allocator
+        held = sum(len(allocator.held(h)) for h, _, _ in self.stalled)
+        reading = sum(len(allocator.held(h)) for h in self.reading)
+        return {**c.__dict__, "peers": sorted(self.peers), "reads_in_flight": len(self.reading),
+                "reading_blocks": reading, "stalled_reads": len(self.stalled), "stalled_blocks": held}  # fmt: skip
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -1,7 +1,7 @@
 """Engines on two pools, two nodes' as far as one machine shows: a prefill parked on pool A is claimed by a decode
 engine on pool B through B (``/remote/claim``), read into B's arena over NIXL (UCX TCP, host arenas) and installed
-as a local claim is; a peer killed before B's read leaves the decode engine computing the prompt, B's blocks back.
-Needs NIXL; the tests inside vLLM's own scheduler need vLLM too (the CI's vLLM lane)."""
+as a local claim is; a peer killed before or during B's read leaves the decode engine computing the prompt, B's blocks
+back. Needs NIXL; the tests inside vLLM's own scheduler need vLLM too (the CI's vLLM lane)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ from tests.integrations.test_vllm_proxy import HANDOFF, Engines
 from tests.integrations.test_vllm_residency import BS as RES_BS
 from tests.integrations.test_vllm_residency import Engine, books, holds
 from tests.server.procs import serve
-from tests.server.remote.test_reads import ENV, TOKEN, Proxy, url  # skips this module as its own where NIXL is missing
+from tests.server.remote.test_reads import ENV, TOKEN, KillMidRead, Proxy, url  # skips this module without NIXL
 
 RESIDENCY_POOL = ("--num-blocks", "64", "--num-layers", "2", "--num-kv-heads", "2", "--head-dim", "8",
                   "--block-size", "4", "--dtype", "float32", "--order", "kv_packed", "--slabs",
@@ -51,12 +51,21 @@ def start(port: int, peers: list[str], flags: tuple[str, ...]) -> PoolProcess:
 
 
 @contextlib.contextmanager
-def two_pools(flags: tuple[str, ...], kill_after_claim: bool = False) -> Iterator[tuple[PoolProcess, PoolProcess, str]]:
+def two_pools(
+    flags: tuple[str, ...], kill_after_claim: bool = False, kill_mid_read: KillMidRead | None = None
+) -> Iterator[tuple[PoolProcess, PoolProcess, str]]:
     """Pools A and B, each the other's peer; and A's URL as B knows it. With ``kill_after_claim``, B knows A
-    through a proxy that kills A once A answered B's claim, before B reads."""
+    through a proxy that kills A once A answered B's claim, before B reads; with ``kill_mid_read`` (its pid and
+    B's port are filled in here), one that kills A while B's read is in flight."""
     a_port, b_port = free_port(), free_port()
     a = start(a_port, [url(b_port)], flags)
-    proxy = Proxy(url(a_port), "/claim", lambda: os.kill(a.proc.pid, signal.SIGKILL)) if kill_after_claim else None
+    proxy = None
+    if kill_mid_read is not None:
+        kill_mid_read.pid, kill_mid_read.b_port = a.proc.pid, b_port
+        proxy = Proxy(url(a_port), "/claim", kill_mid_read)
+        flags = (*flags, "--peer-timeout-s", "60")  # the peer's death, not the deadline, must end the read
+    elif kill_after_claim:
+        proxy = Proxy(url(a_port), "/claim", lambda: os.kill(a.proc.pid, signal.SIGKILL))
     peer = url(proxy.port) if proxy is not None else url(a_port)
     b = start(b_port, [peer], flags)
     try:
@@ -95,6 +104,47 @@ def test_a_peer_that_is_no_url_is_no_hit_and_asks_no_pool() -> None:
         transport = None  # any call would fail
 
     assert remote.claim(Unreachable(), "k", "http://" + "a" * 600, 1.0) is None
+
+
+class Asks:
+    """A client whose pool answers remote lookups from ``answers`` (an exception: it raises that) and records
+    what was asked and freed."""
+
+    session_id = "s"
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers, self.asked, self.freed = list(answers), 0, []
+        self.transport = self
+
+    def request(self, method: str, path: str, req: Any, wait_s: float = 0.0) -> Any:
+        assert (method, path) == ("POST", "/remote/lookup")
+        self.asked += 1
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def free(self, ids: list[int]) -> int:
+        self.freed += ids
+        return len(ids)
+
+
+def test_a_prompt_missing_more_than_k_blocks_takes_the_longer_answer_and_gives_the_other_back() -> None:
+    from kvpool.errors import PeerFailed
+    from kvpool.protocol import LookupResponse
+
+    bs, prompt = 4, list(range(17))  # four full blocks
+    near = LookupResponse(block_ids=[1, 2, 3], num_tokens=12)  # misses one block: not asked with k=1
+    short = LookupResponse(block_ids=[1], num_tokens=4)
+    longer = {"block_ids": [1, 5, 6, 7], "num_tokens": 16, "read_blocks": 3}
+    client = Asks(longer, {"block_ids": [1], "num_tokens": 4}, PeerFailed("the pool has no peers"))
+    got = remote.lookup_many(client, [prompt, prompt], [near, short], [None, None], 1, bs)
+    assert client.asked == 1 and got[0] is near and list(got[1].block_ids) == [1, 5, 6, 7]
+    assert client.freed == [1], "the local hit's ref, now held twice, goes back once"
+    kept = remote.lookup_many(client, [prompt], [short], [None], 1, bs)
+    assert kept == [short] and client.freed == [1, 1], "a remote answer no longer than the local one goes back"
+    assert remote.lookup_many(client, [prompt], [short], [None], 1, bs) == [short], "a pool that fails: local hit"
+    assert client.freed == [1, 1] and client.answers == []
 
 
 # -- residency alone (no vLLM) --------------------------------------------------------------------------------
@@ -253,17 +303,19 @@ def test_resident_engines_on_two_pools_hand_a_prefill_over_as_on_one(
                 assert installed.num_computed_tokens >= 3 * bs
                 s = remote_stats(b)["remote"]
                 assert (s["reads"], s["read_blocks"], s["failed"]) == (1, 3, 0)
+                assert s["claim_indexed"] == 3, "indexed on B too: A's index vouched for the blocks it handed over"
             assert remote_stats(a)["handoffs"] == 0
         assert remote_stats(a)["in_use"] == 1 and remote_stats(b)["in_use"] == 1
 
 
-def test_a_resident_decode_engine_whose_peer_dies_computes_the_prompt(
+def test_a_resident_decode_engine_whose_peer_dies_mid_read_computes_the_prompt(
     safety: ModuleType, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     bs = safety.BS
     flags = vllm_layout(safety.NUM_BLOCKS, "--order", "kv_packed", "--slabs", "--slab-max-blocks",
                         str(safety.NUM_BLOCKS))  # fmt: skip
-    with two_pools(flags, kill_after_claim=True) as (a, b, peer):
+    kill = KillMidRead(0, 0)
+    with two_pools(flags, kill_mid_read=kill) as (a, b, peer):
         prompt = list(range(60, 60 + 2 * bs + 3))
         salt = safety.salt_of(model_dir, a.url)
         with PoolClient(a.url, name="prefill", layout=safety.PACKED) as prefill:
@@ -274,6 +326,7 @@ def test_a_resident_decode_engine_whose_peer_dies_computes_the_prompt(
             params = {HANDOFF_KEY: "k3", DIGEST_KEY: digest, FROM_KEY: prefill.session.name, PEER_KEY: peer}
         with safety.running(model_dir, b.url, monkeypatch) as d:
             assert safety.first_hit(d, decode_request(safety, prompt, params)) == 0, "recomputed, no crash"
+            assert kill.in_flight["reads_in_flight"] == 1 and kill.in_flight["reading_blocks"] == 2
             s = remote_stats(b)
             assert s["remote"]["failed"] == 1 and s["remote"]["stalled_blocks"] == 0
         assert remote_stats(b)["in_use"] == 1, "the read's blocks and the engine's went back"
@@ -299,6 +352,75 @@ def test_copy_mode_engines_on_two_pools_hand_a_prefill_over_as_on_one(safety: Mo
             for kp, kd in zip(p.kv(blocks_p, 2 * bs), d.kv(blocks_d, 2 * bs), strict=True):
                 assert torch.equal(kp, kd)
             assert remote_stats(b)["remote"]["reads"] == 1
+            assert remote_stats(b)["remote"]["claim_indexed"] == 2, "indexed on B: A's index vouched for them"
         finally:
             p.close()
             d.close()
+
+
+# -- a prefix held by another node's pool ---------------------------------------------------------------------
+
+
+def test_a_copy_mode_engine_hits_a_prefix_an_engine_on_another_pool_computed(
+    safety: ModuleType, model_dir: Path
+) -> None:
+    from tests.integrations import test_vllm_scheduler as copy
+
+    bs = copy.BS
+    with two_pools(vllm_layout(128)) as (a, b, _):
+        asks = copy.config(model_dir, b.url)
+        asks.kv_transfer_config.kv_connector_extra_config["peer_prefix_blocks"] = 0
+        keeps_out = copy.config(model_dir, b.url)
+        keeps_out.kv_transfer_config.kv_connector_extra_config["save"] = False  # leaves B's index as it was
+        p, plain, d = copy.Engine(copy.config(model_dir, a.url)), copy.Engine(keeps_out), copy.Engine(asks)
+        try:
+            shared = copy.prompt_of(1, 3 * bs)
+            pa, pb = shared + copy.prompt_of(2, 20), shared + copy.prompt_of(3, 9)
+            p.sched.add_request(copy.request("a1", pa))
+            blocks_a, computed_a, _ = p.step()["a1"]
+            assert computed_a == 0
+            plain.sched.add_request(copy.request("c1", pb))
+            assert plain.step()["c1"][1] == 0, "an engine that does not ask B's peers computes the prompt"
+            d.sched.add_request(copy.request("b1", pb))
+            blocks_b, computed_b, scheduled_b = d.step()["b1"]
+            assert (computed_b, scheduled_b) == (len(shared), len(pb) - len(shared))
+            for ka, kb in zip(p.kv(blocks_a, len(shared)), d.kv(blocks_b, len(shared)), strict=True):
+                assert torch.equal(ka, kb)
+            s = remote_stats(b)["remote"]
+            assert (s["reads"], s["read_blocks"], s["chain_mismatch"]) == (1, 3, 0)
+        finally:
+            for engine in (p, plain, d):
+                engine.close()
+        assert remote_stats(b)["in_use"] == 0 and remote_stats(b)["cached"] >= 3, "indexed on B, held by nobody"
+
+
+def test_a_resident_engine_hits_a_prefix_a_resident_engine_on_another_pool_computed(
+    safety: ModuleType, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bs = safety.BS
+    flags = vllm_layout(safety.NUM_BLOCKS, "--order", "kv_packed", "--slabs", "--slab-max-blocks",
+                        str(safety.NUM_BLOCKS))  # fmt: skip
+    with two_pools(flags) as (a, b, _):
+        prompt = list(range(70, 70 + 3 * bs + 5))
+        with (safety.running(model_dir, a.url, monkeypatch) as p,
+              PoolClient(a.url, name="forward-a", layout=safety.PACKED) as at_a):  # fmt: skip
+            assert safety.first_hit(p, safety.req("a1", prompt)) == 0
+            arena_a = at_a.arena()
+            for i, block in enumerate(p.kv_cache_manager.get_block_ids("a1")[0][:3]):  # the forward's KV
+                for t in arena_a.block(block):
+                    t.copy_(torch.arange(t.numel(), dtype=t.dtype).view(t.shape) + 1000 * (i + 1))
+            want = [t.clone() for block in p.kv_cache_manager.get_block_ids("a1")[0][:3] for t in arena_a.block(block)]
+            while p.requests:  # to its end: its full blocks are committed on A
+                safety.step(p)
+            p.connector._resident_sched.residency.drain()  # type: ignore[union-attr]
+        with (safety.running(model_dir, b.url, monkeypatch) as plain,
+              safety.running(model_dir, b.url, monkeypatch, peer_prefix_blocks=0) as d,
+              PoolClient(b.url, name="forward-b", layout=safety.PACKED) as at_b):  # fmt: skip
+            assert safety.first_hit(plain, safety.req("c1", prompt)) == 0, "an engine that does not ask computes it"
+            assert safety.first_hit(d, safety.req("d1", prompt)) == 3 * bs
+            arena_b = at_b.arena()
+            got = [t for block in d.kv_cache_manager.get_block_ids("d1")[0][:3] for t in arena_b.block(block)]
+            assert all(torch.equal(x, y) for x, y in zip(want, got, strict=True)), "B's blocks hold A's KV"
+            s = remote_stats(b)["remote"]
+            assert (s["reads"], s["read_blocks"], s["chain_mismatch"]) == (1, 3, 0)
+        assert remote_stats(a)["in_use"] == 1 and remote_stats(b)["in_use"] == 1  # the null blocks alone

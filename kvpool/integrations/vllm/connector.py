@@ -167,7 +167,8 @@ class KvpoolConnector(KVConnectorBase_V1):
                                     name_key=key)  # fmt: skip
                 self._resident_sched = ResidentSchedulerSide(client, part, self.layout.block_size, s.claim_timeout_s,
                                                          self.identity, load=s.load, save=s.save,
-                                                         device=device)  # fmt: skip
+                                                         device=device,
+                                                         peer_prefix_blocks=s.peer_prefix_blocks)  # fmt: skip
                 self._resident_sched.generation.early_arrivals()
             else:
                 self._resident_worker = ResidentWorker(client, part, self.layout)

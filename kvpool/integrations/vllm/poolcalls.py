@@ -67,6 +67,8 @@ class Claim:
     digest: str | None = None  # what the handoff's meta must say it holds (None: not checked)
     parker: str | None = None  # the name of the session that must have parked it (None: not checked)
     peer: str | None = None  # the peer pool it is parked in (None: this engine's own)
+    tokens: list[int] | None = None  # with a peer: the prompt, for the pool to index what it reads under
+    salt: str | None = None
 
 
 @dataclass

@@ -76,6 +76,7 @@ class Residency:
         answer_timeout_s: float = 30.0,
         alive: Callable[[], Exception | None] = lambda: None,
         device: int | None = None,
+        peer_prefix_blocks: int | None = None,
     ) -> None:
         self.pool = pool
         self.block_size = block_size
@@ -90,6 +91,9 @@ class Residency:
         self.answer_timeout_s = answer_timeout_s
         self._alive = alive
         self.device = device  # the arena the engine's blocks and prefix chains are in, as the pool names its device
+        #: a lookup missing more than this many full blocks asks the pool's peers (:mod:`.remote`); None: never. Only
+        #: for an engine on the pool's first arena, the one a remote read fills
+        self.peer_prefix_blocks = peer_prefix_blocks if first_block == 0 else None
         self.held: dict[int, int] = {}  # block -> its fenced id; the engine's session holds one ref on it
         #: the engine's own object for each block (vLLM's block pool's list, never resized), if it has one
         self.block_objects: Sequence[Any] | None = None
@@ -212,7 +216,8 @@ class Residency:
             if req_id in self.ahead:
                 return
             if claim is not None:
-                ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer)
+                ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer,
+                            tokens if peer else None, salt)  # fmt: skip
                 future = self._claims.submit(ask)
             else:
                 future = self._lookups.submit((req_id, tokens[:loadable], salt))
@@ -226,7 +231,10 @@ class Residency:
         return NO_HIT
 
     def _lookup_many(self, asks: list[tuple[str, list[int], str | None]]) -> list[Hit]:
-        found = self.pool.lookup_many([tokens for _, tokens, _ in asks], self.device, salts=[s for *_, s in asks])
+        prompts, salts = [tokens for _, tokens, _ in asks], [s for *_, s in asks]
+        found = self.pool.lookup_many(prompts, self.device, salts=salts)
+        if self.peer_prefix_blocks is not None:
+            found = remote.lookup_many(self.pool, prompts, found, salts, self.peer_prefix_blocks, self.block_size)
         hits = [self._hit(list(h.block_ids), h.num_tokens) for h in found]
         self.back.update(zip([rid for rid, *_ in asks], hits, strict=True))
         return hits
@@ -243,7 +251,8 @@ class Residency:
     def _claim_many(self, asks: list[Claim]) -> list[Hit]:
         keys = [(ask.key, ask.peer) for ask in asks]
         out = []
-        for ask, got in zip(asks, remote.claim_many(self.pool, keys, self.claim_timeout_s), strict=True):
+        prompts: list[remote.Prompt | None] = [(a.tokens, a.salt) if a.tokens else None for a in asks]
+        for ask, got in zip(asks, remote.claim_many(self.pool, keys, self.claim_timeout_s, prompts), strict=True):
             if got is None:
                 log.warning("kvpool: the handoff for %s was not found; the decode engine computes the prompt itself",
                             ask.req_id)  # fmt: skip

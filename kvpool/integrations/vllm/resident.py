@@ -104,7 +104,7 @@ class ResidentSchedulerSide:
 
     def __init__(self, client: SlabClient, descriptor: ArenaDescriptor, block_size: int, claim_timeout_s: float,
                  identity: EngineIdentity, load: bool = True, save: bool = True,
-                 device: int | None = None) -> None:  # fmt: skip
+                 device: int | None = None, peer_prefix_blocks: int | None = None) -> None:  # fmt: skip
         from kvpool.integrations.vllm import blockpool, generations
 
         slab = client.slab
@@ -117,7 +117,7 @@ class ResidentSchedulerSide:
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
             free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead, hold=slab.holding,
-            claim_timeout_s=claim_timeout_s, device=device,
+            claim_timeout_s=claim_timeout_s, device=device, peer_prefix_blocks=peer_prefix_blocks,
             alive=lambda: _lapse(client),
         )  # fmt: skip
         #: requests the pool has answered, with their preemptions then: each is asked once, however often vLLM
@@ -164,7 +164,8 @@ class ResidentSchedulerSide:
         # the handoff must hold this prompt's KV of this identity, parked by the engine that says it prefilled it:
         # hashed as it arrives, checked as the claim's answer is read
         self.residency.prefetch(request.request_id, prompt, claim=str(key), digest=prompt_digest(prompt, salt),
-                                parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY))  # fmt: skip
+                                parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY),
+                                salt=salt)  # fmt: skip
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""

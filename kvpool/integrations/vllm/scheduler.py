@@ -148,7 +148,8 @@ class SchedulerSide:
         claims: list[Any] = [None] * len(batch)
         try:
             keys = [(str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY)) for _, params, _, _ in batch]
-            claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys), claims)
+            prompts = [(prompt, salt) for prompt, _, salt, _ in batch]
+            claims = self.links[lane].call("claim", lambda c: self._claim_many(c, keys, prompts), claims)
         finally:  # every request gets its answer, "nothing to load" at worst: none waits forever
             for claim, (prompt, params, salt, future) in zip(claims, batch, strict=True):
                 ids = self._claimed(claim, params, prompt, lane, salt)
@@ -170,26 +171,30 @@ class SchedulerSide:
         return [], 0, lane
 
     def _lookup(self, client: Any, tokens: list[int], salt: str | None) -> tuple[list[int], int]:
-        hit = client.lookup(tokens, salt=salt)
-        self.epoch = client.epoch
-        return list(hit.block_ids), hit.num_tokens
+        [(ids, num_tokens)] = self._lookup_many(client, [tokens], [salt])
+        return ids, num_tokens
 
     def _lookup_many(
         self, client: Any, prompts: list[list[int]], salts: list[str | None]
     ) -> list[tuple[list[int], int]]:
         hits = client.lookup_many(prompts, salts=salts)
         self.epoch = client.epoch
+        if self.settings.peer_prefix_blocks is not None:
+            hits = remote.lookup_many(client, prompts, hits, salts, self.settings.peer_prefix_blocks, self.block_size)
         return [(list(h.block_ids), h.num_tokens) for h in hits]
 
-    def _claim_many(self, client: Any, keys: list[tuple[str, str | None]]) -> list[Any]:
-        """Each ``(key, peer)``'s claim; one parked at a peer pool is read into this one (:mod:`.remote`)."""
-        claims = remote.claim_many(client, keys, self.settings.claim_timeout_s)
+    def _claim_many(
+        self, client: Any, keys: list[tuple[str, str | None]], prompts: list[remote.Prompt] | None = None
+    ) -> list[Any]:
+        """Each ``(key, peer)``'s claim; one parked at a peer pool is read into this one (:mod:`.remote`) and
+        indexed there under its prompt."""
+        claims = remote.claim_many(client, keys, self.settings.claim_timeout_s, prompts)
         self.epoch = client.epoch
         return claims
 
     def _claim(self, params: dict[str, Any], prompt: list[int], lane: int, salt: str | None) -> list[int]:
         key = (str(params[HANDOFF_KEY]), params.get(remote.PEER_KEY))
-        claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key]), [None])
+        claims = self.links[lane].call("claim", lambda c: self._claim_many(c, [key], [(prompt, salt)]), [None])
         return self._claimed(claims[0], params, prompt, lane, salt)
 
     def _claimed(

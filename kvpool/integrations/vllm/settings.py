@@ -69,6 +69,15 @@ class ConnectorSettings(BaseModel):
     lookup_threads: int = Field(
         1, ge=1, le=32, description="lookups (and claims) the scheduler runs at once, each on its own pool session"
     )
+    peer_prefix_blocks: int | None = Field(
+        None,
+        ge=0,
+        le=1 << 20,
+        description="ask the pool's peers on other nodes (its --peers, POST /remote/lookup) for a prompt whose lookup "
+        "in this pool leaves more than this many of its full blocks unfound; the pool reads the longest hit a peer "
+        "holds into its first arena and indexes it. Null (default): never. Each ask costs calls to the peers, each "
+        "bounded by the pool's --peer-timeout-s, on the lane of the lookup",
+    )
     name: str = Field("vllm", min_length=1, max_length=64, description="prefix of the engine's session names")
 
     @classmethod

@@ -19,7 +19,7 @@ import torch
 from kvpool.client import PoolClient
 from kvpool.server.remote.nixlagent import load_nixl
 from tests.conftest import PoolProcess, free_port, stop_process
-from tests.server.balance import assert_balanced
+from tests.server.balance import assert_balanced, books
 from tests.server.procs import SMALL_LAYOUT, serve
 
 try:
@@ -80,6 +80,32 @@ class Proxy:
 
     def close(self) -> None:
         self.server.shutdown()
+
+
+class KillMidRead:
+    """What a proxy of A does once A answered B's claim: stop A (so that B's read cannot end), then, from a thread,
+    kill A once B's ``/stats`` shows the read in flight. The read is then posted and unfinished when its peer dies,
+    whatever the machine's load."""
+
+    def __init__(self, pid: int, b_port: int) -> None:
+        self.pid, self.b_port = pid, b_port
+        self.in_flight: dict[str, Any] = {}
+
+    def __call__(self) -> None:
+        stop_process(self.pid)
+        threading.Thread(target=self._kill, daemon=True).start()
+
+    def _kill(self) -> None:
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                remote = httpx.get(url(self.b_port) + "/stats", headers=AUTH, timeout=10).json()["remote"]
+                if remote["reads_in_flight"]:
+                    self.in_flight = remote
+                    return
+                time.sleep(0.01)
+        finally:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 @pytest.fixture
@@ -244,3 +270,75 @@ def test_a_stalled_peer_times_out_and_its_blocks_come_back_once_the_read_ends() 
         proxy.close()
         b.stop()
         a.stop()
+
+
+def test_a_peer_killed_mid_read_fails_it_in_bounded_time_and_the_blocks_go_back() -> None:
+    a_port, b_port = free_port(), free_port()
+    a = start(a_port, [url(b_port)])
+    kill = KillMidRead(a.proc.pid, b_port)
+    proxy = Proxy(url(a_port), "/claim", kill)
+    b = start(b_port, [url(proxy.port)], "--peer-timeout-s", "60")
+    try:
+        park(a, "req-4")
+        with PoolClient(url(b_port), name="decode", token=TOKEN) as decode:
+            t0 = time.monotonic()
+            r = remote_claim(b_port, decode.session_id, url(proxy.port), "req-4")
+            took = time.monotonic() - t0
+            assert kill.in_flight["reads_in_flight"] == 1 and kill.in_flight["reading_blocks"] == 5
+            assert r.status_code == 502, r.text  # the peer's death, not the 60 s deadline, ended the read
+            assert took < 45 and "died" in r.json()["detail"]
+            s = stats(b_port)
+            assert (s["in_use"], s["free"]) == (0, 64), "nothing installed, the read's blocks went back"
+            assert s["remote"]["failed"] == 1 and s["remote"]["reads"] == 0
+            assert (s["remote"]["reads_in_flight"], s["remote"]["stalled_blocks"]) == (0, 0)
+            assert decode.alloc(64) and stats(b_port)["in_use"] == 64, "all of B's blocks can be had again"
+    finally:
+        proxy.close()
+        b.stop()
+        a.stop()
+
+
+def test_a_remote_claim_with_its_prompt_indexes_what_the_peer_s_index_vouches_for(
+    pair: tuple[PoolProcess, PoolProcess],
+) -> None:
+    a, b = pair
+    tokens = list(range(200, 214))  # three full blocks of 4, and two tokens more
+    with PoolClient(url(a.port), name="prefill", token=TOKEN) as prefill:
+        for key in ("req-6", "req-7"):
+            ids = prefill.alloc(3)
+            want = fill(prefill, ids, 3)
+            prefill.commit(ids, tokens[:12])  # req-7's blocks hold a copy the index does not name: not vouched for
+            prefill.handoff(key, ids, num_tokens=12)
+    with PoolClient(url(b.port), name="decode", token=TOKEN) as decode:
+        body = {"session_id": decode.session_id, "request_id": "req-6", "peer": url(a.port), "token_ids": tokens}
+        r = httpx.post(url(b.port) + "/remote/claim", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["indexed"] == 3
+        assert all(torch.equal(x, y) for x, y in zip(read(decode, got["block_ids"]), want, strict=True))
+        decode.free(got["block_ids"])
+        assert decode.lookup(tokens).block_ids == got["block_ids"], "B's index finds the blocks it read"
+        assert decode.lookup(tokens, salt="another-tenant").block_ids == []
+        decode.free(got["block_ids"])
+        other = httpx.post(url(b.port) + "/remote/claim", json={**body, "request_id": "req-7"}, headers=AUTH,
+                           timeout=60).json()  # fmt: skip
+        assert other["indexed"] == 0 and len(other["block_ids"]) == 3
+        bad = httpx.post(url(b.port) + "/remote/claim", json={**body, "token_ids": [-1] * 12}, headers=AUTH)
+        assert bad.status_code in (400, 422), "a token that is no token id is refused before anything is claimed"
+        decode.free(other["block_ids"])
+    s = stats(b.port)
+    assert (s["in_use"], s["cached"], s["remote"]["claim_indexed"]) == (0, 3, 3)
+    assert stats(a.port)["handoffs"] == 0 and stats(a.port)["in_use"] == 0
+
+
+def test_a_remote_lookup_for_an_arena_past_the_first_is_refused_and_changes_nothing() -> None:
+    p = start(free_port(), [url(free_port())], "--devices", "0,1")
+    try:
+        with PoolClient(url(p.port), name="decode", token=TOKEN) as decode:
+            before = books(stats(p.port))
+            body = {"session_id": decode.session_id, "token_ids": list(range(8)), "device": 1}
+            r = httpx.post(url(p.port) + "/remote/lookup", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 400 and "first arena" in r.json()["detail"], r.text
+            assert books(stats(p.port)) == before
+    finally:
+        p.stop()
