@@ -283,6 +283,13 @@ def test_a_built_wheel_adds_nothing_but_kvpool_to_site_packages(tmp_path):
         names = set(zf.namelist())
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"kvpool"}
     assert {"kvpool/server/pool.py", "kvpool/workers/demo.py", "kvpool/benchmarks/harness.py"} <= names
+    # a subpackage missing from pyproject's packages list is left out of every non-editable install (the images)
+    modules = {
+        name.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py" else ".py")
+        for name, path in module_files().items()
+    }
+    missing = sorted(modules - names)
+    assert not missing, f"add their packages to [tool.setuptools] packages in pyproject.toml: {missing}"
 
 
 def test_the_license_file_is_the_apache_2_0_that_pyproject_names():
