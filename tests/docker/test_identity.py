@@ -20,9 +20,10 @@ import pytest
 from kvpool import trust
 
 from .compose import CPU_FILES, DOCKER, GPU_FILES, LEGACY_FILES, ROOT, model
-from .test_compose import ENV_EXAMPLE, POOL, SOCKET_DIR, _compose_cli, env_of, mounts
+from .test_compose import ENV_EXAMPLE, POOL, SOCKET_DIR, _compose_cli, env_of, mounts, resolved_env
 from .test_image import arg_defaults, args_of
 
+TOKEN = "a-token-set-in-docker-env"
 PROFILES = {"workers": (), "vllm": ("vllm",), "vllm-gpus": ("vllm-gpus",)}
 CASES = [
     pytest.param(files, profiles, id=f"{'+'.join(f.removesuffix('.yaml') for f in files)}-{name}")
@@ -107,6 +108,16 @@ def test_every_client_trusts_the_pools_socket_and_may_open_it(
 
 
 @pytest.mark.parametrize(("files", "profiles"), CASES)
+def test_every_client_gets_the_pools_token(files: tuple[str, ...], profiles: tuple[str, ...]) -> None:
+    """A pool with KVPOOL_TOKEN answers 401 on its Unix socket too; a service's own environment map replaces the
+    pool's whole one (YAML merge keys are shallow), so the vLLM engines once lost the token."""
+    dotenv = {"KVPOOL_TOKEN": TOKEN}
+    for name, service in model(files, dotenv, profiles=profiles)["services"].items():
+        got = resolved_env(service, dotenv).get("KVPOOL_TOKEN")
+        assert got == TOKEN, f"{name} does not get KVPOOL_TOKEN from docker/.env: the pool would answer it 401"
+
+
+@pytest.mark.parametrize(("files", "profiles"), CASES)
 def test_the_socket_volume_starts_as_the_pools(files: tuple[str, ...], profiles: tuple[str, ...]) -> None:
     services = model(files, profiles=profiles)["services"]
     pool_uid, _ = runs_as(services[POOL])
@@ -133,10 +144,13 @@ def test_docker_compose_resolves_the_same_users(files: tuple[str, ...]) -> None:
     args = [*cli, "--env-file", str(ENV_EXAMPLE), *(a for f in files for a in ("-f", str(DOCKER / f)))]
     args += [a for p in profiles for a in ("--profile", p)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVPOOL_", "COMPOSE_"))}
+    env["KVPOOL_TOKEN"] = TOKEN
     done = subprocess.run([*args, "config", "--format", "json"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     theirs = json.loads(done.stdout)["services"]
     ours = model(files, profiles=profiles)["services"]
+    for name, service in theirs.items():
+        assert service.get("environment", {}).get("KVPOOL_TOKEN") == TOKEN, f"{name} does not get the pool's token"
     assert set(theirs) == set(ours)
     for name, service in ours.items():
         assert theirs[name].get("user") == service["user"], name

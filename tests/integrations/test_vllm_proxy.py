@@ -74,3 +74,19 @@ def test_a_body_that_is_not_a_json_object_is_refused_with_400() -> None:
     r = client(engines).post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON object" in r.json()["detail"]
     assert engines.seen == []
+
+
+@pytest.mark.parametrize("down", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_engine_that_does_not_answer_gives_502_naming_it(down: str, stream: bool) -> None:
+    engines = Engines()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == down:
+            raise httpx.ConnectError("All connection attempts failed", request=request)
+        return engines(request)
+
+    app = build_app("http://prefill", "http://decode", httpx.MockTransport(handler))
+    r = TestClient(app).post("/v1/completions", json={"prompt": [1], "max_tokens": 8, "stream": stream})
+    assert r.status_code == 502
+    assert r.json()["detail"].startswith(f"the {down} engine at http://{down} did not answer (ConnectError: All conn")

@@ -6,7 +6,8 @@ Each OpenAI completion or chat request goes to the prefill engine with one token
 ``kv_transfer_params: {"do_remote_decode": true}``; the connector there parks the prompt's KV in the pool and the
 answer names the handoff. The request then goes, unchanged but for that handoff, to the decode engine, whose
 connector claims it; its answer (streamed or not) is the client's. A prefill that fails is the client's error;
-a prefill answer without a handoff still goes on to decode, which then computes the prompt itself.
+a prefill answer without a handoff still goes on to decode, which then computes the prompt itself. An engine that
+does not answer (still loading its model, or stopped) gives 502 with a JSON body naming it.
 
 Engines on two nodes, each with its own pool: ``--prefill-pool`` names the prefill engine's pool as the decode
 engine's pool lists it in ``--peers``, and the decode engine claims the handoff through its own pool, which reads
@@ -35,6 +36,16 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def unreachable(engine: str, url: str, exc: httpx.TransportError) -> JSONResponse:
+    """502 naming the engine: an engine that is still loading its model, or stopped, is the usual cause."""
+    why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    detail = (
+        f"the {engine} engine at {url} did not answer ({why}): `vllm serve` listens only once its model is loaded,"
+        f" so wait for its 'Application startup complete', or read its log for why it stopped"
+    )
+    return JSONResponse({"detail": detail}, 502)
+
+
 def build_app(
     prefill: str, decode: str, transport: httpx.AsyncBaseTransport | None = None, prefill_pool: str | None = None
 ) -> FastAPI:
@@ -55,18 +66,23 @@ def build_app(
         if not isinstance(body, dict):
             return JSONResponse({"detail": "the body must be a JSON object (an OpenAI completion request)"}, 400)
         path = request.url.path
-        pre = await client.post(prefill + path, json=prefill_body(body))
+        try:
+            pre = await client.post(prefill + path, json=prefill_body(body))
+        except httpx.TransportError as exc:
+            return unreachable("prefill", prefill, exc)
         if pre.status_code != 200:
             return Response(pre.content, pre.status_code, media_type=pre.headers.get("content-type"))
         params = pre.json().get("kv_transfer_params")
         if params and prefill_pool:
             params = {**params, PEER_KEY: prefill_pool}
         dec = {**body, "kv_transfer_params": params} if params else body
-        if not body.get("stream"):
-            r = await client.post(decode + path, json=dec)
-            return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
-        req = client.build_request("POST", decode + path, json=dec)
-        upstream = await client.send(req, stream=True)
+        try:
+            if not body.get("stream"):
+                r = await client.post(decode + path, json=dec)
+                return Response(r.content, r.status_code, media_type=r.headers.get("content-type"))
+            upstream = await client.send(client.build_request("POST", decode + path, json=dec), stream=True)
+        except httpx.TransportError as exc:
+            return unreachable("decode", decode, exc)
 
         async def chunks() -> AsyncIterator[bytes]:
             try:
