@@ -170,7 +170,10 @@ class KvpoolConnector(KVConnectorBase_V1):
                                                          device=device)  # fmt: skip
                 self._resident_sched.generation.early_arrivals()
             else:
-                self._resident_worker = ResidentWorker(client, part, self.layout)
+                kv_layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+                    config.cache_config, "kv_cache_layout", None
+                )  # vLLM 0.29+: the physical layout its engine core resolved
+                self._resident_worker = ResidentWorker(client, part, self.layout, kv_cache_config, kv_layout)
         except BaseException:
             client.close()
             raise

@@ -273,7 +273,10 @@ class ResidentSchedulerSide:
 class ResidentWorker:
     """The worker side in resident mode: the arena mapped once, vLLM's KV cache allocation pointed at it."""
 
-    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout) -> None:
+    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout, kv_cache_config: Any = None,
+                 kv_layout: str | None = None) -> None:  # fmt: skip
+        """``kv_cache_config``: vLLM's KV plan, and ``kv_layout`` the physical layout vLLM resolved for it (0.29+),
+        checked against the arena here, before vLLM allocates."""
         import torch
 
         from kvpool.integrations.vllm import generations, kvmemory
@@ -283,7 +286,7 @@ class ResidentWorker:
         arena = client.arena(descriptor.layout, device=device)
         self.kv = kvmemory.ArenaKV(arena.raw.view(torch.int8), descriptor.layout, descriptor.num_blocks)
         self.generation = generations.current()
-        self.runners = self.generation.start_worker(self.kv, _layer_index)
+        self.runners = self.generation.start_worker(self.kv, _layer_index, kv_cache_config, kv_layout)
 
     def mem_pool_context(self) -> Any:
         """Where vLLM 0.31+ allocates the KV cache: the arena (None: this vLLM allocates it elsewhere). Always as an
