@@ -160,7 +160,7 @@ def test_a_plan_whose_views_are_not_the_arena_is_refused_naming_the_setting(
 # --- vLLM's own views over the arena ----------------------------------------------------------------------------
 
 
-def vllm_plan(lay: KVLayout, vllm_layout: str = "LBNHC") -> Any:
+def vllm_plan(lay: KVLayout, vllm_layout: str = "LBNHC", num_blocks: int = BLOCKS) -> Any:
     """vLLM's own KV plan (its ``KVCacheConfig``) for a model shaped like ``lay``, from its own planner."""
     vllm = pytest.importorskip("vllm")
     if tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 29):
@@ -183,7 +183,7 @@ def vllm_plan(lay: KVLayout, vllm_layout: str = "LBNHC") -> Any:
     }  # fmt: skip
     groups = planning.create_kv_cache_group_specs(specs, [list(specs)])
     cache = SimpleNamespace(
-        num_gpu_blocks_override=BLOCKS, prefix_cache_retention_interval=None,
+        num_gpu_blocks_override=num_blocks, prefix_cache_retention_interval=None,
         get_resolved_kv_cache_layout=lambda: physical,
     )  # fmt: skip
     vllm_config = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
