@@ -160,16 +160,13 @@ def test_a_plan_whose_views_are_not_the_arena_is_refused_naming_the_setting(
 # --- vLLM's own views over the arena ----------------------------------------------------------------------------
 
 
-def vllm_views(raw: torch.Tensor, lay: KVLayout, vllm_layout: str, kernel: int | None) -> tuple[Any, dict]:
-    """vLLM's plan for a model shaped like ``lay``, from its own planner, and its own views of ``raw`` as the one
-    backing (its ``allocate_kv_cache``, on the CPU, with ``torch.zeros`` of the backing handing ``raw`` back as the
-    arena pool does on the GPU)."""
+def vllm_plan(lay: KVLayout, vllm_layout: str = "LBNHC", num_blocks: int = BLOCKS) -> Any:
+    """vLLM's own KV plan (its ``KVCacheConfig``) for a model shaped like ``lay``, from its own planner."""
     vllm = pytest.importorskip("vllm")
     if tuple(int(x) for x in vllm.__version__.split(".")[:2]) < (0, 29):
         pytest.skip("this vLLM allocates per layer (before 0.29): kvmemory.py's path")
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
-    from vllm.v1.worker.utils import allocate_kv_cache
 
     try:
         from vllm.v1.core import kv_cache_planning as planning
@@ -186,11 +183,20 @@ def vllm_views(raw: torch.Tensor, lay: KVLayout, vllm_layout: str, kernel: int |
     }  # fmt: skip
     groups = planning.create_kv_cache_group_specs(specs, [list(specs)])
     cache = SimpleNamespace(
-        num_gpu_blocks_override=BLOCKS, prefix_cache_retention_interval=None,
+        num_gpu_blocks_override=num_blocks, prefix_cache_retention_interval=None,
         get_resolved_kv_cache_layout=lambda: physical,
     )  # fmt: skip
     vllm_config = SimpleNamespace(cache_config=cache, attention_config=SimpleNamespace(hisparse_config=None))
-    plan = planning.get_kv_cache_config_from_groups(vllm_config, groups, 1 << 40)
+    return planning.get_kv_cache_config_from_groups(vllm_config, groups, 1 << 40)
+
+
+def vllm_views(raw: torch.Tensor, lay: KVLayout, vllm_layout: str, kernel: int | None) -> tuple[Any, dict]:
+    """vLLM's plan for a model shaped like ``lay`` and its own views of ``raw`` as the one backing (its
+    ``allocate_kv_cache``, on the CPU, with ``torch.zeros`` of the backing handing ``raw`` back as the arena pool does
+    on the GPU)."""
+    plan = vllm_plan(lay, vllm_layout)
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
 
     class Backing(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -199,7 +205,7 @@ def vllm_views(raw: torch.Tensor, lay: KVLayout, vllm_layout: str, kernel: int |
             return func(*args, **(kwargs or {}))
 
     with Backing():
-        views = allocate_kv_cache(plan, torch.device("cpu"), physical, [kernel] if kernel else None)
+        views = allocate_kv_cache(plan, torch.device("cpu"), KVCacheLayout[vllm_layout], [kernel] if kernel else None)
     return plan, views
 
 
@@ -365,5 +371,94 @@ def test_vllm_s_own_worker_allocates_the_kv_inside_the_connector_s_context(monke
     try:
         memory.install_backport()
         assert allocation_context() is ours
+    finally:
+        memory.uninstall_backport()
+
+
+# --- the resident worker side, end to end on the CPU ----------------------------------------------------------------
+
+
+def resident_worker(raw: torch.Tensor, lay: KVLayout, plan: Any, vllm_layout: str = "LBNHC") -> Any:
+    """The connector's resident worker side over ``raw`` as the mapped arena (a stand-in pool client)."""
+    from kvpool.integrations.vllm.resident import ResidentWorker
+
+    client = SimpleNamespace(arena=lambda layout, device=None: SimpleNamespace(raw=raw), close=lambda: None)
+    descriptor = SimpleNamespace(device=None, arenas=None, layout=lay, num_blocks=BLOCKS)
+    return ResidentWorker(client, descriptor, lay, plan, vllm_layout)  # type: ignore[arg-type]
+
+
+def test_the_resident_worker_side_makes_vllm_s_own_allocation_the_arena(
+    no_cuda_pool: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.29+: the connector's worker side, built with vLLM's plan, has vLLM's own ``initialize_from_config`` hand
+    the model runner its arena context (on 0.29-0.30 through the backport it installs, on 0.31+ by vLLM's hook);
+    vLLM's own ``allocate_kv_cache`` inside that context gets the arena's base, unzeroed, and the views it cuts are
+    what the worker side then accepts as the arena's layer regions."""
+    lay = layout()
+    plan = vllm_plan(lay)
+    from vllm.distributed import kv_transfer
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    kv_raw = torch.zeros(BLOCKS * lay.block_nbytes, dtype=torch.int8)
+    vllms = contextlib.nullcontext("vLLM's")
+    monkeypatch.setattr(gpu_worker.Worker, "_maybe_get_memory_pool_context", lambda worker, tag: vllms)
+    side = resident_worker(kv_raw, lay, plan)
+    assert side.runners == []  # no model runner patched
+    connector = SimpleNamespace(get_mem_pool_context=side.mem_pool_context)
+    for module in (gpu_worker, kv_transfer):
+        monkeypatch.setattr(module, "has_kv_transfer_group", lambda: True)
+        monkeypatch.setattr(module, "get_kv_transfer_group", lambda: connector)
+        monkeypatch.setattr(module, "ensure_kv_transfer_initialized", lambda *args, **kw: None)
+
+    class Allocator(TorchFunctionMode):
+        """torch's allocator under the arena's pool: the backing's request is handed the arena's base."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if func in (torch.zeros, torch.empty) and args == (memory.kv_bytes(side.kv),):
+                self.calls.append(func.__name__)
+                assert got["context"].pool.handout.take(arenapool.segment_bytes(args[0]), 0) == kv_raw.data_ptr()
+                return kv_raw[: args[0]]
+            return func(*args, **(kwargs or {}))
+
+    got: dict[str, Any] = {}
+    allocator = Allocator()
+
+    def initialize_kv_cache(config: Any, kv_cache_allocation_context: Any) -> None:
+        got["context"] = kv_cache_allocation_context
+        with allocator, kv_cache_allocation_context:
+            got["views"] = allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout.LBNHC, None)
+
+    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
+    worker.cache_config, worker.vllm_config = SimpleNamespace(), SimpleNamespace()
+    worker.model_config = SimpleNamespace(enable_return_routed_experts=False)
+    worker.model_runner = SimpleNamespace(initialize_kv_cache=initialize_kv_cache)
+    plan.kv_cache_layout = None  # the layout stays the one the worker side was built with
+    try:
+        gpu_worker.Worker.initialize_from_config(worker, plan)
+        assert memory.installed() == [name.replace(":", ".") for name in side.generation.REPLACES]
+    finally:
+        memory.uninstall_backport()
+    assert isinstance(got["context"], memory.ArenaContext) and got["context"].arena is side.kv
+    assert allocator.calls == ["empty"]  # attaching to a live arena: vLLM's zero fill turned off
+    side.register(got["views"])
+    assert {name: view.data_ptr() for name, view in got["views"].items()} == {
+        name: side.kv.layer(layer_index(name)).data_ptr() for name in got["views"]
+    }
+
+
+def test_the_resident_worker_side_refuses_a_plan_that_is_not_the_arena_before_vllm_allocates() -> None:
+    lay = layout()
+    plan = vllm_plan(lay)
+    plan.num_blocks = BLOCKS + 1
+    try:
+        with pytest.raises(LayoutMismatch, match=f"--num-gpu-blocks-override {BLOCKS}"):
+            resident_worker(torch.zeros(BLOCKS * lay.block_nbytes, dtype=torch.int8), lay, plan)
+        assert memory.installed() == []  # refused before the worker was told to ask the connector
     finally:
         memory.uninstall_backport()

@@ -285,7 +285,10 @@ def test_answers_taken_or_given_back_leave_nothing_behind(pool: PoolProcess) -> 
         b.res.prefetch("hit", prompt)
         got, _ = b.res.install("hit", b.res.answer("hit"), 2)
         assert len(got) == 2
-        assert b.res.back == {} and b.res.ahead == {} and b.res._claimed == {}
+        assert "left" not in b.res.requests, "a request that left keeps no record"
+        kept = [(r.answer, r.future, r.claim_us) for r in b.res.requests.values()]
+        assert kept == [(None, None, None)] * len(kept)
+        b.res.check_requests()
     finally:
         a.close()
         b.close()

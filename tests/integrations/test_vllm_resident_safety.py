@@ -106,6 +106,9 @@ def step(sched: Scheduler) -> Any:
     result = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                sampled_token_ids=[[7] for _ in ids])  # fmt: skip
     sched.update_from_output(out, result)
+    side = getattr(sched.connector, "_resident_sched", None)
+    if side is not None:
+        side.residency.check_requests()  # each request's record as its phase allows, after every step
     return out
 
 

@@ -95,6 +95,49 @@ def test_vllm_leaves_a_request_whose_pool_answer_is_not_back_waiting_and_schedul
         sched.connector.shutdown()  # type: ignore[union-attr]
 
 
+def test_a_request_s_resident_state_is_one_record_through_its_life(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Arrived (its answer on the way, left waiting) -> answered (its hit installed and pinned) -> running (placed,
+    nothing pinned) -> released (finished: the record, and with it all the engine kept for it, gone); the records
+    are checked against their phases after every step."""
+    from vllm.v1.request import RequestStatus
+
+    from kvpool.integrations.vllm.residentrequest import Phase
+
+    prefix = list(range(500, 500 + 2 * BS))
+    packed = LAYOUT.model_copy(update={"order": "kv_packed"})
+    with PoolClient(pool.url, name="writer", layout=packed) as writer:
+        ids = writer.alloc(2)
+        writer.commit(ids, prefix, salt=EngineIdentity.of_config(config(model_dir, pool.url)).salt)
+        writer.free(ids)
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        res = side.residency
+        go = hold_back_lookups(side.client)
+        sched.add_request(request("r", [*prefix, 1, 2, 3]))
+        assert not sched.schedule().scheduled_new_reqs
+        res.check_requests()
+        rec = res.requests["r"]
+        assert (rec.phase, rec.since is not None, rec.future is not None) == (Phase.ARRIVED, True, True), "left waiting"
+        go.set()
+        res._lookups.drain()
+        [placed] = sched.schedule().scheduled_new_reqs
+        res.check_requests()
+        assert placed.num_computed_tokens == 2 * BS
+        assert res.requests["r"] is rec, "one record, from arrival on"
+        assert (rec.phase, rec.pins, rec.installed, rec.future, rec.answer) == (Phase.RUNNING, None, None, None, None)
+        assert rec.asked_at == 0 and not res.pins, "asked once, nothing pinned once placed"
+        with pytest.raises(AssertionError, match="cannot go from running to answered"):
+            rec.to(Phase.ANSWERED)
+        sched.finish_requests("r", RequestStatus.FINISHED_ABORTED)
+        res.check_requests()
+        assert res.requests == {}, "a request that left keeps nothing"
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
 def test_a_request_whose_answer_comes_within_the_brief_wait_is_taken_in_the_same_step(
     model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

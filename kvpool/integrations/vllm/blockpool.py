@@ -60,9 +60,6 @@ class ResidentBlockPool(BlockPool):
         #: held blocks no request uses (ref 0) that a waiting request pinned: what vLLM's own pool would count as
         #: evictable, and what vLLM counts as taken from the free blocks when a request's hit touches them
         self.waiting: set[int] = set()
-        #: what was installed for each request vLLM has not placed yet: found again when vLLM asks again (its first
-        #: allocation failed, or it did not get to it), not lost
-        self.installed: dict[str, tuple[list[int], Hit]] = {}
         #: the request vLLM is allocating for, if it is (see ``allocating``)
         self.asking: Any = None
         self.on_built(self)
@@ -79,7 +76,8 @@ class ResidentBlockPool(BlockPool):
         asking = self.asking
         if asking is None:
             return free + len(self.waiting)
-        pins = self.residency.req_pins.get(asking.request_id)
+        rec = self.residency.requests.get(asking.request_id)
+        pins = rec.pins if rec is not None else None
         return free + (len(self.waiting.intersection(pins)) if pins else 0)
 
     def get_usage(self) -> float:
@@ -155,10 +153,11 @@ class ResidentBlockPool(BlockPool):
 
     def install(self, request: Any) -> tuple[list[int], Hit] | None:
         """Take what the pool answered for ``request`` (held and pinned for it): the engine's blocks of the hit, and
-        the answer; None if there is nothing to take."""
-        kept = self.installed.get(request.request_id)
-        if kept is not None:
-            return kept
+        the answer; None if there is nothing to take. What was installed is kept in the request's record until vLLM
+        places it: found again when vLLM asks again (its first allocation failed, or it did not get to it)."""
+        rec = self.residency.requests.get(request.request_id)
+        if rec is not None and rec.installed is not None:
+            return rec.installed
         hit = self.on_request(request)
         if hit is None:
             return None
@@ -167,7 +166,7 @@ class ResidentBlockPool(BlockPool):
         for block_id in again:
             if self.blocks[block_id].ref_cnt:
                 self.waiting.discard(block_id)
-        self.installed[request.request_id] = blocks, hit
+        self.residency.request(request.request_id).installed = blocks, hit
         return blocks, hit
 
     def hit_blocks(self, request: Any, blocks: list[int], hit: Hit) -> list[KVCacheBlock]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import secrets
 import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,15 +17,23 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.model_executor.models.utils import extract_layer_index
 
 from kvpool.errors import KvpoolError, LayoutMismatch, PoolUnavailable
 from kvpool.integrations.vllm import generations, resident
 from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.link import PoolLink, log
+from kvpool.integrations.vllm.modes import (
+    CopySchedulerMode,
+    CopyWorkerMode,
+    KvpoolMetadata,
+    ResidentSchedulerMode,
+    ResidentWorkerMode,
+    SchedulerMode,
+    WorkerMode,
+)
 from kvpool.integrations.vllm.plan import StepPlan
 from kvpool.integrations.vllm.resident import ResidentSchedulerSide, ResidentWorker
-from kvpool.integrations.vllm.scheduler import Scheduled, SchedulerSide
+from kvpool.integrations.vllm.scheduler import SchedulerSide
 from kvpool.integrations.vllm.settings import (
     ConnectorSettings,
     check_engine,
@@ -60,11 +67,6 @@ def counters(*_: Any) -> dict[str, int]:
         for key, value in connector.counters().items():
             total[key] = total.get(key, 0) + value
     return total
-
-
-@dataclass
-class KvpoolMetadata(KVConnectorMetadata):
-    plan: StepPlan = field(default_factory=StepPlan)
 
 
 def engine_layout(config: VllmConfig) -> KVLayout:
@@ -106,11 +108,9 @@ class KvpoolConnector(KVConnectorBase_V1):
         side = "scheduler" if role == KVConnectorRole.SCHEDULER else "worker"
         names = {s: f"{self.settings.name}-{engine_id[:8]}-{s}" for s in ("scheduler", "worker")}
         link = PoolLink(self.settings.url, names[side], self.settings.token)
-        self._sched: SchedulerSide | None = None
-        self._early = False
-        self._worker: WorkerSide | None = None
-        self._resident_sched: ResidentSchedulerSide | None = None
-        self._resident_worker: ResidentWorker | None = None
+        #: this side's mode (copy or resident), the one object vLLM's calls for its role go to
+        self.scheduler_mode: SchedulerMode | None = None
+        self.worker_mode: WorkerMode | None = None
         if self.settings.mode == "resident" and self._resident(vllm_config, role, kv_cache_config, link.name):
             return
         if tc.kv_load_failure_policy != "recompute":
@@ -118,12 +118,31 @@ class KvpoolConnector(KVConnectorBase_V1):
                         "block that fails to load is computed again instead of failing its request")  # fmt: skip
         if role == KVConnectorRole.SCHEDULER:
             self._check_pool(link, vllm_config)
-            self._sched = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, names["worker"])
-            self._early = self.settings.early_lookup and generations.current().early_arrivals()
+            side = SchedulerSide(link, self.settings, self.layout.block_size, engine_id, names["worker"])
+            early = self.settings.early_lookup and generations.current().early_arrivals()
+            self.scheduler_mode = CopySchedulerMode(side, self.identity, early)
         else:
             mode = vllm_config.compilation_config.cudagraph_mode
             layerwise = layerwise_for(self.settings.layerwise, mode is not None and mode.has_full_cudagraphs())
-            self._worker = WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise)
+            self.worker_mode = CopyWorkerMode(WorkerSide(link, self.layout, self.settings.reserve_blocks, layerwise),
+                                              self.layout)  # fmt: skip
+
+    # the sides behind the modes, by name (tests and benchmarks reach them)
+    @property
+    def _sched(self) -> SchedulerSide | None:
+        return self.scheduler_mode.side if isinstance(self.scheduler_mode, CopySchedulerMode) else None
+
+    @property
+    def _worker(self) -> WorkerSide | None:
+        return self.worker_mode.side if isinstance(self.worker_mode, CopyWorkerMode) else None
+
+    @property
+    def _resident_sched(self) -> ResidentSchedulerSide | None:
+        return self.scheduler_mode.side if isinstance(self.scheduler_mode, ResidentSchedulerMode) else None
+
+    @property
+    def _resident_worker(self) -> ResidentWorker | None:
+        return self.worker_mode.side if isinstance(self.worker_mode, ResidentWorkerMode) else None
 
     def _resident(self, config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig, name: str) -> bool:
         """Start this side in resident mode; False, after one line saying why, where the engine cannot be
@@ -165,13 +184,17 @@ class KvpoolConnector(KVConnectorBase_V1):
                 client.close()
                 client = SlabClient(s.url, name=name, role="other", token=s.token, slab=slab, reply_spin_s=0.0,
                                     name_key=key)  # fmt: skip
-                self._resident_sched = ResidentSchedulerSide(client, part, self.layout.block_size, s.claim_timeout_s,
-                                                         self.identity, load=s.load, save=s.save,
-                                                         device=device,
-                                                         peer_prefix_blocks=s.peer_prefix_blocks)  # fmt: skip
-                self._resident_sched.generation.early_arrivals()
+                side = ResidentSchedulerSide(client, part, self.layout.block_size, s.claim_timeout_s, self.identity,
+                                             load=s.load, save=s.save, device=device,
+                                             peer_prefix_blocks=s.peer_prefix_blocks)  # fmt: skip
+                side.generation.early_arrivals()
+                self.scheduler_mode = ResidentSchedulerMode(side)
             else:
-                self._resident_worker = ResidentWorker(client, part, self.layout)
+                kv_layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+                    config.cache_config, "kv_cache_layout", None
+                )  # vLLM 0.29+: the physical layout its engine core resolved
+                self.worker_mode = ResidentWorkerMode(ResidentWorker(client, part, self.layout, kv_cache_config,
+                                                                     kv_layout))  # fmt: skip
         except BaseException:
             client.close()
             raise
@@ -211,104 +234,45 @@ class KvpoolConnector(KVConnectorBase_V1):
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
         """vLLM 0.30+ built its ``KVCacheManager``: in resident mode, it and its block pool become resident."""
         super().bind_kv_cache_manager(kv_cache_manager)  # type: ignore[misc]
-        if self._resident_sched is not None:
-            self._resident_sched.adopt(kv_cache_manager)
+        if self.scheduler_mode is not None:
+            self.scheduler_mode.bind_kv_cache_manager(kv_cache_manager)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._resident_sched is not None:  # the pool's blocks are this engine's KV cache: nothing to load
-            return (None, False) if self._resident_sched.deferred(request) else (0, False)
-        assert self._sched is not None
-        salt = self._copy_salt(request)
-        if salt is None:
-            self._sched.skip(request.request_id)
-            return 0, False
-        prompt = _tokens(request.prompt_token_ids)
-        return self._sched.match(request.request_id, prompt, num_computed_tokens, request.kv_transfer_params,
-                                 salt), False  # fmt: skip
-
-    def _copy_salt(self, request: Request) -> str | None:
-        """The request's KV identity where copy mode shares it: requests of the engine's own identity only (the
-        worker's copies name no adapter), so LoRA and salted requests are kept out as well."""
-        salt = self.identity.of(request)
-        return salt if salt == self.identity.salt else None
+        assert self.scheduler_mode is not None
+        return self.scheduler_mode.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def on_arrival(self, request: Request) -> None:
         """A request just decoded on the engine core's input thread (see ``arrivals``): its lookup starts now. Not
         for a pooling request: vLLM may refuse it before its scheduler sees it, and the lookup's refs would stay."""
-        if getattr(request, "pooling_params", None) is not None:
+        if getattr(request, "pooling_params", None) is not None or self.scheduler_mode is None:
             return
-        if self._resident_sched is not None:
-            self._resident_sched.arrive(request)
-        elif self._early:
-            self._prefetch(request)
+        self.scheduler_mode.on_arrival(request)
 
     def on_new_request(self, request: Request) -> None:
-        if self._resident_sched is not None:
-            self._resident_sched.arrive(request)  # a second call for one request starts nothing
-            return
-        self._prefetch(request)
-
-    def _prefetch(self, request: Request) -> None:
-        assert self._sched is not None
-        salt = self._copy_salt(request)
-        if salt is not None:
-            self._sched.prefetch(request.request_id, _tokens(request.prompt_token_ids), request.kv_transfer_params,
-                                 salt)  # fmt: skip
+        assert self.scheduler_mode is not None
+        self.scheduler_mode.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self._resident_sched is not None:
-            self._resident_sched.after_alloc(request)
-            return
-        assert self._sched is not None
-        self._sched.after_alloc(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        assert self.scheduler_mode is not None
+        self.scheduler_mode.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self._resident_sched is not None:
-            self._resident_sched.step()
-            return KvpoolMetadata()
-        assert self._sched is not None
-        out = scheduler_output
-        scheduled = [
-            Scheduled(
-                r.req_id,
-                r.num_computed_tokens,
-                out.num_scheduled_tokens.get(r.req_id, 0),
-                list(r.block_ids[0]),
-                True,
-                _tokens(r.prompt_token_ids),
-            )
-            for r in out.scheduled_new_reqs
-        ]
-        cached = out.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new = cached.new_block_ids[i]
-            scheduled.append(Scheduled(req_id, cached.num_computed_tokens[i], out.num_scheduled_tokens.get(req_id, 0),
-                                       list(new[0]) if new else [], req_id in cached.resumed_req_ids))  # fmt: skip
-        return KvpoolMetadata(self._sched.build(scheduled))
+        assert self.scheduler_mode is not None
+        return self.scheduler_mode.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._resident_sched is not None:
-            return False, self._resident_sched.finished(request, block_ids)
-        assert self._sched is not None
-        return False, self._sched.finished(request.request_id)
+        assert self.scheduler_mode is not None
+        return False, self.scheduler_mode.request_finished(request, block_ids)
 
     # -- worker side ------------------------------------------------------------------------------------
 
     def get_mem_pool_context(self) -> Any:
         """vLLM 0.31+: in resident mode, the KV cache is allocated in the arena."""
-        return self._resident_worker.mem_pool_context() if self._resident_worker is not None else None
+        return self.worker_mode.get_mem_pool_context() if self.worker_mode is not None else None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self._resident_worker is not None:
-            self._resident_worker.register(kv_caches)
-            return
-        assert self._worker is not None
-        if len(kv_caches) != self.layout.num_layers:
-            raise LayoutMismatch(
-                f"vLLM has {len(kv_caches)} KV caches for {self.layout.num_layers} layers: the kvpool connector "
-                "needs one per attention layer (no shared or cross-layer KV)"
-            )
-        self._worker.register(kv_caches, extract_layer_index)
+        assert self.worker_mode is not None
+        self.worker_mode.register_kv_caches(kv_caches)
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
@@ -316,67 +280,49 @@ class KvpoolConnector(KVConnectorBase_V1):
         return meta.plan
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._resident_worker is not None:  # nothing to load, the KV is where vLLM reads it; the lease is checked
-            self._resident_worker.check()
-            return
-        if self._worker is None:
-            return
-        assert self._worker is not None
-        self._worker.load(self._plan())
+        if self.worker_mode is not None:
+            self.worker_mode.start_load_kv(self._plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        if self._worker is None:
-            return
-        self._worker.wait_layer(layer_name)
+        if self.worker_mode is not None:
+            self.worker_mode.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves run in wait_for_save, one batched copy per layer for the step
 
     def wait_for_save(self) -> None:
-        if self._worker is None:
-            return  # resident: vLLM wrote its KV into the arena already
-        self._worker.save(self._plan())
+        if self.worker_mode is not None:
+            self.worker_mode.wait_for_save(self._plan)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_failed() if self._worker is not None else set()
+        return self.worker_mode.get_block_ids_with_load_errors() if self.worker_mode is not None else set()
 
     def flush(self) -> None:
         """Wait until this engine's saves reached the pool (tests and benchmarks; serving never needs to)."""
-        if self._worker is not None:
-            self._worker.flush()
-        if self._resident_sched is not None:
-            self._resident_sched.residency.drain()
+        for mode in (self.worker_mode, self.scheduler_mode):
+            if mode is not None:
+                mode.flush()
 
     def counters(self) -> dict[str, int]:
         """What this side did, for logs and benchmarks: in resident mode, blocks installed and committed, and
         ``copied_blocks`` 0; in copy mode, the worker's copies."""
-        if self._resident_sched is not None:
-            residency = self._resident_sched.residency
-            return {**vars(residency.counters), **residency.handovers.summary()}
-        if self._worker is not None:
-            return self._worker.counters()
-        return {}
+        total: dict[str, int] = {}
+        for mode in (self.scheduler_mode, self.worker_mode):
+            if mode is not None:
+                total.update(mode.counters())
+        return total
 
     def reset_cache(self) -> bool:
         """vLLM's ``reset_prefix_cache(reset_connector=True)``, as after a weight update: the engine moves to a new
         epoch, and from now on shares nothing computed before (the pool's entries stay, for engines still on
         them)."""
-        if self._resident_sched is not None:
-            self._resident_sched.reset()
+        if self.scheduler_mode is not None:
+            self.scheduler_mode.reset()
         else:
             self.identity.renew()
-            log.info("kvpool: the engine's cache was reset: it shares nothing computed before (epoch %d)",
-                     self.identity.epoch)  # fmt: skip
         return True
 
     def shutdown(self) -> None:
-        for side in (self._sched, self._worker, self._resident_sched, self._resident_worker):
-            if side is not None:
-                side.close()
-
-
-def _tokens(prompt: list[int] | None) -> list[int]:
-    """vLLM's own list of a prompt's token ids, not a copy: it never changes them, and neither does the connector.
-    Each copy of a 1,024-token prompt touches 1,024 int objects; in a burst's step, three copies a request were a
-    third of the scheduler side's time (vLLM's ``schedule()`` timed on the CPU: see the docs' benchmarks)."""
-    return prompt if type(prompt) is list else list(prompt or [])
+        for mode in (self.scheduler_mode, self.worker_mode):
+            if mode is not None:
+                mode.close()

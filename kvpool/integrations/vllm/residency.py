@@ -41,6 +41,7 @@ from kvpool.integrations.vllm import remote
 from kvpool.integrations.vllm.batcher import Batcher
 from kvpool.integrations.vllm.poolcalls import NO_HIT, Claim, Hit, ResidentPool, Write
 from kvpool.integrations.vllm.residentcounters import Handovers, ResidentCounters
+from kvpool.integrations.vllm.residentrequest import Phase, ResidentRequest
 
 __all__ = ["Hit", "PoolGone", "Residency", "ResidentPool"]
 
@@ -101,17 +102,14 @@ class Residency:
         #: to the slab). Every other held block is committed; kept this way round because a hit's blocks, installed
         #: on the handover's path, are all committed, and a request's new blocks are few
         self.uncommitted: set[int] = set()
-        #: the held blocks each waiting request installed: a request is taken in within the step that installed its
-        #: hit, so pins are kept per request, not per block, and the set of pinned blocks is built only when asked
-        self.req_pins: dict[str, list[int]] = {}
-        self._pinned: set[int] | None = set()  # every pinned block; None: to be built again from ``req_pins``
-        self.ahead: dict[str, Future[Hit]] = {}
-        #: the answers that are back, put here by the thread that read them before their futures are done: taking
-        #: one is a dict operation, where a future's ``done`` and ``result`` each take its lock
-        self.back: dict[str, Hit] = {}
+        #: every request the engine keeps anything for, from its arrival to its end: its one record
+        #: (:mod:`.residentrequest`). A request is taken in within the step that installed its hit, so pins are kept
+        #: per request, not per block, and the set of pinned blocks is built only when asked
+        self.requests: dict[str, ResidentRequest] = {}
+        self._pinning = 0  # records that pin blocks
+        self._pinned: set[int] | None = set()  # every pinned block; None: to be built again from the records
         self.counters = ResidentCounters()
         self.handovers = Handovers()
-        self._claimed: dict[str, float] = {}  # request -> its claim's round trip (us), until it is installed
         #: refs a hit took past what its request uses, released at the next step: a handover wakes no thread
         self._spare: list[int] = []
         self.gone: Exception | None = None
@@ -120,7 +118,12 @@ class Residency:
         )
         self._claims: Batcher[Claim, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
         self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
-        self._lock = threading.Lock()  # ``ahead`` is written by the input thread, read by the scheduler's
+        self._lock = threading.Lock()  # a record's ``future`` is set on the input thread, taken on the scheduler's
+
+    def request(self, req_id: str) -> ResidentRequest:
+        """The request's record, made on its first mention (an atomic dict operation: any thread)."""
+        rec = self.requests.get(req_id)
+        return rec if rec is not None else self.requests.setdefault(req_id, ResidentRequest(req_id))
 
     # -- the pool's health --------------------------------------------------------------------------------
 
@@ -213,15 +216,15 @@ class Residency:
         if loadable <= 0 or self.gone is not None:
             return
         with self._lock:
-            if req_id in self.ahead:
+            rec = self.request(req_id)
+            if rec.future is not None:
                 return
             if claim is not None:
                 ask = Claim(req_id, claim, time.perf_counter(), len(tokens), digest, parker, peer,
                             tokens if peer else None, salt)  # fmt: skip
-                future = self._claims.submit(ask)
+                rec.future = self._claims.submit(ask)
             else:
-                future = self._lookups.submit((req_id, tokens[:loadable], salt))
-            self.ahead[req_id] = future
+                rec.future = self._lookups.submit((req_id, tokens[:loadable], salt))
 
     def _no_hit(self, exc: Exception) -> Hit:
         if isinstance(exc, LOST):
@@ -236,7 +239,11 @@ class Residency:
         if self.peer_prefix_blocks is not None:
             found = remote.lookup_many(self.pool, prompts, found, salts, self.peer_prefix_blocks, self.block_size)
         hits = [self._hit(list(h.block_ids), h.num_tokens) for h in found]
-        self.back.update(zip([rid for rid, *_ in asks], hits, strict=True))
+        requests = self.requests
+        for (rid, *_), hit in zip(asks, hits, strict=True):
+            rec = requests.get(rid)
+            if rec is not None:  # else it left: its future's callback gives the answer back
+                rec.answer = hit
         return hits
 
     def _hit(self, ids: list[int], num_tokens: int, meta: dict[str, Any] | None = None, claimed: bool = False) -> Hit:
@@ -288,18 +295,25 @@ class Residency:
             else:
                 out.append(hit)
         now = time.perf_counter()
+        requests = self.requests
         for ask, hit in zip(asks, out, strict=True):
+            rec = requests.get(ask.req_id)
+            if rec is None:  # it left: its future's callback gives the answer back
+                continue
             if hit.ids:  # a claim's time is kept until its request is installed, so only where there is one
-                self._claimed[ask.req_id] = (now - ask.arrived) * 1e6
-            self.back[ask.req_id] = hit
+                rec.claim_us = (now - ask.arrived) * 1e6
+            rec.answer = hit
         return out
 
     def ready(self, req_id: str, wait_s: float = 0.0) -> bool | None:
         """Whether the pool's answer for a request is back, waiting up to ``wait_s`` for it (None: none was
         asked)."""
-        if req_id in self.back:
+        rec = self.requests.get(req_id)
+        if rec is None:
+            return None
+        if rec.answer is not None:
             return True
-        future = self.ahead.get(req_id)
+        future = rec.future
         if future is None:
             return None
         if wait_s > 0:
@@ -311,8 +325,12 @@ class Residency:
     def answer(self, req_id: str, timeout_s: float | None = None) -> Hit | None:
         """The pool's answer for a request (waiting for it if it is on its way, ``answer_timeout_s`` unless told),
         taken: None if none was asked."""
-        hit = self.back.pop(req_id, None)
-        future = self.ahead.pop(req_id, None)  # one dict operation: atomic, and ``prefetch`` only adds
+        rec = self.requests.get(req_id)
+        if rec is None:
+            return None
+        hit, rec.answer = rec.answer, None
+        future, rec.future = rec.future, None
+        rec.to(Phase.ANSWERED)
         if hit is not None:
             return hit
         if future is None:
@@ -326,13 +344,14 @@ class Residency:
             future.add_done_callback(functools.partial(self._give_back, req_id))
             return NO_HIT
         finally:
-            self.back.pop(req_id, None)  # the answer came as the wait ended, or failed (then none was put here)
+            rec.answer = None  # the answer came as the wait ended, or failed (then none was put here)
             self.handovers.wait_us.append((time.perf_counter() - began) * 1e6)
 
     def _give_back(self, req_id: str, future: Future[Hit]) -> None:
         """An answer nobody will take: its refs go back to the pool."""
-        self.back.pop(req_id, None)
-        self._claimed.pop(req_id, None)
+        rec = self.requests.get(req_id)
+        if rec is not None:
+            rec.answer = rec.claim_us = None
         self._release_ids(future.result().ids)
 
     def install(self, req_id: str, hit: Hit, usable: int) -> tuple[list[int], list[int]]:
@@ -369,11 +388,16 @@ class Residency:
                     extra.append(fenced)
                     again.append(block)
         self._pinned = None
-        pinned = self.req_pins.get(req_id)
-        self.req_pins[req_id] = blocks if pinned is None else pinned + blocks  # never changed in place
+        rec = self.request(req_id)
+        rec.to(Phase.ANSWERED)
+        if rec.pins is None:
+            self._pinning += 1
+            rec.pins = blocks
+        else:
+            rec.pins = rec.pins + blocks  # never changed in place
         if extra:
             self._spare.extend(extra)
-        claimed = self._claimed.pop(req_id, None)
+        claimed, rec.claim_us = rec.claim_us, None
         if claimed is not None and blocks:
             self.handovers.claim_us.append(claimed)
         if blocks:
@@ -384,26 +408,40 @@ class Residency:
     def unpin(self, req_id: str) -> list[int]:
         """The request ran (its hits now count in vLLM's refs) or left: its pins go. Returns the blocks no request
         pins any more, for the caller to ``leave`` where vLLM does not use them either."""
-        blocks = self.req_pins.pop(req_id, None)
+        rec = self.requests.get(req_id)
+        blocks = rec.pins if rec is not None else None
+        if blocks is None:
+            return []
+        rec.pins = None  # type: ignore[union-attr]
+        self._pinning -= 1
         if not blocks:
             return []
         self._pinned = None
-        if not self.req_pins:  # the common case: no other request waits with a hit
+        if not self._pinning:  # the common case: no other request waits with a hit
             return blocks
         return [b for b in dict.fromkeys(blocks) if not self.pinned(b)]
 
+    def placed(self, req_id: str) -> list[int]:
+        """vLLM placed the request (its hit is vLLM's refs now): it runs, and its pins go; returns the blocks no
+        request pins any more, as :meth:`unpin`."""
+        rec = self.request(req_id)
+        rec.installed = None
+        unpinned = self.unpin(req_id)
+        rec.to(Phase.RUNNING)
+        return unpinned
+
     def pinned(self, block: int) -> bool:
         """Whether a waiting request installed ``block``."""
-        if not self.req_pins:
+        if not self._pinning:
             return False
         if self._pinned is None:
-            self._pinned = {b for blocks in self.req_pins.values() for b in blocks}
+            self._pinned = {b for rec in self.requests.values() if rec.pins for b in rec.pins}
         return block in self._pinned
 
     @property
     def pins(self) -> Counter[int]:
         """How many waiting requests installed each pinned block (for tests and logs; built on each call)."""
-        return Counter(b for blocks in self.req_pins.values() for b in blocks)
+        return Counter(b for rec in self.requests.values() if rec.pins for b in rec.pins)
 
     # -- blocks that leave --------------------------------------------------------------------------------
 
@@ -469,13 +507,26 @@ class Residency:
     # -- a request's end ------------------------------------------------------------------------------------
 
     def finished(self, req_id: str) -> list[int]:
-        """The request left (finished, aborted): an answer still on its way goes back when it comes; returns the
-        blocks it pinned that nobody pins now (for ``leave`` where vLLM does not use them)."""
+        """The request left (finished, aborted, parked): its record goes, an answer still on its way goes back when
+        it comes; returns the blocks it pinned that nobody pins now (for ``leave`` where vLLM does not use them)."""
+        unpinned = self.unpin(req_id)
         with self._lock:
-            future = self.ahead.pop(req_id, None)
-        if future is not None:
-            future.add_done_callback(functools.partial(self._give_back, req_id))
-        return self.unpin(req_id)
+            rec = self.requests.pop(req_id, None)
+        if rec is not None and rec.future is not None:
+            rec.future.add_done_callback(functools.partial(self._give_back, req_id))
+        return unpinned
+
+    def check_requests(self) -> None:
+        """Assert every request's record is as its phase allows, and the pinned blocks are the records' pins (the
+        tests call this after each step)."""
+        held = self.held
+        pinning = 0
+        for rec in list(self.requests.values()):
+            rec.check(held)
+            pinning += rec.pins is not None
+        assert pinning == self._pinning, f"{pinning} records pin blocks, the books say {self._pinning}"
+        if self._pinned is not None and self._pinning:
+            assert self._pinned == {b for r in self.requests.values() if r.pins for b in r.pins}, "stale pin set"
 
     def commit(self, blocks: Sequence[int], tokens: list[int], salt: str | None = None) -> int:
         """Give the pool's prefix index the full blocks of ``tokens``, held in ``blocks`` (in order), under ``salt``
@@ -552,8 +603,9 @@ class Residency:
 
     def close(self) -> None:
         with self._lock:
-            pending = list(self.ahead.items())
-            self.ahead.clear()
+            pending = [(rec.req_id, rec.future) for rec in self.requests.values() if rec.future is not None]
+            for rec in self.requests.values():
+                rec.future = None
         for req_id, future in pending:
             future.add_done_callback(functools.partial(self._give_back, req_id))
         self._release_spare()

@@ -28,6 +28,7 @@ from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.remote import PEER_KEY
 from kvpool.integrations.vllm.residency import Hit, PoolGone, Residency
+from kvpool.integrations.vllm.residentrequest import Phase
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY  # copy mode's keys
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
@@ -120,18 +121,12 @@ class ResidentSchedulerSide:
             claim_timeout_s=claim_timeout_s, device=device, peer_prefix_blocks=peer_prefix_blocks,
             alive=lambda: _lapse(client),
         )  # fmt: skip
-        #: requests the pool has answered, with their preemptions then: each is asked once, however often vLLM
-        #: schedules it, and again after a preemption (its blocks went, its prefix may be a hit again)
-        self.asked: dict[str, int] = {}
-        #: requests vLLM is to leave waiting this step, their answer not back yet; and since when each has waited
-        self.later: set[str] = set()
-        self.since: dict[str, float] = {}
         self._wait_until: float | None = None  # the end of this step's wait for answers, once a request began it
         self.block_pool: Any = None
         self.generation = generations.current()
         #: this engine's resident ``BlockPool`` class: vLLM 0.26 builds it, later ones' block pool becomes it
-        self.pool_class = blockpool.bound(self.residency, self._answer, self._bind,
-                                          lambda request: request.request_id in self.later, self.reset)  # fmt: skip
+        self.pool_class = blockpool.bound(self.residency, self._answer, self._bind, self._later,
+                                          self.reset)  # fmt: skip
         self.generation.start_scheduler(self.pool_class)
         slab.refill_ahead()  # the slab starts full, and its refill thread exists before the first burst
         SCHEDULERS.add(self)
@@ -167,34 +162,42 @@ class ResidentSchedulerSide:
                                 parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY),
                                 salt=salt)  # fmt: skip
 
+    def _later(self, request: Any) -> bool:
+        rec = self.residency.requests.get(request.request_id)
+        return rec is not None and rec.later
+
     def _answer(self, request: Any) -> Hit | None:
-        """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""
+        """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one. The pool is
+        asked once, however often vLLM schedules the request, and again after a preemption (its blocks went, its
+        prefix may be a hit again)."""
         rid = request.request_id
-        asked = self.asked.get(rid)
-        if asked is not None:
-            if request.num_preemptions <= asked:
+        rec = self.residency.request(rid)
+        if rec.asked_at is not None:
+            if request.num_preemptions <= rec.asked_at:
                 return None
+            rec.to(Phase.ARRIVED)
             self.arrive(request)  # preempted since: its blocks went back, and the pool may hold its prefix
         ready = self.residency.ready(rid)
         if ready is None:  # it arrived without word to the connector (no arrival hook): ask now
             self.arrive(request)
             ready = self.residency.ready(rid)
         if ready is False:
-            ready = self.residency.ready(rid, self._wait_s(rid))
+            ready = self.residency.ready(rid, self._wait_s(rec))
         if ready is False:
-            since = self.since.setdefault(rid, time.monotonic())
-            if time.monotonic() - since < self.residency.answer_timeout_s:
-                self.later.add(rid)
+            if rec.since is None:
+                rec.since = time.monotonic()
+            if time.monotonic() - rec.since < self.residency.answer_timeout_s:
+                rec.later = True
                 return None
-        self.since.pop(rid, None)
-        self.asked[rid] = request.num_preemptions
+        rec.since = None
+        rec.asked_at = request.num_preemptions
         hit = self.residency.answer(rid, None if ready is not False else 0.0)
         return hit if hit is not None and hit.ids else None
 
-    def _wait_s(self, rid: str) -> float:
-        """How long to wait for ``rid``'s answer now: what is left of this step's wait, for a request not left
+    def _wait_s(self, rec: Any) -> float:
+        """How long to wait for a request's answer now: what is left of this step's wait, for a request not left
         waiting before (one that was had its wait)."""
-        if rid in self.since:
+        if rec.since is not None:
             return 0.0
         now = time.monotonic()
         if self._wait_until is None:
@@ -205,9 +208,9 @@ class ResidentSchedulerSide:
         """Whether vLLM is to leave ``request`` waiting this step (asked right after its hit search): the pool's
         answer for it is on its way, and the scheduler takes the requests whose answers are back meanwhile, where
         waiting for it would hold them all (a burst's first arrival would run alone while the others queue)."""
-        rid = request.request_id
-        if rid in self.later:
-            self.later.discard(rid)
+        rec = self.residency.requests.get(request.request_id)
+        if rec is not None and rec.later:
+            rec.later = False
             return True
         return False
 
@@ -215,15 +218,12 @@ class ResidentSchedulerSide:
 
     def after_alloc(self, request: Any) -> None:
         """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
-        if self.block_pool is not None:
-            self.block_pool.installed.pop(request.request_id, None)
-        self._leave(self.residency.unpin(request.request_id))
+        self._leave(self.residency.placed(request.request_id))
 
     def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
         """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
         decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
-        self._forget(request.request_id)
-        self._leave(self.residency.finished(request.request_id))
+        self._leave(self.residency.finished(request.request_id))  # its record goes
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}
         salt = self.identity.of(request)
@@ -241,13 +241,6 @@ class ResidentSchedulerSide:
         if self.save and done >= self.block_size:
             self.residency.commit(block_ids, list(request.all_token_ids[:done]), salt)
         return None
-
-    def _forget(self, rid: str) -> None:
-        if self.block_pool is not None:
-            self.block_pool.installed.pop(rid, None)
-        self.asked.pop(rid, None)
-        self.later.discard(rid)
-        self.since.pop(rid, None)
 
     def _leave(self, blocks: list[int]) -> None:
         if blocks and self.block_pool is not None:
@@ -274,7 +267,10 @@ class ResidentSchedulerSide:
 class ResidentWorker:
     """The worker side in resident mode: the arena mapped once, vLLM's KV cache allocation pointed at it."""
 
-    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout) -> None:
+    def __init__(self, client: PoolClient, descriptor: ArenaDescriptor, layout: KVLayout, kv_cache_config: Any = None,
+                 kv_layout: str | None = None) -> None:  # fmt: skip
+        """``kv_cache_config``: vLLM's KV plan, and ``kv_layout`` the physical layout vLLM resolved for it (0.29+),
+        checked against the arena here, before vLLM allocates."""
         import torch
 
         from kvpool.integrations.vllm import generations, kvmemory
@@ -284,7 +280,7 @@ class ResidentWorker:
         arena = client.arena(descriptor.layout, device=device)
         self.kv = kvmemory.ArenaKV(arena.raw.view(torch.int8), descriptor.layout, descriptor.num_blocks)
         self.generation = generations.current()
-        self.runners = self.generation.start_worker(self.kv, _layer_index)
+        self.runners = self.generation.start_worker(self.kv, _layer_index, kv_cache_config, kv_layout)
 
     def mem_pool_context(self) -> Any:
         """Where vLLM 0.31+ allocates the KV cache: the arena (None: this vLLM allocates it elsewhere). Always as an

@@ -67,8 +67,9 @@ def early_arrivals() -> bool:
     return arrivals.install()
 
 
-def start_worker(kv: Any, layer_index: Any) -> list[str]:
-    """Point vLLM's KV cache allocation at the arena; returns the model runners that now take it from there."""
+def start_worker(kv: Any, layer_index: Any, kv_cache_config: Any = None, layout: str | None = None) -> list[str]:
+    """Point vLLM's KV cache allocation at the arena; returns the model runners that now take it from there (each
+    layer's allocation is checked as it is made: no plan to check ahead)."""
     from kvpool.integrations.vllm import kvmemory
 
     return kvmemory.install(kv, layer_index)

@@ -1,8 +1,11 @@
-"""vLLM 0.29 and 0.30: resident mode replaces no vLLM attribute; the engine runs kvpool's scheduler class.
+"""vLLM 0.29 and 0.30: the scheduler side replaces no vLLM attribute (the engine runs kvpool's scheduler class); the
+worker side wraps one method.
 
 0.29 made one ``allocate_kv_cache`` (``v1/worker/utils.py``) of both runners' private allocation functions, and
 its worker enters a memory context around it (``kv_cache_allocation_context``) that only a worker class can
-provide. The scheduler side takes ``--scheduler-cls kvpool.integrations.vllm.ResidentAsyncScheduler`` (or
+provide: the worker side wraps ``Worker._maybe_get_memory_pool_context`` to ask the connector for it, as 0.31's
+worker does (:func:`.memory.install_backport`), and that context makes the allocation the arena (:mod:`.memory`).
+The scheduler side takes ``--scheduler-cls kvpool.integrations.vllm.ResidentAsyncScheduler`` (or
 ``ResidentScheduler``), which makes vLLM's one ``BlockPool`` and its ``KVCacheManager`` resident by their classes
 once built (:func:`.blockpool.adopt`, as Dynamo's GPU Memory Service does). Lookups start when the scheduler takes a
 request in (``on_new_request``): no hook reaches the engine core's input thread without a patch.
@@ -18,7 +21,7 @@ from kvpool.integrations.vllm.generations import SCHEDULER, Surface, merged
 SURFACE = merged(
     SCHEDULER,
     Surface(
-        overrides={},
+        overrides={"vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context": ("tag",)},  # the backport
         calls={},
         attributes=(  # kvpool's scheduler classes subclass both, and read kv_cache_manager and connector
             "vllm.v1.core.sched.scheduler:Scheduler",
@@ -29,7 +32,9 @@ SURFACE = merged(
         instance={},
     ),
 )
-REPLACES: tuple[str, ...] = ()
+#: the vLLM attributes this generation replaces at run time: on the worker, the one method that picks the KV
+#: allocation's memory context, wrapped for its ``"kv_cache"`` tag only (0.31's worker asks the connector itself)
+REPLACES = ("vllm.v1.worker.gpu_worker:Worker._maybe_get_memory_pool_context",)
 HOOK = "scheduler_cls"
 SCHEDULER_CLS = "kvpool.integrations.vllm.ResidentAsyncScheduler"
 
@@ -62,11 +67,20 @@ def early_arrivals() -> bool:
     return False
 
 
-def start_worker(kv: Any, layer_index: Any) -> list[str]:
-    # TODO(h48m): the arena handed to allocate_kv_cache through the worker's kv_cache_allocation_context
-    # (kvpool.integrations.vllm.memory.arena_context); until then this generation's worker side is not resident
-    raise NotImplementedError("kvpool: resident mode's worker side on vLLM 0.29-0.30 is not built yet")
+def start_worker(kv: Any, layer_index: Any, kv_cache_config: Any = None, layout: str | None = None) -> list[str]:
+    """Refuse a KV plan whose views would not be the arena (where vLLM resolved its ``layout``), then have the worker
+    ask the connector for its KV allocation's context as 0.31's does (:func:`.memory.install_backport`). No model
+    runner is patched: vLLM's one ``allocate_kv_cache`` runs inside :func:`mem_pool_context`."""
+    from kvpool.integrations.vllm import memory
+
+    if kv_cache_config is not None and layout is not None:
+        memory.check_plan(kv, kv_cache_config, layer_index, layout)
+    memory.install_backport()
+    return []
 
 
 def mem_pool_context(kv: Any, attaching: bool) -> AbstractContextManager[Any] | None:
-    return None  # no such connector hook before vLLM 0.31
+    """The arena as the memory vLLM allocates its KV cache from (asked through the backport)."""
+    from kvpool.integrations.vllm import memory
+
+    return memory.arena_context(kv, attaching)

@@ -49,8 +49,14 @@ def early_arrivals() -> bool:
     return False
 
 
-def start_worker(kv: Any, layer_index: Any) -> list[str]:
-    return []  # the allocation goes through mem_pool_context
+def start_worker(kv: Any, layer_index: Any, kv_cache_config: Any = None, layout: str | None = None) -> list[str]:
+    """Refuse a KV plan whose views would not be the arena (where vLLM resolved its ``layout``); no model runner is
+    patched: the allocation goes through :func:`mem_pool_context`."""
+    from kvpool.integrations.vllm import memory
+
+    if kv_cache_config is not None and layout is not None:
+        memory.check_plan(kv, kv_cache_config, layer_index, layout)
+    return []
 
 
 def mem_pool_context(kv: Any, attaching: bool) -> AbstractContextManager[Any] | None:
