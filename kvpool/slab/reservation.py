@@ -129,6 +129,8 @@ class Slab:
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
         self._ahead_after = 0.0  # after a refill ahead failed (a full pool), none until then (monotonic)
+        #: slots whose blocks a call on its way gives up at the pool (``leave``): no other call may name them
+        self._leaving: set[int] = set()
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -185,6 +187,8 @@ class Slab:
                     words = self.view.words
                     if words[8 + 4 * slot] != fenced:
                         raise self._stale([fenced])
+                    if slot in self._leaving:
+                        raise self._in_flight()
                     if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
                         raise self._not_held([fenced])
                     nxt = fenced + GEN_STEP
@@ -245,6 +249,8 @@ class Slab:
             raise self._not_held(named[idle].tolist())
         if len(mine) > self.capacity:
             raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        if self._leaving and not self._leaving.isdisjoint(mine.tolist()):
+            raise self._in_flight()
         if len(mine) > 1 and type(at) is not slice:  # a slot named twice keeps the later position only (np.unique
             # sorts: 20x dearer); a run names each slot once
             order = self._order[: len(mine)]
@@ -270,6 +276,12 @@ class Slab:
             "slab); nothing was changed"
         )
 
+    def _in_flight(self) -> NotOwner:
+        return NotOwner(
+            "block_ids names a block of this session's slab that a call on its way gives up at the pool (a commit or "
+            "a handoff through it): nothing was changed. Give a block up once, after that call answered"
+        )
+
     def _stale(self, ids: list[int]) -> StaleBlock:
         return StaleBlock(
             f"block ids {ids[:8]} are stale: their blocks were freed since the call that returned them (into this "
@@ -284,15 +296,16 @@ class Slab:
         not this session's to give; an old generation goes to the pool all the same, which refuses it too (it
         takes the slab's generations in before it checks an id) and so tells an addressee of a handoff."""
         arr = as_ids(ids)
+        stale: StaleBlock | None = None
         with self.lock:
             try:
                 slots, _ = self._owned(arr)
-            except StaleBlock:
-                call()
-                raise
-            done = call()
-            self._gone(slots)
-            return done
+            except StaleBlock as exc:
+                stale = exc
+        if stale is not None:
+            call()
+            raise stale
+        return self._leaving_during([slots], lambda: [call()])[0]  # type: ignore[return-value]
 
     def leave_many(self, id_lists: Sequence[Sequence[int] | Any], call: Callable[[], list[T | None]]) -> list[T | None]:
         """:meth:`leave` for several calls sent together (``call`` answers each, ``None`` where the pool refused it):
@@ -300,11 +313,30 @@ class Slab:
         changing nothing, as ``leave`` is, if any list names a block the slab knows is not this session's to give."""
         with self.lock:
             owned = [self._owned(as_ids(ids))[0] for ids in id_lists]
+        return self._leaving_during(owned, call)
+
+    def _leaving_during(self, owned: list[np.ndarray], call: Callable[[], list[T | None]]) -> list[T | None]:
+        """Run ``call`` without the lock, the slab's blocks of ``owned`` (checked under it) marked as leaving: the
+        pool's round trip (a step's commits: milliseconds) must not hold the scheduler's allocs and frees, nor the
+        heartbeat's answer to the pool's want. A free, a handoff or another leave naming a leaving block is refused
+        meanwhile (no thread but this call's may give it up); once the pool answered, each taken call's blocks go."""
+        mine = [s[s >= 0] for s in owned]
+        marked = [slot for m in mine for slot in m.tolist()]
+        with self.lock:
+            if not self._leaving.isdisjoint(marked):
+                raise self._in_flight()
+            self._leaving.update(marked)
+        done: list[T | None] = []
+        try:
             done = call()
-            for slots, answer in zip(owned, done, strict=True):
-                if answer is not None:
-                    self._gone(slots)
-            return done
+        finally:
+            with self.lock:
+                self._leaving.difference_update(marked)
+                if not self.closed:
+                    for slots, answer in zip(mine, done, strict=False):
+                        if answer is not None:
+                            self._gone(slots)
+        return done
 
     def _gone(self, slots: np.ndarray) -> None:
         mine = slots[slots >= 0]
