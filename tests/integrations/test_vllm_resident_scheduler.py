@@ -183,3 +183,29 @@ def test_vllm_s_async_scheduler_runs_resident_too(
         assert taken.num_computed_tokens == 2 * BS and list(taken.block_ids[0][:2]) == [i & 0xFFFFFFFF for i in ids]
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_decode_step_proves_the_lease_once_not_once_a_running_request(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM counts the free blocks once for every running request in every step; the lease is proven once a step
+    (and by every take, and before every launch), not with each count: 64 proofs a decode step were a tenth of the
+    resident scheduler's step on the CPU."""
+    from tests.integrations.test_vllm_resident_safety import step
+
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        for i in range(6):
+            sched.add_request(request(f"d{i}", list(range(40 * i, 40 * i + BS - 4))))  # no full block: no lookup
+        deadline = time.monotonic() + 30
+        while len(sched.running) < 6 and time.monotonic() < deadline:
+            step(sched)
+        assert len(sched.running) == 6
+        alive, proofs = side.residency._alive, []
+        monkeypatch.setattr(side.residency, "_alive", lambda: proofs.append(1) or alive())
+        out = step(sched)
+        assert len(out.scheduled_cached_reqs.req_ids) == 6, "a decode step of the six"
+        assert len(proofs) == 1, f"the lease was proven {len(proofs)} times in one step"
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
