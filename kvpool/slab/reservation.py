@@ -129,6 +129,8 @@ class Slab:
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
         self._ahead_after = 0.0  # after a refill ahead failed (a full pool), none until then (monotonic)
+        self._wanted = config.blocks  # idle blocks the last refill ahead of need was asked for
+        self._ahead_min = max(config.low, config.blocks // 4)  # what a refill ahead of need asks for at least
         #: slots whose blocks a call on its way gives up at the pool (``leave``): no other call may name them
         self._leaving: set[int] = set()
 
@@ -414,14 +416,15 @@ class Slab:
             self.empty.extend(done.tolist())
             self.handed -= len(done)
 
-    def refill_ahead(self) -> None:
-        """Start a refill to ``blocks`` idle on the slab's own thread if a quarter of them or more went out (at least
-        ``low``) and none is on its way; returns at once. The round trip runs without the lock, so allocs and frees
-        go on meanwhile: an engine's scheduler calls this once a step, so that its allocs find the blocks there and
-        no step waits for the pool (a refill under the lock is a round trip, and a pool that evicts to grant it can
-        take milliseconds)."""
-        out = self.config.blocks - self.top
-        if self._topping or self.closed or out < max(self.config.low, self.config.blocks // 4):
+    def refill_ahead(self, want: int = 0) -> None:
+        """Start a refill to ``blocks`` idle (or to ``want`` plus ``low``, if that is more: what requests that
+        arrived will take) on the slab's own thread if a quarter of ``blocks`` or more is missing (at least ``low``)
+        and none is on its way; returns at once. The round trip runs without the lock, so allocs and frees go on
+        meanwhile: an engine's scheduler calls this once a step, and as a burst arrives, so that its allocs find the
+        blocks there and no step waits for the pool (a refill under the lock is a round trip, and a pool that
+        evicts to grant it can take milliseconds)."""
+        self._wanted = target = max(self.config.blocks, want + self.config.low if want else 0)
+        if self._topping or self.closed or target - self.top < self._ahead_min:
             return
         if self._ahead_after and time.monotonic() < self._ahead_after:
             return  # a full pool is not asked again every step
@@ -431,11 +434,12 @@ class Slab:
         self._ahead.submit(self._top_up)
 
     def _top_up(self) -> None:
+        """Refill to what was wanted last, and again while what arrived meanwhile wants more."""
         with self.lock:
             take = 0
             if not self.closed:
                 self._reuse_handed()
-                take = min(self.config.blocks - self.top, len(self.empty))
+                take = min(self._wanted - self.top, len(self.empty))
             if take <= 0:
                 self._topping = False
                 return
@@ -452,11 +456,18 @@ class Slab:
             self._ahead_after = 0.0
         finally:
             with self.lock:
-                self._topping = False
+                again = False
                 if not self.closed:  # else the session is over and the pool takes its blocks back
                     self.empty.extend(reserved[: take - len(ids)])
                     if len(ids):
                         self._install(ids, reserved[take - len(ids) :])
+                        again = self._wanted - self.top >= self._ahead_min
+                self._topping = again
+        if again and self._ahead is not None:
+            try:
+                self._ahead.submit(self._top_up)
+            except RuntimeError:  # closed meanwhile
+                self._topping = False
 
     def _refill(self, want: int) -> None:
         self._reuse_handed()
