@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,7 @@ class ResidentSchedulerSide:
         #: the prompt blocks of each request that arrived and is not placed yet: what the slab is refilled for, off
         #: the scheduler's thread, as a burst arrives and after each step
         self.pending: dict[str, int] = {}
+        self._pending_lock = threading.Lock()  # written on vLLM's input thread, the answers' and the scheduler's
         self._refill_ahead = slab.refill_ahead
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
@@ -156,7 +158,12 @@ class ResidentSchedulerSide:
     def arrive(self, request: Any) -> None:
         """Start the pool's answer: the claim of a handed-over prefill, else a lookup of the prompt's prefix among
         the chains of its identity. A request kept out of the pool (:meth:`EngineIdentity.of`) asks nothing."""
-        self._demand(request)
+        try:
+            self._ask(request)
+        finally:
+            self._demand(request)
+
+    def _ask(self, request: Any) -> None:
         salt = self.identity.of(request)
         if salt is None:
             return
@@ -174,17 +181,34 @@ class ResidentSchedulerSide:
                                 parker=str(params.get(FROM_KEY, "")), peer=params.get(PEER_KEY))  # fmt: skip
 
     def _demand(self, request: Any) -> None:
-        """Ask for the blocks of a request's prompt as it arrives, on the slab's refill thread: a burst bigger than
-        the slab's idle blocks then finds them there in its first step, where allocs that ran the slab dry waited
-        for a refill round trip each, under the slab's lock, on the scheduler's thread (4 for 64 prompts of 512
-        tokens and a 1,024-block slab)."""
+        """Ask for the new blocks of a request's prompt as it arrives, on the slab's refill thread: a burst bigger
+        than the slab's idle blocks then finds them there in its first step, where allocs that ran the slab dry
+        waited for a refill round trip each, under the slab's lock, on the scheduler's thread (4 for 64 prompts of
+        512 tokens and a 1,024-block slab). A request the pool answers for is counted once its answer is back, less
+        its hit: its hit is held for it by then, and a refill that evicts cannot take it."""
         rid = request.request_id
-        if rid not in self.pending:
-            self.pending[rid] = len(request.prompt_token_ids or ()) // self.block_size + 1
-            self._refill_for_pending()
+        blocks = len(request.prompt_token_ids or ()) // self.block_size + 1
+        with self._pending_lock:
+            if rid in self.pending:
+                return
+            self.pending[rid] = 0
+        future = self.residency.ahead.get(rid)
+        if future is None:
+            self._need(rid, blocks)
+        else:
+            future.add_done_callback(lambda f: self._need(rid, blocks - len(f.result().ids)))
+
+    def _need(self, rid: str, blocks: int) -> None:
+        with self._pending_lock:
+            if rid not in self.pending:  # placed or gone meanwhile
+                return
+            self.pending[rid] = blocks
+        self._refill_for_pending()
 
     def _refill_for_pending(self) -> None:
-        self._refill_ahead(sum(self.pending.values()))
+        with self._pending_lock:
+            want = sum(self.pending.values())
+        self._refill_ahead(want)
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one."""
@@ -234,7 +258,8 @@ class ResidentSchedulerSide:
 
     def after_alloc(self, request: Any) -> None:
         """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
-        self.pending.pop(request.request_id, None)
+        with self._pending_lock:
+            self.pending.pop(request.request_id, None)
         if self.block_pool is not None:
             self.block_pool.installed.pop(request.request_id, None)
         self._leave(self.residency.unpin(request.request_id))
@@ -263,7 +288,8 @@ class ResidentSchedulerSide:
         return None
 
     def _forget(self, rid: str) -> None:
-        self.pending.pop(rid, None)
+        with self._pending_lock:
+            self.pending.pop(rid, None)
         if self.block_pool is not None:
             self.block_pool.installed.pop(rid, None)
         self.asked.pop(rid, None)
