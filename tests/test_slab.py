@@ -337,6 +337,48 @@ def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool
     wait_idle(pool)
 
 
+def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_twice(pool: PoolProcess) -> None:
+    """An engine commits a step's finished prompts on a thread of its own, and its scheduler frees and allocates in
+    the same step: those wait for no round trip (they waited out every commit). A block on its way to the pool is
+    refused to any other call meanwhile, changing nothing, and leaves the slab once the pool took it."""
+    with SlabClient(pool.url, name="slab-commit-lock", slab=SMALL) as c:
+        ids = c.alloc(2)
+        other = c.alloc(1)
+        call_many, asked, answer = c.transport.call_many, threading.Event(), threading.Event()
+
+        def slow(op: bytes, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it through
+            if op == b"commit":
+                asked.set()
+                answer.wait(10)
+            return call_many(op, *args, **kwargs)
+
+        c.transport.call_many = slow  # type: ignore[method-assign]
+        got: list[Any] = []
+        commit = threading.Thread(target=lambda: got.extend(c.commit_many([(ids, list(range(900, 908)), 0)])))
+        commit.start()
+        try:
+            assert asked.wait(10), "the commit went to the pool"
+            began = time.monotonic()
+            assert c.free(other) == 1  # into the slab, while the commit waits for the pool
+            mine = c.alloc(2)
+            assert c.free(mine) == 2
+            assert time.monotonic() - began < 5, "the slab's alloc and free waited for another thread's round trip"
+            before = stats(pool)["slabs"]["slab_allocated"]
+            for give_up in (lambda: c.free(ids), lambda: c.free(ids[:1]), lambda: c.commit(ids, list(range(8)))):
+                with pytest.raises(NotOwner, match="on its way"):
+                    give_up()
+            assert stats(pool)["slabs"]["slab_allocated"] == before, "a refused call changed nothing"
+        finally:
+            answer.set()
+            commit.join(10)
+            c.transport.call_many = call_many  # type: ignore[method-assign]
+        assert got and got[0] is not None and got[0].committed == 2
+        assert c.free(ids) == 2  # the pool's now: the slab let them go, and a free releases the session's refs
+        s = stats(pool)
+        assert s["cached"] >= 2 and s["slabs"]["slab_allocated"] == 0
+    wait_idle(pool)
+
+
 def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(pool: PoolProcess) -> None:
     config = SlabConfig(blocks=8, low=2, high=32, handoffs=False)
     with SlabClient(pool.url, name="slab-nh", slab=config) as c, PoolClient(pool.url, name="plain-p") as p:

@@ -129,6 +129,10 @@ class Slab:
         self._ahead: ThreadPoolExecutor | None = None
         self._topping = False  # a refill ahead of need is on its way (its slots are out of ``empty`` meanwhile)
         self._ahead_after = 0.0  # after a refill ahead failed (a full pool), none until then (monotonic)
+        self._wanted = config.blocks  # idle blocks the last refill ahead of need was asked for
+        self._ahead_min = max(config.low, config.blocks // 4)  # what a refill ahead of need asks for at least
+        #: slots whose blocks a call on its way gives up at the pool (``leave``): no other call may name them
+        self._leaving: set[int] = set()
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
@@ -185,6 +189,8 @@ class Slab:
                     words = self.view.words
                     if words[8 + 4 * slot] != fenced:
                         raise self._stale([fenced])
+                    if slot in self._leaving:
+                        raise self._in_flight()
                     if words[9 + 4 * slot] & 0xFFFFFFFF != ALLOCATED:
                         raise self._not_held([fenced])
                     nxt = fenced + GEN_STEP
@@ -245,6 +251,8 @@ class Slab:
             raise self._not_held(named[idle].tolist())
         if len(mine) > self.capacity:
             raise NotOwner("block_ids lists a block of this session's slab twice: it holds one ref on each")
+        if self._leaving and not self._leaving.isdisjoint(mine.tolist()):
+            raise self._in_flight()
         if len(mine) > 1 and type(at) is not slice:  # a slot named twice keeps the later position only (np.unique
             # sorts: 20x dearer); a run names each slot once
             order = self._order[: len(mine)]
@@ -270,6 +278,12 @@ class Slab:
             "slab); nothing was changed"
         )
 
+    def _in_flight(self) -> NotOwner:
+        return NotOwner(
+            "block_ids names a block of this session's slab that a call on its way gives up at the pool (a commit or "
+            "a handoff through it): nothing was changed. Give a block up once, after that call answered"
+        )
+
     def _stale(self, ids: list[int]) -> StaleBlock:
         return StaleBlock(
             f"block ids {ids[:8]} are stale: their blocks were freed since the call that returned them (into this "
@@ -284,15 +298,16 @@ class Slab:
         not this session's to give; an old generation goes to the pool all the same, which refuses it too (it
         takes the slab's generations in before it checks an id) and so tells an addressee of a handoff."""
         arr = as_ids(ids)
+        stale: StaleBlock | None = None
         with self.lock:
             try:
                 slots, _ = self._owned(arr)
-            except StaleBlock:
-                call()
-                raise
-            done = call()
-            self._gone(slots)
-            return done
+            except StaleBlock as exc:
+                stale = exc
+        if stale is not None:
+            call()
+            raise stale
+        return self._leaving_during([slots], lambda: [call()])[0]  # type: ignore[return-value]
 
     def leave_many(self, id_lists: Sequence[Sequence[int] | Any], call: Callable[[], list[T | None]]) -> list[T | None]:
         """:meth:`leave` for several calls sent together (``call`` answers each, ``None`` where the pool refused it):
@@ -300,11 +315,30 @@ class Slab:
         changing nothing, as ``leave`` is, if any list names a block the slab knows is not this session's to give."""
         with self.lock:
             owned = [self._owned(as_ids(ids))[0] for ids in id_lists]
+        return self._leaving_during(owned, call)
+
+    def _leaving_during(self, owned: list[np.ndarray], call: Callable[[], list[T | None]]) -> list[T | None]:
+        """Run ``call`` without the lock, the slab's blocks of ``owned`` (checked under it) marked as leaving: the
+        pool's round trip (a step's commits: milliseconds) must not hold the scheduler's allocs and frees, nor the
+        heartbeat's answer to the pool's want. A free, a handoff or another leave naming a leaving block is refused
+        meanwhile (no thread but this call's may give it up); once the pool answered, each taken call's blocks go."""
+        mine = [s[s >= 0] for s in owned]
+        marked = [slot for m in mine for slot in m.tolist()]
+        with self.lock:
+            if not self._leaving.isdisjoint(marked):
+                raise self._in_flight()
+            self._leaving.update(marked)
+        done: list[T | None] = []
+        try:
             done = call()
-            for slots, answer in zip(owned, done, strict=True):
-                if answer is not None:
-                    self._gone(slots)
-            return done
+        finally:
+            with self.lock:
+                self._leaving.difference_update(marked)
+                if not self.closed:
+                    for slots, answer in zip(mine, done, strict=False):
+                        if answer is not None:
+                            self._gone(slots)
+        return done
 
     def _gone(self, slots: np.ndarray) -> None:
         mine = slots[slots >= 0]
@@ -382,14 +416,15 @@ class Slab:
             self.empty.extend(done.tolist())
             self.handed -= len(done)
 
-    def refill_ahead(self) -> None:
-        """Start a refill to ``blocks`` idle on the slab's own thread if a quarter of them or more went out (at least
-        ``low``) and none is on its way; returns at once. The round trip runs without the lock, so allocs and frees
-        go on meanwhile: an engine's scheduler calls this once a step, so that its allocs find the blocks there and
-        no step waits for the pool (a refill under the lock is a round trip, and a pool that evicts to grant it can
-        take milliseconds)."""
-        out = self.config.blocks - self.top
-        if self._topping or self.closed or out < max(self.config.low, self.config.blocks // 4):
+    def refill_ahead(self, want: int = 0) -> None:
+        """Start a refill to ``blocks`` idle (or to ``want`` plus ``low``, if that is more: what requests that
+        arrived will take) on the slab's own thread if a quarter of ``blocks`` or more is missing (at least ``low``)
+        and none is on its way; returns at once. The round trip runs without the lock, so allocs and frees go on
+        meanwhile: an engine's scheduler calls this once a step, and as a burst arrives, so that its allocs find the
+        blocks there and no step waits for the pool (a refill under the lock is a round trip, and a pool that
+        evicts to grant it can take milliseconds)."""
+        self._wanted = target = max(self.config.blocks, want + self.config.low if want else 0)
+        if self._topping or self.closed or target - self.top < self._ahead_min:
             return
         if self._ahead_after and time.monotonic() < self._ahead_after:
             return  # a full pool is not asked again every step
@@ -399,11 +434,12 @@ class Slab:
         self._ahead.submit(self._top_up)
 
     def _top_up(self) -> None:
+        """Refill to what was wanted last, and again while what arrived meanwhile wants more."""
         with self.lock:
             take = 0
             if not self.closed:
                 self._reuse_handed()
-                take = min(self.config.blocks - self.top, len(self.empty))
+                take = min(self._wanted - self.top, len(self.empty))
             if take <= 0:
                 self._topping = False
                 return
@@ -420,11 +456,18 @@ class Slab:
             self._ahead_after = 0.0
         finally:
             with self.lock:
-                self._topping = False
+                again = False
                 if not self.closed:  # else the session is over and the pool takes its blocks back
                     self.empty.extend(reserved[: take - len(ids)])
                     if len(ids):
                         self._install(ids, reserved[take - len(ids) :])
+                        again = self._wanted - self.top >= self._ahead_min
+                self._topping = again
+        if again and self._ahead is not None:
+            try:
+                self._ahead.submit(self._top_up)
+            except RuntimeError:  # closed meanwhile
+                self._topping = False
 
     def _refill(self, want: int) -> None:
         self._reuse_handed()

@@ -147,8 +147,8 @@ class SlabSender:
                 return None
             run = self._allocated_run(listed, packed)
             slots = range(run, run + n) if run >= 0 else self._allocated_listed(listed)
-            if slots is None:
-                return None
+            if slots is None or (slab._leaving and not slab._leaving.isdisjoint(slots)):  # through the pool, which
+                return None  # refuses a block a call on its way gives up
             peer = self._peer(to)
             if peer is None:
                 return None

@@ -179,6 +179,7 @@ def test_where_vllm_s_hit_path_is_not_known_the_pool_s_hits_go_through_its_searc
 
 def test_the_slab_refills_before_the_manager_says_no(pool: PoolProcess) -> None:
     a = FakeClientEngine(pool.url, "a", slab_blocks=4)
+    a.sched._refill_ahead = lambda want: None  # no refill ahead as it arrives: the allocation finds the slab short
     try:
         prompt = list(range(30 * BS))
         blocks, _ = a.schedule(a.request("big", prompt))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -224,5 +225,66 @@ def test_vllm_s_async_scheduler_runs_resident_too(
             time.sleep(0.01)  # its answer is on the way: left waiting this step
         [taken] = out.scheduled_new_reqs
         assert taken.num_computed_tokens == 2 * BS and list(taken.block_ids[0][:2]) == [i & 0xFFFFFFFF for i in ids]
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_decode_step_proves_the_lease_once_not_once_a_running_request(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM counts the free blocks once for every running request in every step; the lease is proven once a step
+    (and by every take, and before every launch), not with each count: 64 proofs a decode step were a tenth of the
+    resident scheduler's step on the CPU."""
+    from tests.integrations.test_vllm_resident_safety import step
+
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        for i in range(6):
+            sched.add_request(request(f"d{i}", list(range(40 * i, 40 * i + BS - 4))))  # no full block: no lookup
+        deadline = time.monotonic() + 30
+        while len(sched.running) < 6 and time.monotonic() < deadline:
+            step(sched)
+        assert len(sched.running) == 6
+        alive, proofs = side.residency._alive, []
+        monkeypatch.setattr(side.residency, "_alive", lambda: proofs.append(1) or alive())
+        out = step(sched)
+        assert len(out.scheduled_cached_reqs.req_ids) == 6, "a decode step of the six"
+        assert len(proofs) == 1, f"the lease was proven {len(proofs)} times in one step"
+    finally:
+        sched.connector.shutdown()  # type: ignore[union-attr]
+
+
+def test_a_burst_bigger_than_the_slab_is_refilled_for_as_it_arrives_not_on_the_scheduler_s_thread(
+    model_dir: Path, pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight prompts of three blocks each, on a 16-block slab: their allocs in one step used to run the slab dry and
+    wait for a refill round trip under the slab's lock, on the scheduler's thread. Asked for as they arrive, the
+    blocks are there."""
+    import threading
+
+    from kvpool.slab import reservation
+
+    monkeypatch.setattr(resident, "ANSWER_WAIT_S", 10.0)  # all eight taken in one step, whatever the machine
+    sched = resident_scheduler(model_dir, pool.url, monkeypatch)
+    try:
+        side = sched.connector._resident_sched  # type: ignore[union-attr]
+        slab = side.client.slab
+        fetch, on_scheduler = reservation.Slab._fetch, []
+
+        def counted(self: reservation.Slab, take: int) -> Any:
+            if threading.current_thread() is threading.main_thread():
+                on_scheduler.append(take)
+            return fetch(self, take)
+
+        monkeypatch.setattr(reservation.Slab, "_fetch", counted)
+        for i in range(8):
+            sched.add_request(request(f"b{i}", list(range(50 * i, 50 * i + 2 * BS + 5))))
+        deadline = time.monotonic() + 30
+        while slab._topping and time.monotonic() < deadline:  # the refill the arrivals asked for
+            time.sleep(0.01)
+        out = sched.schedule()
+        assert len(out.scheduled_new_reqs) == 8
+        assert not on_scheduler, f"the scheduler's thread waited for {len(on_scheduler)} refills"
     finally:
         sched.connector.shutdown()  # type: ignore[union-attr]

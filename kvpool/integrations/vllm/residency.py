@@ -159,8 +159,11 @@ class Residency:
     def free_count(self) -> int:
         """Blocks the engine can take without a round trip (its slab's idle ones). vLLM asks once a request a step:
         this only reads the count; refills go ahead of need (``step``), or once vLLM found too few (``grow``), or
-        under the slab's lock where an alloc would leave it below ``low``."""
-        self.check()
+        under the slab's lock where an alloc would leave it below ``low``. The lease is proven once a step
+        (``step``), by every ``take`` and before every launch, not here: a count writes nothing, and the proof once
+        a running request cost 64 of them a decode step."""
+        if self.gone is not None:
+            self.check()
         try:
             return self._free_count()
         except LOST as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -115,9 +116,14 @@ class ResidentSchedulerSide:
         self.block_size = block_size
         self.identity = identity
         self.load, self.save = load, save
+        #: the prompt blocks of each request that arrived and is not placed yet: what the slab is refilled for, off
+        #: the scheduler's thread, as a burst arrives and after each step
+        self.pending: dict[str, int] = {}
+        self._pending_lock = threading.Lock()  # written on vLLM's input thread, the answers' and the scheduler's
+        self._refill_ahead = slab.refill_ahead
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
-            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=slab.refill_ahead, hold=slab.holding,
+            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=self._refill_for_pending, hold=slab.holding,
             claim_timeout_s=claim_timeout_s, device=device, peer_prefix_blocks=peer_prefix_blocks,
             alive=lambda: _lapse(client),
         )  # fmt: skip
@@ -145,6 +151,12 @@ class ResidentSchedulerSide:
     def arrive(self, request: Any) -> None:
         """Start the pool's answer: the claim of a handed-over prefill, else a lookup of the prompt's prefix among
         the chains of its identity. A request kept out of the pool (:meth:`EngineIdentity.of`) asks nothing."""
+        try:
+            self._ask(request)
+        finally:
+            self._demand(request)
+
+    def _ask(self, request: Any) -> None:
         salt = self.identity.of(request)
         if salt is None:
             return
@@ -165,6 +177,37 @@ class ResidentSchedulerSide:
     def _later(self, request: Any) -> bool:
         rec = self.residency.requests.get(request.request_id)
         return rec is not None and rec.later
+
+    def _demand(self, request: Any) -> None:
+        """Ask for the new blocks of a request's prompt as it arrives, on the slab's refill thread: a burst bigger
+        than the slab's idle blocks then finds them there in its first step, where allocs that ran the slab dry
+        waited for a refill round trip each, under the slab's lock, on the scheduler's thread (4 for 64 prompts of
+        512 tokens and a 1,024-block slab). A request the pool answers for is counted once its answer is back, less
+        its hit: its hit is held for it by then, and a refill that evicts cannot take it."""
+        rid = request.request_id
+        blocks = len(request.prompt_token_ids or ()) // self.block_size + 1
+        with self._pending_lock:
+            if rid in self.pending:
+                return
+            self.pending[rid] = 0
+        rec = self.residency.requests.get(rid)
+        future = rec.future if rec is not None else None
+        if future is None:
+            self._need(rid, blocks)
+        else:
+            future.add_done_callback(lambda f: self._need(rid, blocks - len(f.result().ids)))
+
+    def _need(self, rid: str, blocks: int) -> None:
+        with self._pending_lock:
+            if rid not in self.pending:  # placed or gone meanwhile
+                return
+            self.pending[rid] = blocks
+        self._refill_for_pending()
+
+    def _refill_for_pending(self) -> None:
+        with self._pending_lock:
+            want = sum(self.pending.values())
+        self._refill_ahead(want)
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one. The pool is
@@ -218,11 +261,15 @@ class ResidentSchedulerSide:
 
     def after_alloc(self, request: Any) -> None:
         """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
+        with self._pending_lock:
+            self.pending.pop(request.request_id, None)
         self._leave(self.residency.placed(request.request_id))
 
     def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
         """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
         decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
+        with self._pending_lock:
+            self.pending.pop(request.request_id, None)
         self._leave(self.residency.finished(request.request_id))  # its record goes
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}
