@@ -170,10 +170,10 @@ def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(
         hit = b.res.answer("r1")
         assert hit is not None and len(hit.ids) == 5
         assert b.res.install("r1", hit, 4) == (blocks[:4], [])
-        b.res._writes.drain()
+        b.res.writes.drain()
         assert blocks[4] in held_by(pool, b), "still b's until the step"
         b.res.step()
-        b.res._writes.drain()
+        b.res.writes.drain()
         assert blocks[4] not in held_by(pool, b)
         assert set(b.res.held) == set(blocks[:4])
     finally:

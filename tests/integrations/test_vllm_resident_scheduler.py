@@ -280,8 +280,9 @@ def test_a_burst_bigger_than_the_slab_is_refilled_for_as_it_arrives_not_on_the_s
         monkeypatch.setattr(reservation.Slab, "_fetch", counted)
         for i in range(8):
             sched.add_request(request(f"b{i}", list(range(50 * i, 50 * i + 2 * BS + 5))))
-        deadline = time.monotonic() + 30
-        while slab._topping and time.monotonic() < deadline:  # the refill the arrivals asked for
+        need = 8 * ((2 * BS + 5) // BS + 1)
+        deadline = time.monotonic() + 30  # the refill the arrivals asked for, once their lookups answered
+        while (slab.num_idle < need or slab._topping) and time.monotonic() < deadline:
             time.sleep(0.01)
         out = sched.schedule()
         assert len(out.scheduled_new_reqs) == 8

@@ -18,6 +18,11 @@ LRU then owns it (eviction is the pool's alone and never takes a block any engin
 are committed when it finishes, so its prompt's prefix becomes every engine's. Pool calls that answer something
 (lookups, claims) run on one thread, those that only tell the pool (commits, parks, releases) on another, so the
 scheduler's thread never waits on a round trip except to refill the slab when it runs dry.
+
+Past 400 lines because the held blocks, the pins and the requests' records are one set of books that the scheduler's
+thread changes together and :meth:`Residency.check_requests` checks together; what stands around them has modules of
+its own: the lanes (:mod:`.batcher`), the calls' shapes (:mod:`.poolcalls`), the writes (:mod:`.writes`), a request's
+record (:mod:`.residentrequest`), peers (:mod:`.remote`) and the counters (:mod:`.residentcounters`).
 """
 
 from __future__ import annotations
@@ -35,20 +40,18 @@ from concurrent.futures import wait as futures_wait
 from contextlib import AbstractContextManager
 from typing import Any
 
-from kvpool.errors import KvpoolError, PoolExhausted, PoolUnavailable, UnknownSession
+from kvpool.errors import KvpoolError, PoolExhausted
 from kvpool.ids import BLOCK_MASK
 from kvpool.integrations.vllm import remote
 from kvpool.integrations.vllm.batcher import Batcher
-from kvpool.integrations.vllm.poolcalls import NO_HIT, Claim, Hit, ResidentPool, Write
+from kvpool.integrations.vllm.poolcalls import NO_HIT, Claim, Hit, ResidentPool
 from kvpool.integrations.vllm.residentcounters import Handovers, ResidentCounters
 from kvpool.integrations.vllm.residentrequest import Phase, ResidentRequest
+from kvpool.integrations.vllm.writes import LOST, PoolWrites
 
 __all__ = ["Hit", "PoolGone", "Residency", "ResidentPool"]
 
 log = logging.getLogger("vllm.kvpool")
-
-#: what tells the engine that the pool no longer answers for its session: its blocks may be another's from then on
-LOST = (PoolUnavailable, UnknownSession)
 
 
 class PoolGone(KvpoolError):
@@ -117,7 +120,7 @@ class Residency:
             "kvpool-lookups", self._lookup_many, self._no_hit
         )
         self._claims: Batcher[Claim, Hit] = Batcher("kvpool-claims", self._claim_many, self._no_hit)
-        self._writes: Batcher[Write, None] = Batcher("kvpool-writes", self._write_many, lambda exc: None)
+        self.writes = PoolWrites(pool, device, self._lose)
         self._lock = threading.Lock()  # a record's ``future`` is set on the input thread, taken on the scheduler's
 
     def request(self, req_id: str) -> ResidentRequest:
@@ -478,34 +481,7 @@ class Residency:
 
     def _release_ids(self, ids: list[int]) -> None:
         if ids and self.gone is None:
-            self._writes.submit(Write("free", ids))
-
-    def _write_many(self, writes: list[Write]) -> list[None]:
-        """What the engine told the pool since the last call, in three calls at most: every commit (one write),
-        then every park (one write), then every release. The order within a kind stays; across kinds it can change
-        only so, because a commit or a park names blocks the engine held when it was queued, which a release queued
-        after it in the same batch cannot have taken: vLLM frees a request's blocks after the connector heard of
-        its end, and a release queued before a commit names blocks no running request uses."""
-        commits = [w for w in writes if w.kind == "commit"]
-        parks = [w for w in writes if w.kind == "park"]
-        frees = [i for w in writes if w.kind == "free" for i in w.ids]
-        if commits:
-            calls = [(w.ids, w.tokens, w.start) for w in commits]
-            self._quietly("commits", functools.partial(self.pool.commit_many, salts=[w.salt for w in commits]), calls)
-        if parks:
-            self._park_many(parks)
-        if frees:
-            self._quietly("release", self.pool.free, frees)
-        return [None] * len(writes)
-
-    def _quietly(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except LOST as exc:
-            self._lose(exc)
-        except KvpoolError as exc:
-            log.warning("kvpool: %s refused: %s", what, exc)
-        return None
+            self.writes.release(ids)
 
     # -- a request's end ------------------------------------------------------------------------------------
 
@@ -548,7 +524,7 @@ class Residency:
             raise AssertionError(f"commit of block {exc} that this engine does not hold") from None
         uncommitted.difference_update(blocks[start:n])
         self.counters.committed_blocks += n - start
-        self._writes.submit(Write("commit", fenced, tokens[: n * self.block_size], start, salt=salt))
+        self.writes.commit(fenced, tokens[: n * self.block_size], start, salt)
         return n - start
 
     def park(
@@ -564,26 +540,7 @@ class Residency:
             return
         self.counters.parked_requests += 1
         fenced = [self.held[b] for b in blocks[:full]]
-        self._writes.submit(Write("park", fenced, tokens[: full * self.block_size], key=key, meta=meta, salt=salt))
-
-    def _park_many(self, parks: list[Write]) -> None:
-        """Every park in one write. A park the pool refuses (one of its blocks was a duplicate of a block the
-        index held, so not committed, and a kept handoff shares committed blocks only) is parked instead with the
-        index's blocks for its tokens: a lookup takes refs for the handoff to move."""
-        handoffs = [(w.key, w.ids, len(w.tokens), w.meta) for w in parks]
-        park = functools.partial(self.pool.handoff_many, keep=True, sealed=True)
-        answers = self._quietly("parks", park, handoffs)
-        refused = [w for w, a in zip(parks, answers or [None] * len(parks), strict=True) if a is None]
-        if not refused:
-            return
-        look = functools.partial(self.pool.lookup_many, salts=[w.salt for w in refused])
-        hits = self._quietly("lookups for parks", look, [w.tokens for w in refused], self.device) or []
-        moved = [(w.key, list(h.block_ids), h.num_tokens, w.meta) for w, h in zip(refused, hits, strict=False)
-                 if h.block_ids]  # fmt: skip
-        answers = self._quietly("parks", functools.partial(self.pool.handoff_many, sealed=True), moved) if moved else []
-        unused = [i for m, a in zip(moved, answers or [None] * len(moved), strict=True) if a is None for i in m[1]]
-        if unused:
-            self._quietly("release", self.pool.free, unused)
+        self.writes.park(key, fenced, tokens[: full * self.block_size], meta, salt)
 
     # -- shutting down --------------------------------------------------------------------------------------
 
@@ -601,7 +558,7 @@ class Residency:
     def drain(self) -> None:
         """Wait until every call sent so far reached the pool (tests, benchmarks, shutdown)."""
         self._release_spare()
-        for lane in (self._lookups, self._claims, self._writes):
+        for lane in (self._lookups, self._claims, self.writes):
             lane.drain()
 
     def close(self) -> None:
@@ -612,5 +569,5 @@ class Residency:
         for req_id, future in pending:
             future.add_done_callback(functools.partial(self._give_back, req_id))
         self._release_spare()
-        for lane in (self._lookups, self._claims, self._writes):
+        for lane in (self._lookups, self._claims, self.writes):
             lane.close()
