@@ -74,7 +74,6 @@ class ControlPlane:
         self.claims = ClaimWaits()
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
-        self.slabs: SlabBooks | None = None
         self.remote: RemotePeers | None = None
 
     # -- life -------------------------------------------------------------------------------------------
@@ -142,9 +141,9 @@ class ControlPlane:
             pins=s.pins,
             own_uid=os.getuid(),
         )
-        self.slabs = open_slab_table(s, self._pool)
-        if self.slabs is not None:
-            self._descriptor = self._descriptor.model_copy(update={"slab_slots": self.slabs.slots})
+        slabs = open_slab_table(s, self._pool)
+        if slabs is not None:
+            self._descriptor = self._descriptor.model_copy(update={"slab_slots": slabs.slots})
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
@@ -181,6 +180,11 @@ class ControlPlane:
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
+
+    @property
+    def slabs(self) -> SlabBooks | None:
+        """The pool's slab books, where it serves slabs (``--slabs``)."""
+        return self._pool.slabs if self._pool is not None else None
 
     @property
     def ready(self) -> bool:

@@ -17,6 +17,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from kvpool.errors import (
     InvalidRequest,
@@ -44,13 +45,13 @@ from kvpool.server.records import (
     Handoff,
     Limits,
     LookupResult,
-    Refusal,
     Session,
 )
+from kvpool.server.slabs import SlabBooks
 
 
 @dataclass
-class Pool(Parking, PoolStats):
+class Pool(PoolStats):
     """Everything the control plane manages: one arena of ``num_blocks`` blocks, or one per device (a list).
 
     Block ids are global across arenas; ``arena`` arguments pick where new blocks come from and which arena's
@@ -71,11 +72,6 @@ class Pool(Parking, PoolStats):
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
-    #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
-    on_release: Callable[[Session], None] | None = None
-    on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
-    #: before a session's call gives up blocks (free, commit, handoff): what its slab handed must move first
-    on_gives_up: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)
     index_listener: IndexListener | None = None  # told what the index finds (KV events)
     host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
@@ -116,8 +112,12 @@ class Pool(Parking, PoolStats):
             for i in range(len(self.arena_sizes))
         ]
         self.sessions: dict[str, Session] = {}
-        self.handoffs: dict[str, Handoff] = {}
-        self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
+        self.slabs: SlabBooks | None = None  # the slab table's books, once opened (see open_slabs)
+        self.parking = parking = Parking(self)
+        # the parking's calls and books, as the pool's: a caller names the pool, whichever half keeps them
+        self.handoff, self.claim, self.unclaim = parking.handoff, parking.claim, parking.unclaim
+        self.refuse, self.remember_refusal = parking.refuse, parking.remember_refusal
+        self.handoffs, self.refused = parking.handoffs, parking.refused
         self.counters = Counters()
         self.limits_exceeded: Counter[str] = Counter()  # calls refused for a per-client limit, by limit
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
@@ -126,15 +126,7 @@ class Pool(Parking, PoolStats):
         self._name_keys: dict[str, tuple[bytes, str | None]] = {}  # name -> its key's digest, the share that keyed it
         self._names_of: dict[str | None, OrderedDict[str, None]] = {}  # share -> the names it keyed, least recent first
         self._sessions_of: Counter[str] = Counter()  # share -> its live sessions
-        self._handoffs_of: Counter[str] = Counter()  # share -> the handoffs its sessions parked, still parked
-        self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
-        self._sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
-        self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
-        self._sealed_to: dict[str, dict[str, None]] = {}  # addressee -> those of its handoffs it must name
-        self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
-        self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
-        self._seq = 0
 
     def _heard(self) -> float:
         """The pool's time as it could hear its clients: the clock, less the pauses it slept through.
@@ -290,8 +282,8 @@ class Pool(Parking, PoolStats):
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
-        if self.on_release is not None:
-            self.on_release(session)
+        if self.slabs is not None:  # its slab's handed blocks go to their consumers before its refs are released
+            self.slabs.release(session)
         released = self.allocator.release_holder(session.holder)
         self._ended(session)
         return released
@@ -337,20 +329,29 @@ class Pool(Parking, PoolStats):
             blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
-            if self.on_exhausted is not None:
-                self.on_exhausted(session_id)
+            if self.slabs is not None:  # ask slabs for their idle blocks back
+                self.slabs.want_back(exclude=session_id)
             raise
         self.counters.alloc_blocks += num_blocks
         return self.allocator.fenced(blocks)
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
-        if self.on_gives_up is not None:
-            self.on_gives_up(session_id)
+        self.gives_up(session_id)
         self.allocator.drop(holder, self.unfence(block_ids, holder))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
         return len(block_ids)
+
+    def gives_up(self, session_id: str) -> None:
+        """Before a session's call gives up blocks (free, commit, handoff): what its slab handed moves first."""
+        if self.slabs is not None:
+            self.slabs.settle_session(session_id)
+
+    def open_slabs(self, directory: Path, regions: int, slots: int, box_dir: Path | None) -> SlabBooks:
+        """Open the slab table (``--slabs``): from now on sessions may keep reservation slabs."""
+        self.slabs = SlabBooks(self, directory, regions, slots, box_dir)
+        return self.slabs
 
     def unfence(self, block_ids: Sequence[int], holder: str | None = None) -> list[int]:
         """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
@@ -384,8 +385,7 @@ class Pool(Parking, PoolStats):
         makes one call where it made three (lookup, commit, free).
         """
         holder = self.session(session_id).holder
-        if self.on_gives_up is not None:
-            self.on_gives_up(session_id)
+        self.gives_up(session_id)
         num_full = len(token_ids) // self.layout.block_size
         if start > num_full:
             raise InvalidRequest(f"start {start} is past the {num_full} full blocks of token_ids")
@@ -504,23 +504,12 @@ class Pool(Parking, PoolStats):
                 dead += 1
             else:  # it renewed its lease since this entry was made
                 heapq.heappush(heap, (session.expires_at, sid))
-        stale = 0
-        heap = self._handoff_deadlines
-        while heap and heap[0][0] < now:
-            _, seq, rid = heapq.heappop(heap)
-            handoff = self.handoffs.get(rid)
-            if handoff is None or handoff.seq != seq or handoff.to is not None or handoff.expires_at >= now:
-                continue
-            self._unpark(handoff)
-            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
-            self.counters.handoffs_expired += 1
-            stale += 1
-        return dead, stale
+        return dead, self.parking.expire(now)
 
     def _expire_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
-        if self.on_release is not None:
-            self.on_release(session)
+        if self.slabs is not None:
+            self.slabs.release(session)
         self._fence(session)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
@@ -571,14 +560,6 @@ class Pool(Parking, PoolStats):
             named.pop(sid, None)
             if not named:
                 del self._by_name[session.name]
-        self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
-        orphaned = [*self._addressed.pop(sid, ()), *self._sealed_to.pop(sid, ())]
-        why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
-        for request_id in orphaned:
-            handoff = self.handoffs[request_id]
-            self._unpark(handoff)
-            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
-            self.counters.handoffs_orphaned += 1
-            self.remember_refusal(request_id, why, "after it was parked")
+        self.parking.ended(session)
         if self.on_session_end is not None:
             self.on_session_end(session)

@@ -13,7 +13,6 @@ from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 from kvpool.server.hosttier import HostTier
 from kvpool.server.pool import Pool
-from kvpool.server.slabs import SlabBooks
 from kvpool.server.tiercopy import TierCopier, runs
 
 BS = 4
@@ -204,7 +203,7 @@ def test_every_taker_of_blocks_copies_what_it_evicted_before_the_blocks_reach_an
     """An alloc, a slab's refill and a restore all take blocks through the allocator, which flushes what they
     evicted before it returns them: the taker's writes can never reach the host as the evicted prefix's KV."""
     pool, arena, tier = make(gpu_blocks=8, host_blocks=16)
-    books = SlabBooks(pool, tmp_path, regions=2, slots=8, box_dir=None)
+    books = pool.open_slabs(tmp_path, regions=2, slots=8, box_dir=None)
     try:
         a = pool.open_session("a", "other").session_id
         b = pool.open_session("b", "other").session_id

@@ -599,7 +599,7 @@ def test_one_peer_cannot_take_the_pool_s_handoff_or_session_budget_from_the_othe
     pool.handoff(victim, "r", pool.alloc(victim, 1), 4, to="decode-0")  # the others' share is still theirs
     assert pool.limits_exceeded == {"max_sessions_per_peer": 1, "max_handoffs_per_peer": 1}
     pool.close_session(attacker[1])  # its handoffs are refused with it, and their share comes back
-    assert pool._handoffs_of[OTHER.share] == 10 and pool._sessions_of[OTHER.share] == 3
+    assert pool.parking.handoffs_of[OTHER.share] == 10 and pool._sessions_of[OTHER.share] == 3
 
 
 def test_another_peer_s_keyed_opens_never_flush_a_name_s_key():

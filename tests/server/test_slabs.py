@@ -38,10 +38,7 @@ def clock() -> Clock:
 @pytest.fixture
 def books(tmp_path: Path, clock: Clock) -> Iterator[SlabBooks]:
     pool = Pool(32, KVLayout(block_size=4), lease_ttl_s=2.0, clock=clock)
-    books = SlabBooks(pool, tmp_path, regions=4, slots=16, box_dir=tmp_path)
-    pool.on_release = books.release
-    pool.on_exhausted = lambda sid: books.want_back(exclude=sid) and None
-    pool.on_gives_up = books.settle_session
+    books = pool.open_slabs(tmp_path, regions=4, slots=16, box_dir=tmp_path)
     yield books
     books.close()
 
