@@ -356,14 +356,6 @@ class ArenaDescriptor(BaseModel):
         0, description="blocks one session's reservation slab can hold (--slab-max-blocks); 0: the pool serves no slabs"
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _kind(cls, data: Any) -> Any:
-        """A pool from before handle kinds shared its CUDA arena by legacy handle and its CPU arena by file."""
-        if isinstance(data, dict) and data.get("handle_kind") is None:
-            data = {**data, "handle_kind": "shm" if data.get("backend") == "cpu" else "cuda_ipc"}
-        return data
-
     def part(self, device: int | None) -> ArenaDescriptor:
         """The descriptor of one device's arena (``device`` as the pool names it; None: the first)."""
         if device is None or not self.arenas:

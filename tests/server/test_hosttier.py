@@ -23,7 +23,7 @@ def make(order: str = "layer_major", gpu_blocks: int = 8, host_blocks: int = 16)
     gpu_blocks += layout.reserved_blocks  # a kv_packed arena's block 0 is no one's: room for as many others
     raw = torch.zeros(gpu_blocks * layout.block_nbytes, dtype=torch.uint8)
     desc = ArenaDescriptor(
-        epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=gpu_blocks,
+        epoch="t", backend="cpu", device=None, handle="", handle_kind="shm", nbytes=raw.numel(), num_blocks=gpu_blocks,
         block_nbytes=layout.block_nbytes, layout=layout, owner_pid=0,
     )  # fmt: skip
     arena = Arena(desc, raw)
