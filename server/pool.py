@@ -1,4 +1,6 @@
-"""The pool's books: sessions with leases, block refs, the prefix index and parked handoffs.
+"""The pool's books: sessions with leases, block refs, and the parts it owns: the prefix cache
+(:mod:`~kvpool.server.prefixcache`), parked handoffs (:mod:`~kvpool.server.parking`), keyed names
+(:mod:`~kvpool.server.names`) and, with ``--slabs``, the slab books (:mod:`~kvpool.server.slabs`).
 
 This is the whole domain logic of the pool manager, with no HTTP and no torch: the server validates requests
 and calls these methods from one event loop, so they need no lock. Refs are held by *holders*: a session
@@ -8,45 +10,27 @@ block is never unowned and a crashed worker's refs are found and released when i
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
-import itertools
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvpool.errors import (
-    InvalidRequest,
-    LimitExceeded,
-    NameTaken,
-    StaleBlock,
-    UnknownSession,
-)
+from kvpool.errors import InvalidRequest, LimitExceeded, StaleBlock, UnknownSession
 from kvpool.layout import KVLayout
 from kvpool.server.allocator import BlockAllocator
 from kvpool.server.hosttier import HostTier
+from kvpool.server.names import NameKeys
 from kvpool.server.parking import Parking
 from kvpool.server.peers import PeerCopies, PeerCopy
 from kvpool.server.poolstats import PoolStats
 from kvpool.server.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
+from kvpool.server.prefixcache import PrefixCache
 from kvpool.server.processes import Peer
 from kvpool.server.quarantine import Quarantine
-from kvpool.server.records import (
-    NAMES_KEPT,
-    RESERVED,
-    SESSION_ID,
-    Clock,
-    CommitResult,
-    Counters,
-    Handoff,
-    Limits,
-    LookupResult,
-    Session,
-)
+from kvpool.server.records import RESERVED, SESSION_ID, Clock, Counters, Handoff, Limits, Session
 from kvpool.server.slabs import SlabBooks
 
 
@@ -113,8 +97,10 @@ class Pool(PoolStats):
         ]
         self.sessions: dict[str, Session] = {}
         self.slabs: SlabBooks | None = None  # the slab table's books, once opened (see open_slabs)
+        # the calls and books of the parts the pool owns, as its own: a caller names the pool, whichever part keeps them
+        self.prefix = prefix = PrefixCache(self)
+        self.commit, self.lookup, self.lookup_many = prefix.commit, prefix.lookup, prefix.lookup_many
         self.parking = parking = Parking(self)
-        # the parking's calls and books, as the pool's: a caller names the pool, whichever half keeps them
         self.handoff, self.claim, self.unclaim = parking.handoff, parking.claim, parking.unclaim
         self.refuse, self.remember_refusal = parking.refuse, parking.remember_refusal
         self.handoffs, self.refused = parking.handoffs, parking.refused
@@ -123,8 +109,7 @@ class Pool(PoolStats):
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
         # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
         self._by_name: dict[str, dict[str, None]] = {}
-        self._name_keys: dict[str, tuple[bytes, str | None]] = {}  # name -> its key's digest, the share that keyed it
-        self._names_of: dict[str | None, OrderedDict[str, None]] = {}  # share -> the names it keyed, least recent first
+        self.names = NameKeys(self.pins, self._by_name)
         self._sessions_of: Counter[str] = Counter()  # share -> its live sessions
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
 
@@ -172,7 +157,7 @@ class Pool(PoolStats):
         share = self.share_of(peer)
         if share is not None and self._sessions_of[share] >= self.limits.max_sessions_per_peer:
             raise self.exceeded("max_sessions_per_peer", f"{share} has {self._sessions_of[share]} sessions open")
-        digest = self._name_digest(name, name_key, peer)
+        digest = self.names.check(name, name_key, peer)
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
@@ -183,61 +168,15 @@ class Pool(PoolStats):
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
         if digest is not None:
-            self._keep_name(name, digest, peer.share if peer is not None else None)
+            self.names.keep(name, digest, peer.share if peer is not None else None)
         self.counters.sessions_opened += 1
         return session
-
-    def _name_digest(self, name: str, name_key: str | None, peer: Peer | None) -> bytes | None:
-        """The digest of ``name_key``, after checking that ``peer`` may open ``name`` with it (NameTaken if not)."""
-        pinned = self.pinned(name)
-        if pinned is not None and (peer is None or peer.address is not None or peer.uid != pinned):
-            raise NameTaken(
-                f"the name {name!r} is pinned to uid {pinned} by the pool's operator (--names, KVPOOL_NAMES): open "
-                "it from that user's processes over the pool's Unix socket, or use another name"
-            )
-        digest = None if name_key is None else hashlib.blake2b(name_key.encode(), digest_size=32).digest()
-        held, owner = self._name_keys.get(name, (None, None))
-        share = peer.share if peer is not None else None
-        if held is not None and owner is not None and share != owner:
-            raise NameTaken(
-                f"the name {name!r} is held under a name key by another peer ({owner}): open it from that peer's "
-                "processes, or under another name (an operator pins names to users with --names)"
-            )
-        if held is not None and (digest is None or not hmac.compare_digest(held, digest)):
-            raise NameTaken(
-                f"the name {name!r} is held under a name key, and this session gave "
-                f"{'another' if digest is not None else 'none'}: open it with the key of the worker it belongs to "
-                "(PoolClient name_key=, KVPOOL_NAME_KEY), or under another name"
-            )
-        return digest
 
     def share_of(self, peer: Peer | None) -> str | None:
         """Whose per-peer bounds a session of ``peer`` counts against; None: the pool-wide bounds only."""
         if peer is None or (peer.address is None and peer.uid == self.own_uid):
             return None
         return peer.share
-
-    def pinned(self, name: str) -> int | None:
-        """The uid the operator pinned ``name`` to, if any (a pin ending in ``*`` covers every name it starts)."""
-        pin = self.pins.get(name)
-        if pin is not None or not self.pins:
-            return pin
-        return next((uid for n, uid in self.pins.items() if n.endswith("*") and name.startswith(n[:-1])), None)
-
-    def _keep_name(self, name: str, digest: bytes, share: str | None) -> None:
-        """Remember ``name``'s key, as the share that keyed it first; past ``NAMES_KEPT`` names of that share,
-        forget its least recently opened name that no session holds."""
-        owner = self._name_keys.get(name, (b"", share))[1]
-        self._name_keys[name] = (digest, owner)
-        names = self._names_of.setdefault(owner, OrderedDict())
-        names[name] = None
-        names.move_to_end(name)
-        if len(names) <= NAMES_KEPT:
-            return
-        for old in names:
-            if old not in self._by_name:
-                del names[old], self._name_keys[old]
-                return
 
     def session(self, session_id: str) -> Session:
         """The live session, its lease extended by any call it makes."""
@@ -364,123 +303,10 @@ class Pool(PoolStats):
             self.counters.stale_ids += len(exc.stale)
             raise
 
-    # -- prefix cache -----------------------------------------------------------------------------------
-
-    def commit(
-        self,
-        session_id: str,
-        block_ids: Sequence[int],
-        token_ids: Sequence[int],
-        salt: str | None = None,
-        start: int = 0,
-        release: bool = False,
-    ) -> CommitResult:
-        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
-        ``salt``'s chains: only lookups with the same salt find them.
-
-        ``start``: the chain's first blocks are in the index already (a prefix the caller looked up), and
-        ``block_ids`` hold block ``start`` onwards; the pool checks that prefix instead of taking refs on it, and
-        commits nothing if part of it was evicted since (a chain cannot go on past a gap). ``release``: then drop
-        the caller's refs on ``block_ids``, as :meth:`free` does. A caller that saves a prompt after a hit thus
-        makes one call where it made three (lookup, commit, free).
-        """
-        holder = self.session(session_id).holder
-        self.gives_up(session_id)
-        num_full = len(token_ids) // self.layout.block_size
-        if start > num_full:
-            raise InvalidRequest(f"start {start} is past the {num_full} full blocks of token_ids")
-        if len(block_ids) < num_full - start:
-            raise InvalidRequest(
-                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens, {num_full - start} of them "
-                f"from block {start} on, but only {len(block_ids)} block ids were given"
-            )
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        held = self.unfence(block_ids, holder)
-        result = self._index(held[: num_full - start], token_ids, salt, start, num_full)
-        if release:
-            self.allocator.drop(holder, held)
-            self.counters.free_blocks += len(held)
-        return result
-
     def _evicted(self, block: int) -> None:
         self._forget(block)
         if self.peers is not None:
             self.peers.evicted(block)
-
-    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int,
-               num_full: int, count: bool = True) -> CommitResult:  # fmt: skip
-        if not blocks:
-            return CommitResult(committed=0, duplicates=0, num_blocks=num_full)
-        arena = 0
-        if len(self.arena_sizes) > 1:
-            arenas = {self.allocator.arena_of[b] for b in blocks}
-            if len(arenas) > 1:
-                raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
-            arena = arenas.pop()
-        chain = self.hashers[arena].blocks(token_ids, salt)
-        parent, missing = self.index.tail(itertools.islice(chain, start)) if start else (None, 0)
-        if missing:
-            return CommitResult(committed=0, duplicates=0, num_blocks=num_full, missing=missing)
-        new = self.index.plan(chain, blocks, parent)
-        self.allocator.mark_committed([node.block for node in new])
-        self.index.apply(new)
-        if not count:
-            return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
-        c = self.counters
-        c.commit_requests += 1
-        c.committed_blocks += len(new)
-        c.duplicate_blocks += len(blocks) - len(new)
-        return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
-
-    def lookup(
-        self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None
-    ) -> LookupResult:
-        """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
-        block for the session."""
-        return self.lookup_many(session_id, [(token_ids, salt)], arena)[0]
-
-    def lookup_many(
-        self, session_id: str, lookups: Sequence[tuple[Sequence[int], str | None]], arena: int = 0
-    ) -> list[LookupResult]:
-        """:meth:`lookup` of each prompt in order. Blocks that other arenas copy over for all of them go in one copy
-        per pair of arenas once every prompt was looked up (a burst's prefixes in one large copy, which runs near
-        the link's speed, instead of one small copy each); a prompt that finds blocks an earlier one had copied
-        over in the same call hits them too. Where a copy fails, the prompts that named its blocks stop before
-        them."""
-        holder = self.session(session_id).holder
-        if self.peers is None:
-            return [self._hit(self._lookup(holder, t, arena, salt), t) for t, salt in lookups]
-        try:
-            found = [self._lookup(holder, t, arena, salt) for t, salt in lookups]
-        finally:
-            failed = self.peers.finish()
-        if failed:
-            for i, ids in enumerate(found):
-                cut = next((k for k, block in enumerate(ids) if block in failed), len(ids))
-                self.allocator.drop(holder, ids[cut:])
-                found[i] = ids[:cut]
-        return [self._hit(ids, t) for ids, (t, _) in zip(found, lookups, strict=True)]
-
-    def _lookup(self, holder: str, token_ids: Sequence[int], arena: int, salt: str | None) -> list[int]:
-        if not 0 <= arena < len(self.hashers):
-            raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        blocks = self.hashers[arena].blocks(token_ids, salt)
-        if self.host_tier is not None:
-            ids, _ = self.host_tier.lookup(holder, blocks, arena)
-        else:
-            ids = self.index.match(blocks)
-            self.allocator.acquire(holder, ids)
-        if self.peers is not None and len(ids) < len(token_ids) // self.layout.block_size:
-            ids = ids + self.peers.extend(holder, token_ids, salt, arena, ids)
-        return ids
-
-    def _hit(self, ids: list[int], token_ids: Sequence[int]) -> LookupResult:
-        c = self.counters
-        c.lookup_requests += 1
-        c.lookup_blocks += len(token_ids) // self.layout.block_size
-        c.hit_blocks += len(ids)
-        return LookupResult(self.allocator.fenced(ids), len(ids) * self.layout.block_size)
 
     # -- reclaiming -------------------------------------------------------------------------------------
 

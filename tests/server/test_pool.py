@@ -326,9 +326,9 @@ def test_the_pool_forgets_the_oldest_keyed_names_nobody_holds_past_its_bound():
     live = pool.open_session("live", "decode", name_key=KEY)
     for i in range(NAMES_KEPT - 1):
         pool.close_session(pool.open_session(f"w{i}", "other", name_key=KEY).session_id)
-    assert len(pool._name_keys) == NAMES_KEPT
+    assert len(pool.names.keys) == NAMES_KEPT
     pool.open_session("one-more", "other", name_key=KEY)  # "live" is older, but held
-    assert len(pool._name_keys) == NAMES_KEPT and "w0" not in pool._name_keys and "live" in pool._name_keys
+    assert len(pool.names.keys) == NAMES_KEPT and "w0" not in pool.names.keys and "live" in pool.names.keys
     assert pool.open_session("w0", "other").name == "w0"  # forgotten: anyone may open it again
     with pytest.raises(NameTaken):
         pool.open_session("w1", "other")
@@ -613,7 +613,7 @@ def test_another_peer_s_keyed_opens_never_flush_a_name_s_key():
     with pytest.raises(NameTaken, match="another peer"):  # a key seen in a log is not enough either
         pool.open_session("decode-0", "decode", name_key=KEY, peer=OTHER)
     assert pool.open_session("decode-0", "decode", name_key=KEY, peer=ME).name == "decode-0"
-    assert len(pool._names_of[OTHER.share]) == NAMES_KEPT  # the attacker's own names are the ones forgotten
+    assert len(pool.names.of[OTHER.share]) == NAMES_KEPT  # the attacker's own names are the ones forgotten
 
 
 def test_a_name_pinned_by_the_operator_opens_only_for_its_user():
