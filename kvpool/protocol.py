@@ -1,5 +1,8 @@
 """Request and response models of the control API, shared by the server and :mod:`kvpool.client`.
 
+Past 400 lines on purpose: every model of the wire in one module, so the client, the HTTP app and the fast channel
+read the same ones.
+
 Requests are strict (a string is not a number, unknown fields are refused), so that a client bug shows up as a
 422 that names the field rather than as a silently coerced value.
 """

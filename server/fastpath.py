@@ -1,5 +1,8 @@
 """The fast channel: the control plane's hot calls over a Unix socket, without HTTP.
 
+Past 400 lines on purpose: the listener, each connection's bounds and its frame reader are one state machine per
+connection.
+
 An HTTP round trip through an ASGI framework costs about a millisecond, more than moving a gigabyte of KV on
 the GPU; a length-prefixed frame on a kept-open Unix socket costs tens of microseconds. The channel carries
 the same calls with the same pydantic models and the same errors as the HTTP API, and ownership still moves

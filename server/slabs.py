@@ -1,6 +1,9 @@
 """Reservation slabs and the slab table, the pool's side: what a session may do without a round trip, and how the
 pool stays the one authority over every block anyway.
 
+Past 400 lines, not yet split: a slab's grants and the settling of handoffs between slabs act on the same table and
+occupants; issue 47's split of the reservation from slab-to-slab handoffs is where it divides.
+
 A session's slab is blocks the pool allocated to that session in one call (``grant``): in the books they are the
 session's refs like any others (in use), so ``free + in_use + cached == num_blocks`` holds throughout. The session
 then allocates and frees them locally, recording each slot's state in its region of the slab table

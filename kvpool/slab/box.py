@@ -1,6 +1,9 @@
 """Handoffs from another live session's slab to this one's, the consumer's side: its slab box and its producers'
 rings.
 
+Past 400 lines on purpose: the slab box and the producers' rings are one consumer's receive path, with one settle
+and one set of pair keys.
+
 A producer marks the blocks it hands in its region of the slab table and tells this session (:mod:`kvpool.slab.send`).
 Its first handoff here comes as one datagram to this session's box, sealed with their pair's key
 (:mod:`kvpool.slab.wire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from

@@ -1,5 +1,8 @@
 """A session's reservation slab, the client's side: alloc and free of uncommitted blocks without a round trip.
 
+Past 400 lines on purpose: alloc, free, refill and drain share one lock and one slab's slot arrays, and each must
+see the others' effects in order.
+
 The pool grants the slab blocks in bulk (they are this session's in its books); ``alloc`` takes idle ones and
 ``free`` puts them back, each writing the slots' states into the session's region of the slab table
 (:mod:`kvpool.slab.table`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
