@@ -9,7 +9,7 @@ import heapq
 import json
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.errors import (
     HandoffExists,
@@ -22,8 +22,8 @@ from kvpool.errors import (
 )
 from kvpool.server.records import REFUSALS_KEPT, Handoff, Refusal, Session
 
-if TYPE_CHECKING:
-    from kvpool.server.pool import Pool
+#: the :class:`kvpool.server.pool.Pool` that owns this part (it imports this module, so not the other way)
+Pool = Any
 
 
 class Parking:

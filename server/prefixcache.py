@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvpool.errors import InvalidRequest
 from kvpool.server.records import CommitResult, LookupResult
 
-if TYPE_CHECKING:
-    from kvpool.server.pool import Pool
+#: the :class:`kvpool.server.pool.Pool` that owns this part (it imports this module, so not the other way)
+Pool = Any
 
 
 class PrefixCache:

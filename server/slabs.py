@@ -38,7 +38,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -49,8 +49,8 @@ from kvpool.server.records import Handoff, Session, holder_of
 from kvpool.slab.table import ALLOCATED, EMPTY, ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, IDLE, RING, create_table, fence
 from kvpool.slab.wire import pair_key
 
-if TYPE_CHECKING:
-    from kvpool.server.pool import Pool
+#: the :class:`kvpool.server.pool.Pool` that owns this part (it imports this module, so not the other way)
+Pool = Any
 
 log = logging.getLogger(__name__)
 
