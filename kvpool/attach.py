@@ -12,6 +12,7 @@ from kvpool.arena import Arena, FetchedFd, open_arena, prepare_vmm
 from kvpool.errors import InvalidRequest, PoolRestarted
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor, ArenaFdRequest, ArenaFdResponse
+from kvpool.routes import ARENA, ARENA_FD
 from kvpool.session import Session
 from kvpool.transport import Transport
 
@@ -27,7 +28,8 @@ class ArenaMapper:
         self.fd_path: str | None = None
 
     def descriptor(self) -> ArenaDescriptor:
-        return self.transport.fetch("GET", "/arena", None, ArenaDescriptor)
+        descriptor: ArenaDescriptor = self.transport.fetch(ARENA)
+        return descriptor
 
     def arena(self, layout: KVLayout | None, check: KVLayout | None, device: int | None) -> Arena:
         """The arena mapped with ``layout``; one mapped already is checked against ``check`` instead, if given."""
@@ -52,7 +54,7 @@ class ArenaMapper:
         if path is not None:
             req = ArenaFdRequest(session_id=self.session.session_id, device=device)
             try:  # a restarted pool refuses the session: guard() raises PoolRestarted then, as GET /arena would
-                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(b"arena_fd", req, path, prepare_vmm))
+                reply, fd = self.session.guard(lambda: self.transport.fetch_fd(ARENA_FD, req, path, prepare_vmm))
             except InvalidRequest:  # that device's arena goes by handle
                 return self.descriptor(), None
             try:
@@ -75,4 +77,4 @@ class ArenaMapper:
                 "with --arena-handle legacy"
             )
         req = ArenaFdRequest(session_id=self.session.session_id, device=device)
-        return self.transport.call_fd(b"arena_fd", req, path)
+        return self.transport.call_fd(ARENA_FD, req, path)

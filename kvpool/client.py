@@ -19,47 +19,31 @@ import sys
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from kvpool.address import default_url
 from kvpool.arena import Arena, forget_mappings
 from kvpool.attach import ArenaMapper
-from kvpool.errors import InvalidRequest, raise_for
-from kvpool.handoffs import Claim, DirectHandoffs, granted
-from kvpool.ids import pack_ids
+from kvpool.errors import raise_for
+from kvpool.handoffs import Claim, DirectHandoffs, Handoff, granted
 from kvpool.layout import KVLayout
 from kvpool.protocol import (
-    AllocRequest,
-    AllocResponse,
     ArenaDescriptor,
-    ClaimRequest,
-    ClaimResponse,
-    CommitRequest,
     CommitResponse,
-    FreeRequest,
-    FreeResponse,
-    HandoffRequest,
     HandoffResponse,
     Health,
-    LookupManyRequest,
-    LookupManyResponse,
-    LookupRequest,
     LookupResponse,
     Role,
-    SessionInfo,
-    SessionList,
-    SessionRef,
     SessionSummary,
 )
+from kvpool.routes import ALLOC, CLAIM, COMMIT, FREE, HANDOFF, HEARTBEAT, LOOKUP, LOOKUPS, SESSIONS, STATS, Route
 from kvpool.session import Session
 from kvpool.tokens import pack_tokens
 from kvpool.transport import Transport, http_client, reply_spin
 
-__all__ = ["Claim", "PoolClient", "http_client", "raise_for"]
-
-R = TypeVar("R", bound=BaseModel)
+__all__ = ["Claim", "Handoff", "PoolClient", "http_client", "raise_for"]
 
 
 def _as_list(ids: Sequence[int] | Any) -> list[int]:
@@ -87,13 +71,6 @@ def settle_device(devices: Sequence[Any] = ()) -> None:
     torch.cuda.synchronize()
     for device in {d for d in devices if getattr(d, "type", None) == "cuda"}:
         torch.cuda.synchronize(device)
-
-
-def _req(model: type[R], **fields: Any) -> R:
-    try:
-        return model(**fields)
-    except ValidationError as exc:
-        raise InvalidRequest(str(exc)) from None
 
 
 class PoolClient:
@@ -172,11 +149,10 @@ class PoolClient:
     def _open_session(self) -> None:
         info = self.session.open(inbox=self._want_inbox and self._use_fast)
         path = info.fast_socket
-        fast = path if self._use_fast and path and os.path.exists(path) else None
-        self.transport.fast_path = fast
+        fast = self.transport.use_fast(path if self._use_fast else None)
         self.mapper.fd_path = path if info.arena_fd and path and os.path.exists(path) else None
         if info.inbox is not None and fast is not None:
-            self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), os.stat(fast).st_mode & 0o777)
+            self.direct.open_inbox(info.inbox, bytes.fromhex(info.inbox_key or ""), self.transport.fast_mode())
 
     def reconnect(self) -> None:
         """Open a new session (after the pool restarted or the lease ran out); map the arena anew on demand.
@@ -225,12 +201,12 @@ class PoolClient:
     # -- blocks -----------------------------------------------------------------------------------------
 
     def alloc(self, num_blocks: int, device: int | None = None) -> list[int]:
-        req = _req(AllocRequest, session_id=self.session_id, num_blocks=num_blocks, device=device)
-        return self._call(b"alloc", "/alloc", req, AllocResponse)[0].block_ids
+        req = ALLOC.build(session_id=self.session_id, num_blocks=num_blocks, device=device)
+        return self._call(ALLOC, req)[0].block_ids
 
     def free(self, block_ids: Sequence[int]) -> int:
-        req, ids = self._with_ids(FreeRequest, block_ids, session_id=self.session_id)
-        return self._call(b"free", "/free", req, FreeResponse, ids=ids)[0].freed
+        req, ids = self._with_ids(FREE, block_ids, session_id=self.session_id)
+        return self._call(FREE, req, ids=ids)[0].freed
 
     def commit(
         self, block_ids: Sequence[int], token_ids: Sequence[int], salt: str | None = None, start: int = 0,
@@ -241,8 +217,8 @@ class PoolClient:
         first blocks already (you looked them up) and ``block_ids`` hold block ``start`` on; ``release``: drop your
         refs on ``block_ids`` too (commit and free in one call)."""
         fields = {"session_id": self.session_id, **_tokens(token_ids), "salt": salt, "start": start, "release": release}
-        req, ids = self._with_ids(CommitRequest, block_ids, **fields)
-        return self._call(b"commit", "/commit", req, CommitResponse, ids=ids)[0]
+        req, ids = self._with_ids(COMMIT, block_ids, **fields)
+        return self._call(COMMIT, req, ids=ids)[0]
 
     def commit_many(
         self, commits: Sequence[tuple[Sequence[int], Sequence[int], int]], release: bool = False,
@@ -253,17 +229,16 @@ class PoolClient:
         write (a step's saves in one round trip). ``None`` for each the pool refused, whose blocks stay yours; an
         error about the session itself raises."""
         salts = salts or [None] * len(commits)
-        reqs = [_req(CommitRequest, session_id=self.session_id, block_ids=_as_list(ids), **_tokens(tokens),
-                     start=start, release=release, salt=salt)
+        reqs = [COMMIT.build(session_id=self.session_id, block_ids=_as_list(ids), **_tokens(tokens), start=start,
+                             release=release, salt=salt)
                 for (ids, tokens, start), salt in zip(commits, salts, strict=True)]  # fmt: skip
-        return self._many(b"commit", "/commit", reqs, CommitResponse)
+        return self._many(COMMIT, reqs)
 
     def lookup(self, token_ids: Sequence[int], device: int | None = None, salt: str | None = None) -> LookupResponse:
         """The longest cached prefix of ``token_ids`` committed with ``salt``; you hold a ref on each returned block
         until you free it."""
         fields = {**_tokens(token_ids), "device": device, "salt": salt}
-        req = _req(LookupRequest, session_id=self.session_id, **fields)
-        return self._call(b"lookup", "/lookup", req, LookupResponse)[0]
+        return self._call(LOOKUP, LOOKUP.build(session_id=self.session_id, **fields))[0]
 
     def lookup_many(
         self, prompts: Sequence[Sequence[int]], device: int | None = None, salt: str | None = None,
@@ -273,8 +248,8 @@ class PoolClient:
         the salt at its place in ``salts``."""
         each = salts if salts is not None else [salt] * len(prompts)
         items = [{**_tokens(t), "salt": s} for t, s in zip(prompts, each, strict=True)]
-        req = _req(LookupManyRequest, session_id=self.session_id, lookups=items, device=device)
-        return self._call(b"lookups", "/lookups", req, LookupManyResponse)[0].hits
+        req = LOOKUPS.build(session_id=self.session_id, lookups=items, device=device)
+        return self._call(LOOKUPS, req)[0].hits
 
     def handoff(
         self,
@@ -294,17 +269,22 @@ class PoolClient:
         ``to`` names the session that will claim it (and no other may). If that session has an inbox, its ids go
         there directly as soon as the pool has the handoff, and its claim returns without waiting for the pool.
         """
-        if self.transport.fast_path is not None and to is not None and not keep and not sealed:
-            ids = pack_ids(block_ids)
-            if ids is not None:
-                return self.direct.send(request_id, ids, num_tokens, meta or {}, ttl_s, to)
-        fields = {"request_id": request_id, "num_tokens": num_tokens, "meta": meta or {}, "ttl_s": ttl_s, "to": to}
-        if keep:
+        return self._handoff(Handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep, sealed))
+
+    def _handoff(self, h: Handoff) -> HandoffResponse:
+        """:meth:`handoff`, as a subclass that carries some handoffs another way takes it up."""
+        if h.to is not None and not h.keep and not h.sealed:
+            sent = self.direct.send(h.request_id, h.block_ids, h.num_tokens, h.meta or {}, h.ttl_s, h.to)
+            if sent is not None:
+                return sent
+        fields = {"request_id": h.request_id, "num_tokens": h.num_tokens, "meta": h.meta or {}, "ttl_s": h.ttl_s,
+                  "to": h.to}  # fmt: skip
+        if h.keep:
             fields["keep"] = True
-        if sealed:
+        if h.sealed:
             fields["sealed"] = True
-        req, ids = self._with_ids(HandoffRequest, block_ids, session_id=self.session_id, **fields)
-        return self._call(b"handoff", "/handoff", req, HandoffResponse, ids=ids)[0]
+        req, ids = self._with_ids(HANDOFF, h.block_ids, session_id=self.session_id, **fields)
+        return self._call(HANDOFF, req, ids=ids)[0]
 
     def handoff_many(
         self,
@@ -316,10 +296,10 @@ class PoolClient:
         """``handoff(request_id, block_ids, num_tokens, meta, ttl_s, keep=keep, sealed=sealed)`` of each, parked in
         the pool, in order: over the fast channel all in one write. ``None`` for each the pool refused, whose blocks
         stay yours; an error about the session itself raises."""
-        reqs = [_req(HandoffRequest, session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
-                     meta=meta or {}, ttl_s=ttl_s, keep=keep, sealed=sealed)
+        reqs = [HANDOFF.build(session_id=self.session_id, request_id=r, block_ids=_as_list(ids), num_tokens=n,
+                              meta=meta or {}, ttl_s=ttl_s, keep=keep, sealed=sealed)
                 for r, ids, n, meta in handoffs]  # fmt: skip
-        return self._many(b"handoff", "/handoff", reqs, HandoffResponse)
+        return self._many(HANDOFF, reqs)
 
     def claim(self, request_id: str | None = None, timeout_s: float = 30.0) -> Claim:
         """Take a parked handoff (the oldest you may claim if ``request_id`` is None), waiting up to ``timeout_s``.
@@ -336,8 +316,8 @@ class PoolClient:
         return self.direct.claim_any(timeout_s, self._claim_from_pool)
 
     def _claim_from_pool(self, request_id: str | None, timeout_s: float) -> Claim:
-        req = _req(ClaimRequest, session_id=self.session_id, request_id=request_id, timeout_s=timeout_s)
-        return self.direct.claimed_in_pool(*self._call(b"claim", "/claim", req, ClaimResponse, wait_s=timeout_s))
+        req = CLAIM.build(session_id=self.session_id, request_id=request_id, timeout_s=timeout_s)
+        return self.direct.claimed_in_pool(*self._call(CLAIM, req, wait_s=timeout_s))
 
     def claim_many(self, request_ids: Sequence[str], timeout_s: float = 0.0) -> list[Claim | None]:
         """Claim several known handoffs (a decode engine's arrivals), in order; ``None`` for each the pool refused
@@ -346,7 +326,7 @@ class PoolClient:
         the session itself (unknown, the pool restarted or unreachable) raise."""
         if self.direct.inbox is not None:
             return self.direct.one_by_one(request_ids, lambda r: self.claim(r, timeout_s))
-        reqs = [_req(ClaimRequest, session_id=self.session_id, request_id=r, timeout_s=timeout_s) for r in request_ids]
+        reqs = [CLAIM.build(session_id=self.session_id, request_id=r, timeout_s=timeout_s) for r in request_ids]
         return self.direct.claim_many_in_pool(reqs, timeout_s)
 
     def confirm(self) -> None:
@@ -356,8 +336,10 @@ class PoolClient:
 
     def sessions(self, name: str | None = None) -> list[SessionSummary]:
         """The pool's live sessions (by name, role and inbox), or those called ``name``."""
-        listing = self.transport.request("GET", "/sessions", params={"name": name} if name is not None else None)
-        return SessionList.model_validate(listing).sessions
+        listing = self.transport.request("GET", SESSIONS.url(), params={"name": name} if name is not None else None)
+        assert SESSIONS.response is not None
+        sessions: list[SessionSummary] = SESSIONS.response.model_validate(listing).sessions
+        return sessions
 
     def move(self, block_ids: Sequence[int], device: int) -> list[int]:
         """Copy blocks you hold into new blocks on ``device``'s arena and drop your refs on the originals.
@@ -383,13 +365,13 @@ class PoolClient:
         return new
 
     def heartbeat(self) -> None:
-        req = _req(SessionRef, session_id=self.session_id)
+        req = HEARTBEAT.build(session_id=self.session_id)
         sent = time.monotonic()
-        self._call(b"heartbeat", f"/sessions/{self.session_id}/heartbeat", req, SessionInfo)
+        self._call(HEARTBEAT, req)
         self.session.renewed(sent)
 
     def stats(self) -> dict[str, Any]:
-        stats: dict[str, Any] = self.transport.request("GET", "/stats")
+        stats: dict[str, Any] = self.transport.request(STATS.method, STATS.url())
         return stats
 
     def health(self) -> Health:
@@ -397,18 +379,19 @@ class PoolClient:
 
     # -- the wire ---------------------------------------------------------------------------------------
 
-    def _with_ids(self, model: type[R], block_ids: Sequence[int], **fields: Any) -> tuple[R, memoryview | None]:
-        """The request, and its ids packed to go attached on the fast channel (then ``block_ids`` is empty)."""
-        ids = pack_ids(block_ids) if self.transport.fast_path is not None else None
-        return _req(model, block_ids=[] if ids is not None else _as_list(block_ids), **fields), ids
+    def _with_ids(self, route: Route, block_ids: Sequence[int], **fields: Any) -> tuple[Any, memoryview | None]:
+        """The request, and its ids packed where the transport attaches them (then the request's ``block_ids`` is
+        empty)."""
+        ids = self.transport.attach(route, block_ids)
+        return route.build(block_ids=[] if ids is not None else _as_list(block_ids), **fields), ids
 
-    def _many(self, op: bytes, path: str, reqs: list[BaseModel], resp: type[R]) -> list[R | None]:
-        """Calls of one kind sent in one write, answered in order (see :func:`kvpool.handoffs.granted`)."""
-        answers = self.direct.guard(lambda: self.transport.call_many(op, path, reqs, resp))
+    def _many(self, route: Route, reqs: list[BaseModel]) -> list[Any]:
+        """Calls of one route sent in one write, answered in order (see :func:`kvpool.handoffs.granted`)."""
+        answers = self.direct.guard(lambda: self.transport.call_many(route, reqs))
         return granted(answers, lambda answer: answer[0])
 
     def _call(
-        self, op: bytes, path: str, req: BaseModel, resp: type[R], wait_s: float = 0.0, ids: memoryview | None = None
-    ) -> tuple[R, array | None]:
+        self, route: Route, req: BaseModel, wait_s: float = 0.0, ids: memoryview | None = None
+    ) -> tuple[Any, array | None]:
         """One call of this session; the refusal of an earlier pipelined claim is raised here if there was one."""
-        return self.direct.guard(lambda: self.transport.call(op, path, req, resp, wait_s, ids))
+        return self.direct.guard(lambda: self.transport.call(route, req, wait_s, ids))

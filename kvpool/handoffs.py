@@ -16,6 +16,7 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.channel import FastConnection, PipelinedRefusal, decode
@@ -31,7 +32,8 @@ from kvpool.errors import (
     raise_for,
 )
 from kvpool.inbox import Delivery, Inbox
-from kvpool.protocol import ClaimRequest, ClaimResponse, HandoffResponse, claim_json, handoff_json
+from kvpool.protocol import ClaimRequest, HandoffResponse, claim_json, handoff_json
+from kvpool.routes import ACCEPT, CLAIM, HANDOFF, Route
 from kvpool.session import Session
 from kvpool.transport import Transport
 
@@ -48,6 +50,20 @@ ACCEPT_WAIT_S = 10.0
 CLAIMED_KEPT = 4096
 #: errors about the session itself, not about one claim: the claimer's refs are then gone with the session
 SESSION_ERRORS = (ArenaClosed, PoolRestarted, PoolUnavailable, Unauthorized, UnknownSession)
+
+
+@dataclass(slots=True)
+class Handoff:
+    """One ``PoolClient.handoff`` call: a client that carries some handoffs another way (a slab's) takes it whole."""
+
+    request_id: str
+    block_ids: Sequence[int] | Any
+    num_tokens: int
+    meta: dict[str, Any] | None = None
+    ttl_s: float | None = None
+    to: str | None = None
+    keep: bool = False
+    sealed: bool = False
 
 
 def granted(answers: Sequence[Any], convert: Callable[[Any], T]) -> list[T | None]:
@@ -155,17 +171,21 @@ class DirectHandoffs:
     def send(
         self,
         request_id: str,
-        ids: memoryview,
+        block_ids: Sequence[int] | Any,
         num_tokens: int,
         meta: dict[str, Any],
         ttl_s: float | None,
         to: str,
-    ) -> HandoffResponse:
+    ) -> HandoffResponse | None:
         """An addressed handoff with its ids attached packed; the pool delivers them to the addressee's inbox.
+        None where that path does not apply (no fast channel, ids that do not pack).
 
         This is the direct path's critical path, so the request is written by hand (:func:`handoff_json`) and goes
         unvalidated here: a pydantic model would cost more than the rest of the path. The pool validates it.
         """
+        ids = self.transport.attach(HANDOFF, block_ids)
+        if ids is None:
+            return None
         try:
             extra = json.dumps(meta, separators=(",", ":")).encode()
             head = handoff_json(self.session.session_id, request_id, operator.index(num_tokens), extra, ttl_s, to)
@@ -173,7 +193,8 @@ class DirectHandoffs:
             why = f"{exc} (meta must be a JSON object, num_tokens an integer at least 0)"
             raise InvalidRequest(f"cannot send this handoff: {why}") from None
         call = self.transport.call
-        return self.guard(lambda: call(b"handoff", "/handoff", head, HandoffResponse, ids=ids))[0]
+        sent: HandoffResponse = self.guard(lambda: call(HANDOFF, head, ids=ids))[0]
+        return sent
 
     # -- the consumer's side ----------------------------------------------------------------------------
 
@@ -183,7 +204,7 @@ class DirectHandoffs:
         with self.lock:
             got = self._delivery(None, min(self.spin_s, timeout_s))
         if got is not None:
-            self._pipeline(b"accept", got.request_id, ACCEPT_WAIT_S)
+            self._pipeline(ACCEPT, got.request_id, ACCEPT_WAIT_S)
             return Claim(got.request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
         return from_pool(None, max(0.0, timeout_s - (time.perf_counter() - start)))
 
@@ -193,18 +214,18 @@ class DirectHandoffs:
         with self.lock:
             got = self.delivered.pop(request_id, None)
             if got is None:
-                conn = self._pipeline(b"claim", request_id, timeout_s)
+                conn = self._pipeline(CLAIM, request_id, timeout_s)
                 got = self._delivery(request_id, min(self.spin_s, timeout_s))
                 if got is None:  # nothing delivered: the pool's answer to the claim has the ids
                     _, status, body = self.guard(lambda: self.transport.exchange(lambda _: conn.take()))
                     if status != 200:
                         raise_for(status, body)
-                    return self.claimed_in_pool(*decode(ClaimResponse, body))
+                    return self.claimed_in_pool(*decode(CLAIM.response, body))
                 return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
-        self._pipeline(b"accept", request_id, ACCEPT_WAIT_S)
+        self._pipeline(ACCEPT, request_id, ACCEPT_WAIT_S)
         return Claim(request_id, got.num_tokens, got.meta, got.ids, direct=True, parked_by=got.parked_by)
 
-    def claimed_in_pool(self, resp: ClaimResponse, ids: array | None) -> Claim:
+    def claimed_in_pool(self, resp: Any, ids: array | None) -> Claim:
         """A claim the pool answered; a direct copy of it that arrives later is dropped."""
         if self.inbox is not None:
             with self.lock:
@@ -217,7 +238,7 @@ class DirectHandoffs:
 
     def claim_many_in_pool(self, reqs: list[ClaimRequest], wait_s: float) -> list[Claim | None]:
         """Claims answered by the pool, all sent in one write; ``None`` where it refused one (see :func:`granted`)."""
-        answers = self.guard(lambda: self.transport.call_many(b"claim", "/claim", reqs, ClaimResponse, wait_s))
+        answers = self.guard(lambda: self.transport.call_many(CLAIM, reqs, wait_s))
         return granted(answers, lambda answer: self.claimed_in_pool(*answer))
 
     @staticmethod
@@ -255,9 +276,12 @@ class DirectHandoffs:
                 continue  # already claimed through the pool: this copy came late
             self.delivered[got.request_id] = got
 
-    def _pipeline(self, op: bytes, request_id: str, timeout_s: float) -> FastConnection:
+    def _pipeline(self, route: Route, request_id: str, timeout_s: float) -> FastConnection:
         """Send a claim (or an accept) of ``request_id`` without waiting for its answer; earlier answers first."""
         body = claim_json(self.session.session_id, request_id, timeout_s)
+
+        op = route.fast
+        assert op is not None
 
         def send(conn: FastConnection) -> FastConnection:
             conn.send(op, body, request_id, timeout_s)

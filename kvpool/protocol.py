@@ -1,5 +1,8 @@
 """Request and response models of the control API, shared by the server and :mod:`kvpool.client`.
 
+Past 400 lines on purpose: every model of the wire in one module, so the client, the HTTP app and the fast channel
+read the same ones.
+
 Requests are strict (a string is not a number, unknown fields are refused), so that a client bug shows up as a
 422 that names the field rather than as a silently coerced value.
 """
@@ -355,14 +358,6 @@ class ArenaDescriptor(BaseModel):
     slab_slots: int = Field(
         0, description="blocks one session's reservation slab can hold (--slab-max-blocks); 0: the pool serves no slabs"
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _kind(cls, data: Any) -> Any:
-        """A pool from before handle kinds shared its CUDA arena by legacy handle and its CPU arena by file."""
-        if isinstance(data, dict) and data.get("handle_kind") is None:
-            data = {**data, "handle_kind": "shm" if data.get("backend") == "cpu" else "cuda_ipc"}
-        return data
 
     def part(self, device: int | None) -> ArenaDescriptor:
         """The descriptor of one device's arena (``device`` as the pool names it; None: the first)."""

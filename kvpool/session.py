@@ -30,6 +30,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.protocol import Health, Role, SessionCreate, SessionInfo
+from kvpool.routes import CLOSE_SESSION, HEALTH, HEARTBEAT, OPEN_SESSION
 from kvpool.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class Session:
         except ValidationError as exc:
             raise InvalidRequest(f"cannot open a session: {exc}") from None
         sent = time.monotonic()
-        info = self.transport.fetch("POST", "/sessions", req, SessionInfo)
+        info: SessionInfo = self.transport.fetch(OPEN_SESSION, req)
         self.session_id = info.session_id
         self.epoch = info.epoch
         self.lease_ttl_s = info.lease_ttl_s
@@ -130,7 +131,7 @@ class Session:
             session_id = self.session_id
             try:
                 sent = time.monotonic()
-                self.transport.fetch("POST", f"/sessions/{session_id}/heartbeat", None, SessionInfo)
+                self.transport.fetch(HEARTBEAT, session_id=session_id)
                 with self.lock:  # not for a session a reopen replaced meanwhile
                     if self.session_id == session_id:
                         self.renewed(sent)
@@ -166,7 +167,7 @@ class Session:
             raise
 
     def health(self) -> Health:
-        return Health.model_validate_json(self.transport.http.get("/health").content)
+        return Health.model_validate_json(self.transport.http.get(HEALTH.url()).content)
 
     def check_epoch(self) -> None:
         """If the pool restarted, say so and retire the old arena's views."""
@@ -192,4 +193,4 @@ class Session:
         if self._beat is not None:
             self._beat.join(timeout=2)
         with contextlib.suppress(httpx.HTTPError):
-            self.transport.http.delete(f"/sessions/{self.session_id}")
+            self.transport.http.delete(CLOSE_SESSION.url(self.session_id))

@@ -2,9 +2,10 @@
 
 HTTP goes over one keep-alive connection (TCP or the pool's Unix socket). The fast channel, when the pool serves
 one, is a kept-open Unix socket per thread that costs tens of microseconds a call instead of an HTTP round trip,
-with block ids packed as int64 both ways (see :mod:`kvpool.channel`). :meth:`Transport.call` picks the way, so
-callers never depend on which one carried their request. A pool served in this process (a test's) is
-reached at ``local://NAME``: its HTTP calls run on its own event loop without a socket.
+with block ids packed as int64 both ways (see :mod:`kvpool.channel`). Callers name a call by its route
+(:mod:`kvpool.routes`) and :meth:`Transport.call` picks the way, so they never depend on which one carried it. A
+pool served in this process (a test's) is reached at ``local://NAME``: its HTTP calls run on its own event loop
+without a socket.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from pydantic import BaseModel
 
 from kvpool.channel import SEP, FastConnection, decode, encode
 from kvpool.errors import InvalidRequest, KvpoolError, PoolTimeout, PoolUnavailable, error_for, raise_for
+from kvpool.ids import pack_ids
+from kvpool.routes import Route
 from kvpool.trust import check_socket
 
 R = TypeVar("R", bound=BaseModel)
@@ -111,7 +114,8 @@ def reply_spin(value: float | None) -> float:
 
 
 class Transport:
-    """One client's ways to the pool; ``fast_path`` is set once the pool has named its fast channel."""
+    """One client's ways to the pool; ``fast_path`` is set once the pool has named its fast channel and the client
+    may use it (:meth:`use_fast`)."""
 
     def __init__(self, url: str, token: str | None, timeout_s: float, reply_spin_s: float = 0.0) -> None:
         self.url = url
@@ -123,6 +127,25 @@ class Transport:
         self._local = threading.local()
         self._conns: list[FastConnection] = []
         self._conns_lock = threading.Lock()
+
+    def use_fast(self, path: str | None) -> str | None:
+        """Carry the calls that have a fast op over the fast channel at ``path`` (None: over HTTP), if it is there;
+        the path taken."""
+        self.fast_path = path if path and os.path.exists(path) else None
+        return self.fast_path
+
+    def fast_mode(self) -> int:
+        """The permission bits of the fast channel's socket (0600 without one): what sockets this client binds
+        for the pool's peers to reach (an inbox, a slab box) get the same."""
+        return os.stat(self.fast_path).st_mode & 0o777 if self.fast_path is not None else 0o600
+
+    def goes_fast(self, route: Route) -> bool:
+        return route.fast is not None and self.fast_path is not None
+
+    def attach(self, route: Route, block_ids: Any) -> memoryview | None:
+        """``block_ids`` packed to go attached to ``route``'s request, where it goes over the fast channel (then the
+        request's own ``block_ids`` is empty); None: they go in the request."""
+        return pack_ids(block_ids) if route.fast is not None and self.fast_path is not None else None
 
     def request(
         self,
@@ -150,46 +173,48 @@ class Transport:
             raise_for(r.status_code, r.content)
         return r.json()
 
-    def fetch(self, method: str, path: str, req: BaseModel | None, resp: type[R], wait_s: float = 0.0) -> R:
-        return resp.model_validate(self.request(method, path, req, wait_s))
+    def fetch(
+        self, route: Route, req: BaseModel | None = None, wait_s: float = 0.0, session_id: str | None = None
+    ) -> Any:
+        """``route``'s call over HTTP, whatever its fast op: the answer as its response model. (A thread that must
+        hold no fast connection of its own, the heartbeat's, calls so.) ``session_id``: the path's, if it has one
+        (else the request's)."""
+        assert route.response is not None, f"{route.name} answers no model"
+        path = route.url(session_id or getattr(req, "session_id", None))
+        return route.response.model_validate(self.request(route.method, path, req, wait_s))
 
     def call(
-        self,
-        op: bytes,
-        path: str,
-        req: BaseModel | bytes,
-        resp: type[R],
-        wait_s: float = 0.0,
-        ids: memoryview | None = None,
-    ) -> tuple[R, array | None]:
-        """One call, over the fast channel when there is one, else HTTP. Returns the answer and its block ids
-        packed, if they came so. ``req`` may be the request's JSON already written (the fast channel only)."""
-        if self.fast_path is None:
-            assert isinstance(req, BaseModel)
-            return self.fetch("POST", path, req, resp, wait_s), None
+        self, route: Route, req: BaseModel | bytes, wait_s: float = 0.0, ids: memoryview | None = None
+    ) -> tuple[Any, array | None]:
+        """One call, over the fast channel where ``route`` has an op on it and the pool serves one, else HTTP.
+        Returns the answer (``route``'s response model) and its block ids packed, if they came so. ``req`` may be
+        the request's JSON already written, and ``ids`` attached: then only over the fast channel."""
+        if route.fast is None or self.fast_path is None:
+            assert isinstance(req, BaseModel) and ids is None
+            return self.fetch(route, req, wait_s), None
         request = encode(req, ids) if isinstance(req, BaseModel) else req if ids is None else b"".join((req, SEP, ids))
-        status, body = self.exchange(lambda conn: conn.call(op, request, wait_s))
+        status, body = self.exchange(lambda conn: conn.call(route.fast, request, wait_s))
         if status != 200:
             raise_for(status, body)
-        return decode(resp, body)
+        return decode(route.response, body)
 
     def call_many(
-        self, op: bytes, path: str, reqs: list[BaseModel], resp: type[R], wait_s: float = 0.0
-    ) -> list[tuple[R, array | None] | KvpoolError]:
-        """Several calls of one kind, in order: over the fast channel all sent in one write, over HTTP one after
+        self, route: Route, reqs: list[BaseModel], wait_s: float = 0.0
+    ) -> list[tuple[Any, array | None] | KvpoolError]:
+        """Several calls of one route, in order: over the fast channel all sent in one write, over HTTP one after
         the other. A call the pool refused gives its error in its place; the others stand."""
-        if self.fast_path is None:
-            out: list[tuple[R, array | None] | KvpoolError] = []
+        if route.fast is None or self.fast_path is None:
+            out: list[tuple[Any, array | None] | KvpoolError] = []
             for req in reqs:
                 try:
-                    out.append((self.fetch("POST", path, req, resp, wait_s), None))
+                    out.append((self.fetch(route, req, wait_s), None))
                 except KvpoolError as exc:
                     if isinstance(exc, PoolUnavailable):
                         raise
                     out.append(exc)
             return out
-        replies = self.exchange(lambda conn: conn.call_many(op, [encode(req) for req in reqs], wait_s))
-        return [decode(resp, body) if status == 200 else error_for(status, body) for status, body in replies]
+        replies = self.exchange(lambda conn: conn.call_many(route.fast, [encode(req) for req in reqs], wait_s))
+        return [decode(route.response, body) if status == 200 else error_for(status, body) for status, body in replies]
 
     def exchange(self, fn: Callable[[FastConnection], Any]) -> Any:
         """Run ``fn`` on this thread's fast connection; a broken channel is PoolUnavailable, and every thread opens
@@ -252,17 +277,19 @@ class Transport:
             raise_for(status, reply)
         return conn
 
-    def call_fd(self, op: bytes, req: BaseModel, path: str) -> int:
+    def call_fd(self, route: Route, req: BaseModel, path: str) -> int:
         """A fast-channel call answered with a file descriptor; over a connection of its own when the client
         does not use the fast channel for its other calls."""
-        return self.fetch_fd(op, req, path)[1]
+        return self.fetch_fd(route, req, path)[1]
 
     def fetch_fd(
-        self, op: bytes, req: BaseModel, path: str, meanwhile: Callable[[], object] | None = None
+        self, route: Route, req: BaseModel, path: str, meanwhile: Callable[[], object] | None = None
     ) -> tuple[bytes, int]:
         """:meth:`call_fd`, with the answer's JSON body too. A new connection's hello goes in the same write as
         the request: one round trip where a worker's first arena took two. ``meanwhile`` runs while the pool
         answers."""
+        op = route.fast
+        assert op is not None, f"{route.name} is no call of the fast channel"
         body = req.model_dump_json().encode()
         if self.fast_path is not None and self._held() is not None:
             status, reply, fd = self.exchange(lambda conn: conn.call_fd(op, body, meanwhile=meanwhile))

@@ -1,5 +1,8 @@
 """One typed configuration object for the pool manager.
 
+Past 400 lines on purpose: the one settings object holds every flag, its variable and its help (the house rule), and
+checks them together.
+
 Precedence: command-line flags over ``KVPOOL_*`` environment variables over defaults. The settings object is
 built once at the edge (the CLI) and its fields are passed down; nothing deeper reads the environment.
 """

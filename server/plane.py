@@ -50,10 +50,10 @@ from kvpool.server.books.prefix import DIGESTS, token_bytes
 from kvpool.server.books.processes import Peer, ProcTable
 from kvpool.server.books.quarantine import Quarantine
 from kvpool.server.books.records import Limits, Session, sweep_period_s
+from kvpool.server.books.slabs import SlabBooks
 from kvpool.server.config import PoolSettings
 from kvpool.server.events.feed import KVEventsFeed, index_listing, media_of
 from kvpool.server.remote.reads import RemotePeers, open_remote
-from kvpool.server.slabs.books import SlabBooks, open_slab_table
 from kvpool.server.tiers.tiercopy import ArenaCopier
 from kvpool.server.tiers.tiermemory import HostTierMemory, blocks_view_of, open_host_tier
 
@@ -74,7 +74,6 @@ class ControlPlane:
         self.claims = ClaimWaits()
         self._outbox: Outbox | None = None
         self.kv_events: KVEventsFeed | None = None
-        self.slabs: SlabBooks | None = None
         self.remote: RemotePeers | None = None
 
     # -- life -------------------------------------------------------------------------------------------
@@ -142,9 +141,9 @@ class ControlPlane:
             pins=s.pins,
             own_uid=os.getuid(),
         )
-        self.slabs = open_slab_table(s, self._pool)
-        if self.slabs is not None:
-            self._descriptor = self._descriptor.model_copy(update={"slab_slots": self.slabs.slots})
+        slabs = open_slab_table(s, self._pool)
+        if slabs is not None:
+            self._descriptor = self._descriptor.model_copy(update={"slab_slots": slabs.slots})
         for part, arena in zip(parts, arenas, strict=True):
             log.info(
                 "arena ready: %s device %s, %d blocks of %d bytes (%.1f MiB), epoch %s",
@@ -181,6 +180,11 @@ class ControlPlane:
         if self._outbox is not None:
             self._outbox.close()
             self._outbox = None
+
+    @property
+    def slabs(self) -> SlabBooks | None:
+        """The pool's slab books, where it serves slabs (``--slabs``)."""
+        return self._pool.slabs if self._pool is not None else None
 
     @property
     def ready(self) -> bool:
@@ -377,3 +381,14 @@ class ControlPlane:
         d = self.descriptor
         starts, media = [part.first_block for part in d.arenas], media_of(d.backend, len(d.arenas))
         return index_listing(self.pool.index, starts, media, self.settings.kv_events_hashes, limit)
+
+
+def open_slab_table(settings: PoolSettings, pool: Pool) -> SlabBooks | None:
+    """The slab table of a pool that serves slabs (``--slabs``), opened in its books; None if it does not."""
+    if not settings.slabs:
+        return None
+    sock = settings.fast_socket or settings.socket
+    books = pool.open_slabs(settings.shm_dir, settings.slab_regions, settings.slab_max_blocks,
+                            sock.parent if sock is not None else None)  # fmt: skip
+    log.info("slab table at %s: %d regions of %d slots", books.path, len(books.table), books.slots)
+    return books

@@ -20,8 +20,9 @@ def cpu_arena(tmp_path):
     def make(layout: KVLayout, num_blocks: int = 6):
         host = CpuOwnedArena(num_blocks * layout.block_nbytes, tmp_path, epoch=os.urandom(4).hex())
         descriptor = ArenaDescriptor(
-            epoch="e-" + host.path.name, backend="cpu", device=None, handle=host.handle, nbytes=host.nbytes,
-            num_blocks=num_blocks, block_nbytes=layout.block_nbytes, layout=layout, owner_pid=os.getpid(),
+            epoch="e-" + host.path.name, backend="cpu", device=None, handle=host.handle, handle_kind="shm",
+            nbytes=host.nbytes, num_blocks=num_blocks, block_nbytes=layout.block_nbytes, layout=layout,
+            owner_pid=os.getpid(),
         )  # fmt: skip
         return host, open_arena(descriptor)
 

@@ -29,6 +29,7 @@ from kvpool.errors import (
 )
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaFdRequest
+from kvpool.routes import ARENA_FD
 from tests.conftest import ROOT, SMALL_POOL, child_env, local_pool, start_pool
 
 SMALL = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
@@ -483,7 +484,7 @@ def test_every_call_ends_within_its_time_out_when_the_pool_stops_answering(fast)
                 ("free", lambda: c.free(held), 0.0),
                 ("lookup", lambda: c.lookup([1, 2, 3, 4]), 0.0),
                 ("claim", lambda: c.claim("nobody", timeout_s=1.0), 1.0),
-                ("arena fd", lambda: c.transport.fetch_fd(b"arena_fd", fd_request, f"{pool.socket}.fast"), 0.0),
+                ("arena fd", lambda: c.transport.fetch_fd(ARENA_FD, fd_request, f"{pool.socket}.fast"), 0.0),
             ]
             os.kill(pool.proc.pid, signal.SIGSTOP)
             try:

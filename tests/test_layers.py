@@ -221,7 +221,7 @@ def test_the_check_catches_an_upward_import(tmp_path):
 MIRRORS = {
     "tests": ("kvpool", ""),
     "tests/server": ("server", ""),
-    **{f"tests/server/{p}": (f"server/{p}", "") for p in ("books", "events", "remote", "slabs", "transports")},
+    **{f"tests/server/{p}": (f"server/{p}", "") for p in ("books", "events", "remote", "transports")},
     "tests/workers": ("workers", ""),
     "tests/benchmarks": ("benchmarks", ""),
     "tests/integrations": ("kvpool/integrations/vllm", "vllm_"),

@@ -10,6 +10,7 @@ import pytest
 
 from kvpool.errors import InvalidRequest, LeaseLapsed, PoolRestarted, UnknownSession
 from kvpool.protocol import SessionInfo
+from kvpool.routes import HEARTBEAT
 from kvpool.server.transports.local import LocalPool
 from kvpool.session import Session
 from kvpool.transport import Transport
@@ -86,7 +87,7 @@ def test_a_pool_that_restarted_retires_the_session_and_what_the_client_kept(pool
     s.open(inbox=False)
     s.epoch = "an-epoch-before"  # as if the pool had restarted since the session opened
     with pytest.raises(PoolRestarted, match="the pool restarted") as restarted:
-        s.guard(lambda: transport.fetch("POST", "/sessions/no-such/heartbeat", None, SessionInfo))
+        s.guard(lambda: transport.fetch(HEARTBEAT, session_id="no-such"))
     assert restarts == [None] and s.lost is restarted.value
     with pytest.raises(PoolRestarted):
         s.guard(lambda: None)
@@ -99,7 +100,7 @@ def test_an_unknown_session_in_the_same_epoch_stays_unknown(transport) -> None:
     s.open(inbox=False)
     try:
         with pytest.raises(UnknownSession):
-            s.guard(lambda: transport.fetch("POST", "/sessions/no-such/heartbeat", None, SessionInfo))
+            s.guard(lambda: transport.fetch(HEARTBEAT, session_id="no-such"))
         assert s.lost is None  # one refused call is no lost session
     finally:
         s.close()
@@ -111,7 +112,7 @@ class StubTransport:
     def __init__(self, clock: list[float], lease_s: float, answer_after_s: float = 0.0) -> None:
         self.clock, self.lease_s, self.answer_after_s = clock, lease_s, answer_after_s
 
-    def fetch(self, method: str, path: str, req: object, resp: type[SessionInfo]) -> SessionInfo:
+    def fetch(self, route: object, req: object = None, wait_s: float = 0.0, session_id: object = None) -> SessionInfo:
         self.clock[0] += self.answer_after_s  # the reply comes this long after the send
         return SessionInfo(session_id="0123abcd-0123456789abcdef", lease_ttl_s=self.lease_s, epoch="e")
 

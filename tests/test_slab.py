@@ -33,6 +33,7 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import GEN_STEP, block_of, generation_of
+from kvpool.routes import FREE, Route
 from kvpool.slab import SlabClient, SlabConfig, reservation, wire
 from kvpool.slab.table import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
@@ -141,11 +142,11 @@ def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: 
         b.commit(committed, list(range(500, 500 + 4 * n)))  # the pool's now: a free of them is a round trip
         call, asked, answer = b.transport.call, threading.Event(), threading.Event()
 
-        def slow(op: bytes, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it through
-            if op == b"free":
+        def slow(route: Route, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it
+            if route is FREE:
                 asked.set()
                 answer.wait(10)
-            return call(op, *args, **kwargs)
+            return call(route, *args, **kwargs)
 
         b.transport.call = slow  # type: ignore[method-assign]
         release = threading.Thread(target=b.free, args=(committed,))
@@ -172,7 +173,7 @@ def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProce
         fetch, calls = slab.transport.fetch, []
 
         def full(*args: Any, **kwargs: Any) -> Any:
-            calls.append(args[1])
+            calls.append(args[0].path)
             raise PoolExhausted("the arena is full")
 
         slab.transport.fetch = full  # type: ignore[method-assign]

@@ -18,7 +18,8 @@ N = 8
 
 def arena(first_block: int, layout: KVLayout = LAYOUT) -> Arena:
     raw = torch.zeros(N * layout.block_nbytes, dtype=torch.uint8)
-    desc = ArenaDescriptor(epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=N,
+    desc = ArenaDescriptor(epoch="t", backend="cpu", device=None, handle="", handle_kind="shm", nbytes=raw.numel(),
+                           num_blocks=N,
                            block_nbytes=layout.block_nbytes, layout=layout, owner_pid=0,
                            first_block=first_block)  # fmt: skip
     return Arena(desc, raw)

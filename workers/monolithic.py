@@ -24,7 +24,8 @@ import torch
 from kvpool.errors import PoolExhausted
 from kvpool.ids import Fences
 from kvpool.layout import KVLayout
-from kvpool.server.books.pool import LookupResult, Pool
+from kvpool.server.books.pool import Pool
+from kvpool.server.books.records import LookupResult
 from kvpool.workers.batching import PrefillBatcher
 from kvpool.workers.engine import DecodeEngine
 from kvpool.workers.kvcache import private_kv_caches

@@ -1,6 +1,9 @@
 """Handoffs from another live session's slab to this one's, the consumer's side: its slab box and its producers'
 rings.
 
+Past 400 lines on purpose: the slab box and the producers' rings are one consumer's receive path, with one settle
+and one set of pair keys.
+
 A producer marks the blocks it hands in its region of the slab table and tells this session (:mod:`kvpool.slab.send`).
 Its first handoff here comes as one datagram to this session's box, sealed with their pair's key
 (:mod:`kvpool.slab.wire`): this side takes the ids only if the seal holds, the sequence is newer than any it took from
@@ -41,7 +44,7 @@ import numpy as np
 from kvpool.errors import InvalidRequest, KvpoolError, UnknownSession
 from kvpool.handoffs import Claim
 from kvpool.slab import wire
-from kvpool.slab.protocol import PairRequest, PairResponse
+from kvpool.slab.protocol import SLAB_PAIR, PairRequest
 from kvpool.slab.reservation import Slab
 from kvpool.slab.table import ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, NONCE, RING, WAITING, column, fence
 
@@ -296,7 +299,7 @@ class SlabBox:
         if key is None:
             try:
                 req = PairRequest(session_id=self.slab.session_id, from_region=pair[0], from_nonce=pair[1])
-                got = self.transport.fetch("POST", "/slabs/pair", req, PairResponse)
+                got = self.transport.fetch(SLAB_PAIR, req)
                 key = self.keys[pair] = wire.sealer(bytes.fromhex(got.key))
             except (UnknownSession, InvalidRequest) as exc:
                 log.debug("dropped a slab handoff from region %d: %s", pair[0], exc)

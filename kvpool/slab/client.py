@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any, TypeVar
 
 from kvpool.client import PoolClient
 from kvpool.errors import HandoffNotFound, InvalidRequest, KvpoolError
-from kvpool.handoffs import Claim
+from kvpool.handoffs import Claim, Handoff
 from kvpool.protocol import CommitResponse, HandoffResponse
 from kvpool.slab.box import SlabBox
 from kvpool.slab.reservation import Slab, SlabConfig
@@ -89,9 +88,8 @@ class SlabClient(PoolClient):
         self.slab = slab
         session.on_beat = slab.answer_want
         if self.slab_config.handoffs:
-            fast = self.transport.fast_path
             self.slab_sender = SlabSender(slab)
-            self.slab_box = SlabBox(slab, os.stat(fast).st_mode & 0o777 if fast else 0o600)
+            self.slab_box = SlabBox(slab, self.transport.fast_mode())
 
     def _close_slab(self) -> None:
         self.session.on_beat = None
@@ -149,30 +147,17 @@ class SlabClient(PoolClient):
 
     # -- handoffs ---------------------------------------------------------------------------------------
 
-    def handoff(
-        self,
-        request_id: str,
-        block_ids: Sequence[int],
-        num_tokens: int,
-        meta: dict[str, Any] | None = None,
-        ttl_s: float | None = None,
-        to: str | None = None,
-        keep: bool = False,
-        sealed: bool = False,
-    ) -> HandoffResponse:
-        handoff = super().handoff
-        if keep:  # the blocks stay this session's: nothing leaves the slab, nothing goes slab to slab
-            return handoff(request_id, block_ids, num_tokens, meta, ttl_s, to, keep=True,
-                           sealed=sealed)  # fmt: skip
-        if sealed:  # the pool keeps what a slab box cannot: who parked it, and that only its id takes it
-            return self._through_pool(block_ids, lambda: handoff(request_id, block_ids, num_tokens, meta, ttl_s, to,
-                                                                 sealed=True))  # fmt: skip
-        if to is not None and to != self.name and self.slab_sender is not None:  # to itself: through the pool,
-            # where the refs wait for its claim
-            sent = self._send(request_id, block_ids, num_tokens, meta, to)
+    def _handoff(self, h: Handoff) -> HandoffResponse:
+        handoff = super()._handoff
+        if h.keep:  # the blocks stay this session's: nothing leaves the slab, nothing goes slab to slab
+            return handoff(h)
+        # to itself: through the pool, where the refs wait for its claim; sealed: the pool keeps what a slab box
+        # cannot, who parked it and that only its id takes it
+        if h.to is not None and h.to != self.name and not h.sealed and self.slab_sender is not None:
+            sent = self._send(h.request_id, h.block_ids, h.num_tokens, h.meta, h.to)
             if sent is not None:
                 return sent
-        return self._through_pool(block_ids, lambda: handoff(request_id, block_ids, num_tokens, meta, ttl_s, to))
+        return self._through_pool(h.block_ids, lambda: handoff(h))
 
     def handoff_many(
         self,
@@ -184,7 +169,7 @@ class SlabClient(PoolClient):
         if self.slab is None or keep:  # kept blocks stay in the slab: all in one write
             return super().handoff_many(handoffs, ttl_s, keep, sealed)
         # a slab's blocks leave it handoff by handoff
-        return self.direct.one_by_one(handoffs, lambda h: self.handoff(h[0], h[1], h[2], h[3], ttl_s, sealed=sealed))
+        return self.direct.one_by_one(handoffs, lambda h: self._handoff(Handoff(*h, ttl_s, sealed=sealed)))
 
     def _send(
         self, request_id: str, ids: Sequence[int] | Any, num_tokens: int, meta: dict[str, Any] | None, to: str

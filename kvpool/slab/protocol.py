@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from kvpool.protocol import MAX_IDS, SessionId, _Request
+from kvpool.routes import Route
 
 Word = Annotated[int, Field(ge=0, lt=1 << 64)]
 
@@ -66,3 +67,11 @@ class SettleRequest(_Request):
 class SettleResponse(BaseModel):
     settled: int
     holds: bool
+
+
+SLAB_REGION = Route("slab_region", "POST", "/slabs", RegionRequest, RegionInfo)
+SLAB_BLOCKS = Route("slab_blocks", "POST", "/slabs/blocks", SlabRequest, SlabResponse)
+SLAB_PAIR = Route("slab_pair", "POST", "/slabs/pair", PairRequest, PairResponse)
+SLAB_SETTLE = Route("slab_settle", "POST", "/slabs/settle", SettleRequest, SettleResponse)
+#: the slab's part of the route table (:mod:`kvpool.routes`)
+SLAB_ROUTES: tuple[Route, ...] = (SLAB_REGION, SLAB_BLOCKS, SLAB_PAIR, SLAB_SETTLE)

@@ -1,5 +1,8 @@
 """A session's reservation slab, the client's side: alloc and free of uncommitted blocks without a round trip.
 
+Past 400 lines on purpose: alloc, free, refill and drain share one lock and one slab's slot arrays, and each must
+see the others' effects in order.
+
 The pool grants the slab blocks in bulk (they are this session's in its books); ``alloc`` takes idle ones and
 ``free`` puts them back, each writing the slots' states into the session's region of the slab table
 (:mod:`kvpool.slab.table`) so that the pool can see them. The slab refills when it runs below ``low`` idle blocks and
@@ -28,7 +31,15 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock, UnknownSession
 from kvpool.ids import BLOCK_MASK, GEN_STEP, MAX_ID
-from kvpool.slab.protocol import RegionInfo, RegionRequest, SettleRequest, SettleResponse, SlabRequest, SlabResponse
+from kvpool.slab.protocol import (
+    SLAB_BLOCKS,
+    SLAB_REGION,
+    SLAB_SETTLE,
+    RegionInfo,
+    RegionRequest,
+    SettleRequest,
+    SlabRequest,
+)
 from kvpool.slab.table import ALLOCATED, DONE, EMPTY, HANDED, IDLE, NONCE, WANT, TableView
 from kvpool.transport import Transport
 
@@ -136,7 +147,7 @@ class Slab:
 
     @classmethod
     def open(cls, transport: Transport, session_id: str, epoch: str, config: SlabConfig) -> Slab:
-        info = transport.fetch("POST", "/slabs", RegionRequest(session_id=session_id), RegionInfo)
+        info = transport.fetch(SLAB_REGION, RegionRequest(session_id=session_id))
         return cls(transport, session_id, epoch, config, info)
 
     @property
@@ -481,7 +492,7 @@ class Slab:
     def _fetch(self, take: int) -> np.ndarray:
         """Up to ``take`` blocks from the pool for this slab (one round trip), as fenced ids."""
         req = SlabRequest(session_id=self.session_id, take=take, device=self.config.device)
-        return np.asarray(self.transport.fetch("POST", "/slabs/blocks", req, SlabResponse).block_ids, np.int64)
+        return np.asarray(self.transport.fetch(SLAB_BLOCKS, req).block_ids, np.int64)
 
     def _install(self, ids: np.ndarray, empty_slots: list[int]) -> None:
         # descending, so that allocs (from the top) hand out consecutive slots in ascending order, one alloc after
@@ -498,8 +509,7 @@ class Slab:
             return
         slots = self.idle[keep : self.top].copy()
         ids = self.block[slots]
-        self.transport.fetch("POST", "/slabs/blocks", SlabRequest(session_id=self.session_id, give=ids.tolist()),
-                             SlabResponse)  # fmt: skip
+        self.transport.fetch(SLAB_BLOCKS, SlabRequest(session_id=self.session_id, give=ids.tolist()))
         self.top = keep
         self.state[slots] = EMPTY
         self.slot_of[ids & BLOCK_MASK] = -1
@@ -513,7 +523,7 @@ class Slab:
         req = SettleRequest(
             session_id=self.session_id, regions=list(regions), holds=list(holds), took=list(took) if took else None
         )
-        return self.transport.fetch("POST", "/slabs/settle", req, SettleResponse).holds
+        return self.transport.fetch(SLAB_SETTLE, req).holds
 
     def close(self) -> None:
         with self.lock:

@@ -32,7 +32,7 @@ import numpy as np
 from kvpool.errors import HandoffRefused, InvalidRequest, KvpoolError
 from kvpool.ids import BLOCK_MASK
 from kvpool.slab import wire
-from kvpool.slab.protocol import PairRequest, PairResponse
+from kvpool.slab.protocol import SLAB_PAIR, PairRequest
 from kvpool.slab.reservation import Slab, as_ids
 from kvpool.slab.table import (
     ALLOCATED,
@@ -102,7 +102,7 @@ class SlabSender:
             return None
         try:
             req = PairRequest(session_id=self.slab.session_id, to=to)
-            got = self.transport.fetch("POST", "/slabs/pair", req, PairResponse)
+            got = self.transport.fetch(SLAB_PAIR, req)
         except InvalidRequest:  # no such session, or one with no slab box: through the pool
             self.no_box[to] = time.monotonic() + NO_BOX_S
             return None

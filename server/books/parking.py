@@ -1,7 +1,6 @@
 """The handoff half of the books: parking blocks under a request id, claiming them, and refusals.
 
-A mixin of :class:`kvpool.server.books.pool.Pool`, which owns the state these methods keep (the handoffs, their indexes
-by producer and addressee, the deadline heap of handoffs anyone may claim) beside the sessions and the allocator.
+The pool owns one :class:`Parking` beside its sessions and its allocator, and asks it to park, claim and expire.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import heapq
 import json
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvpool.errors import (
@@ -21,42 +20,29 @@ from kvpool.errors import (
     NotOwner,
     PayloadTooLarge,
 )
-from kvpool.layout import KVLayout
-from kvpool.server.books.allocator import BlockAllocator
-from kvpool.server.books.processes import Peer
-from kvpool.server.books.records import REFUSALS_KEPT, Counters, Handoff, Limits, Refusal, Session
+from kvpool.server.books.records import REFUSALS_KEPT, Handoff, Refusal, Session
+
+#: the :class:`kvpool.server.books.pool.Pool` that owns this part (it imports this module, so not the other way)
+Pool = Any
 
 
 class Parking:
-    layout: KVLayout
-    allocator: BlockAllocator
-    limits: Limits
-    counters: Counters
-    handoff_ttl_s: float
-    clock: Callable[[], float]
-    on_handoff: Callable[[str], None] | None
-    on_gives_up: Callable[[str], None] | None
-    sessions: dict[str, Session]
-    handoffs: dict[str, Handoff]
-    refused: OrderedDict[str, Refusal]
-    _open: dict[str, None]
-    _sealed: dict[str, None]
-    _addressed: dict[str, dict[str, None]]
-    _sealed_to: dict[str, dict[str, None]]
-    _parked_by: dict[str, set[str]]
-    _handoffs_of: Counter[str]
-    _handoff_deadlines: list[tuple[float, int, str]]
-    _seq: int
+    """The parked handoffs of a :class:`~kvpool.server.books.pool.Pool`, and their indexes: which anyone may claim,
+    which wait for an addressee, which a producer parked, and when the unaddressed ones expire. The pool owns it;
+    sessions, refs and limits stay the pool's, and a handoff's refs move in its allocator."""
 
-    # provided by the pool's session half
-    session: Callable[[str], Session]
-    named: Callable[[str], Session]
-    share_of: Callable[[Peer | None], str | None]
-    exceeded: Callable[[str, str], KvpoolError]
-    limits_exceeded: Counter[str]
-    _live: Callable[[str], Session | None]
-    _expire_session: Callable[[Session], None]
-    unfence: Callable[[Sequence[int]], list[int]]
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.handoffs: dict[str, Handoff] = {}
+        self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
+        self.handoffs_of: Counter[str] = Counter()  # share -> the handoffs its sessions parked, still parked
+        self.open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
+        self.sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
+        self.addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
+        self.sealed_to: dict[str, dict[str, None]] = {}  # addressee -> those of its handoffs it must name
+        self.parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
+        self.deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
+        self.seq = 0
 
     def handoff(
         self,
@@ -84,12 +70,12 @@ class Parking:
         (:meth:`Pool._ended`), never given to another session. If such a handoff is refused, the refusal is kept a
         while: a claim of it fails at once with the reason.
         """
+        pool = self.pool
         session: Session | None = None
-        limits = self.limits
+        limits = pool.limits
         try:
-            session = self.session(session_id)
-            if self.on_gives_up is not None:
-                self.on_gives_up(session_id)
+            session = pool.session(session_id)
+            pool.gives_up(session_id)
             if request_id in self.handoffs:
                 raise HandoffExists(f"request {request_id!r} is already parked: claim it first or use another id")
             refusal = self.refused.get(request_id)
@@ -100,43 +86,43 @@ class Parking:
                 )
             if not block_ids:
                 raise InvalidRequest("a handoff carries at least one block: hand off the blocks of the request's KV")
-            max_tokens = len(block_ids) * self.layout.block_size
+            max_tokens = len(block_ids) * pool.layout.block_size
             if num_tokens > max_tokens:
                 raise InvalidRequest(
-                    f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {self.layout.block_size}"
+                    f"num_tokens {num_tokens} does not fit in {len(block_ids)} blocks of {pool.layout.block_size}"
                 )
             meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
             if len(meta_json) > limits.max_meta_bytes:
-                self.limits_exceeded["max_meta_bytes"] += 1
+                pool.limits_exceeded["max_meta_bytes"] += 1
                 raise PayloadTooLarge(
                     f"meta is {len(meta_json)} bytes of JSON, over the limit of {limits.max_meta_bytes} "
                     "(--max-meta-bytes, KVPOOL_MAX_META_BYTES): send less meta, or raise the limit"
                 )
             if len(self.handoffs) >= limits.max_handoffs:
-                raise self.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
-            share = self.share_of(session.peer)
-            if share is not None and self._handoffs_of[share] >= limits.max_handoffs_per_peer:
-                raise self.exceeded("max_handoffs_per_peer", f"{share} has {self._handoffs_of[share]} handoffs parked")
-            mine = self._parked_by.get(session_id, ())
+                raise pool.exceeded("max_handoffs", f"the pool holds {len(self.handoffs)} parked handoffs")
+            share = pool.share_of(session.peer)
+            if share is not None and self.handoffs_of[share] >= limits.max_handoffs_per_peer:
+                raise pool.exceeded("max_handoffs_per_peer", f"{share} has {self.handoffs_of[share]} handoffs parked")
+            mine = self.parked_by.get(session_id, ())
             if len(mine) >= limits.max_handoffs_per_session:
-                raise self.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
-            addressee = None if to is None else self.named(to).session_id
-            waiting = len(self._addressed.get(addressee or "", ())) + len(self._sealed_to.get(addressee or "", ()))
+                raise pool.exceeded("max_handoffs_per_session", f"this session has {len(mine)} handoffs parked")
+            addressee = None if to is None else pool.named(to).session_id
+            waiting = len(self.addressed.get(addressee or "", ())) + len(self.sealed_to.get(addressee or "", ()))
             if waiting >= limits.max_handoffs_per_session:
-                raise self.exceeded("max_handoffs_per_session", f"{waiting} handoffs wait for {to!r}")
-            blocks = self.unfence(block_ids)
-            ttl = self.handoff_ttl_s if ttl_s is None else ttl_s
-            self._seq += 1
+                raise pool.exceeded("max_handoffs_per_session", f"{waiting} handoffs wait for {to!r}")
+            blocks = pool.unfence(block_ids)
+            ttl = pool.handoff_ttl_s if ttl_s is None else ttl_s
+            self.seq += 1
             handoff = Handoff(
                 request_id=request_id,
                 block_ids=list(block_ids),
                 num_tokens=num_tokens,
                 meta=dict(meta or {}),
                 from_session=session_id,
-                expires_at=self.clock() + ttl,
+                expires_at=pool.clock() + ttl,
                 ttl_s=ttl,
                 to=addressee,
-                seq=self._seq,
+                seq=self.seq,
                 meta_json=meta_json,
                 blocks=blocks,
                 sealed=sealed,
@@ -144,67 +130,67 @@ class Parking:
                 share=share,
             )
             if keep:
-                self.allocator.check_held(session.holder, blocks)
-                loose = [b for b in blocks if not self.allocator.committed[b]]
+                pool.allocator.check_held(session.holder, blocks)
+                loose = [b for b in blocks if not pool.allocator.committed[b]]
                 if loose:  # a block two parties hold must be one neither writes again
                     raise InvalidRequest(
                         f"keep shares committed blocks only, and blocks {loose[:8]} are not committed (or were "
                         "duplicates of blocks the index held): commit them first, or hand them off without keep"
                     )
-                self.allocator.acquire(handoff.holder, blocks)
+                pool.allocator.acquire(handoff.holder, blocks)
             else:
-                self.allocator.transfer(session.holder, handoff.holder, blocks)
+                pool.allocator.transfer(session.holder, handoff.holder, blocks)
         except KvpoolError as exc:
             if to is not None and session is not None and not isinstance(exc, (HandoffExists, HandoffRefused)):
                 self.refuse(request_id, f"{type(exc).__name__}: {exc}", session_id)
             raise
         self.refused.pop(request_id, None)
-        self._park(handoff)
-        self._parked_by.setdefault(session_id, set()).add(request_id)
-        self.counters.handoffs += 1
-        if self.on_handoff is not None:
-            self.on_handoff(request_id)
+        self.park(handoff)
+        self.parked_by.setdefault(session_id, set()).add(request_id)
+        pool.counters.handoffs += 1
+        if pool.on_handoff is not None:
+            pool.on_handoff(request_id)
         return handoff
 
-    def _park(self, handoff: Handoff) -> None:
+    def park(self, handoff: Handoff) -> None:
         rid = handoff.request_id
         self.handoffs[rid] = handoff
         if handoff.share is not None:
-            self._handoffs_of[handoff.share] += 1
+            self.handoffs_of[handoff.share] += 1
         if handoff.to is None:
-            (self._sealed if handoff.sealed else self._open)[rid] = None
-            self._push_deadline(handoff)
+            (self.sealed if handoff.sealed else self.open)[rid] = None
+            self.push_deadline(handoff)
         else:
-            (self._sealed_to if handoff.sealed else self._addressed).setdefault(handoff.to, {})[rid] = None
+            (self.sealed_to if handoff.sealed else self.addressed).setdefault(handoff.to, {})[rid] = None
 
-    def _unpark(self, handoff: Handoff) -> None:
+    def unpark(self, handoff: Handoff) -> None:
         rid = handoff.request_id
         del self.handoffs[rid]
         if handoff.share is not None:
-            self._handoffs_of[handoff.share] -= 1
-            if not self._handoffs_of[handoff.share]:
-                del self._handoffs_of[handoff.share]
-        self._open.pop(rid, None)
-        self._sealed.pop(rid, None)
+            self.handoffs_of[handoff.share] -= 1
+            if not self.handoffs_of[handoff.share]:
+                del self.handoffs_of[handoff.share]
+        self.open.pop(rid, None)
+        self.sealed.pop(rid, None)
         if handoff.to is not None:
-            by_addressee = self._sealed_to if handoff.sealed else self._addressed
+            by_addressee = self.sealed_to if handoff.sealed else self.addressed
             waiting = by_addressee.get(handoff.to)
             if waiting is not None:
                 waiting.pop(rid, None)
                 if not waiting:
                     del by_addressee[handoff.to]
-        mine = self._parked_by.get(handoff.from_session)
+        mine = self.parked_by.get(handoff.from_session)
         if mine is not None:
             mine.discard(rid)
 
-    def _push_deadline(self, handoff: Handoff) -> None:
-        heap = self._handoff_deadlines
+    def push_deadline(self, handoff: Handoff) -> None:
+        heap = self.deadlines
         heapq.heappush(heap, (handoff.expires_at, handoff.seq, handoff.request_id))
-        unaddressed = len(self._open) + len(self._sealed)
+        unaddressed = len(self.open) + len(self.sealed)
         if len(heap) > 2 * unaddressed + 1024:  # claimed handoffs leave entries behind: drop them now and then
-            live = (self.handoffs[r] for r in (*self._open, *self._sealed))
-            self._handoff_deadlines = [(h.expires_at, h.seq, h.request_id) for h in live]
-            heapq.heapify(self._handoff_deadlines)
+            live = (self.handoffs[r] for r in (*self.open, *self.sealed))
+            self.deadlines = [(h.expires_at, h.seq, h.request_id) for h in live]
+            heapq.heapify(self.deadlines)
 
     def refuse(self, request_id: str, why: str, by: str) -> None:
         """Keep a while that an addressed handoff of ``request_id`` was refused, and wake its claimers to say so.
@@ -212,7 +198,7 @@ class Parking:
         Only a live session's failed handoff counts: anyone else could otherwise fail any request's claim
         before its producer parks it.
         """
-        if request_id in self.handoffs or self._live(by) is None:
+        if request_id in self.handoffs or self.pool._live(by) is None:
             return  # one of that id is parked, and it stands; or the caller is no session of this pool
         self.remember_refusal(request_id, why)
 
@@ -222,8 +208,8 @@ class Parking:
         self.refused.move_to_end(request_id)
         while len(self.refused) > REFUSALS_KEPT:
             self.refused.popitem(last=False)
-        if self.on_handoff is not None:
-            self.on_handoff(request_id)
+        if self.pool.on_handoff is not None:
+            self.pool.on_handoff(request_id)
 
     def claim(self, session_id: str, request_id: str | None = None) -> Handoff:
         """Take a parked handoff (the oldest one if ``request_id`` is None), moving its refs to the session.
@@ -232,20 +218,20 @@ class Parking:
         refused (NotOwner, which tells a producer that asks that its consumer has not claimed it yet); once it has
         ended, the handoff was refused with it, and so is the claim (HandoffRefused, with why).
         """
-        session = self.session(session_id)
+        session = self.pool.session(session_id)
         if request_id is None:
-            request_id = self._oldest_for(session_id)
+            request_id = self.oldest_for(session_id)
             if request_id is None:
                 raise HandoffNotFound("no handoff is parked for this session")
         handoff = self.handoffs.get(request_id)
         if handoff is not None and not handoff.claimable_by(session_id):
-            addressee = self.sessions.get(handoff.to or "")
-            if addressee is None or addressee.expires_at >= self.clock():
+            addressee = self.pool.sessions.get(handoff.to or "")
+            if addressee is None or addressee.expires_at >= self.pool.clock():
                 raise NotOwner(
                     f"request {request_id!r} is addressed to session {addressee.name if addressee else '?'!r}: "
                     "only it may claim it"
                 )
-            self._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
+            self.pool._expire_session(addressee)  # as session() does for a caller: the sweep may not have come by yet
             handoff = None  # refused with its addressee
         if handoff is None:
             refusal = self.refused.get(request_id)
@@ -257,9 +243,9 @@ class Parking:
                     "new request id)"
                 )
             raise HandoffNotFound(f"no handoff is parked under request {request_id!r}")
-        self.allocator.transfer(handoff.holder, session.holder, handoff.blocks)
-        self._unpark(handoff)
-        self.counters.claims += 1
+        self.pool.allocator.transfer(handoff.holder, session.holder, handoff.blocks)
+        self.unpark(handoff)
+        self.pool.counters.claims += 1
         return handoff
 
     def unclaim(self, session_id: str, handoff: Handoff) -> bool:
@@ -267,27 +253,56 @@ class Parking:
 
         Only while the session still holds those blocks and nothing took the request id since; whether it did.
         """
-        session = self.sessions.get(session_id)
+        session = self.pool.sessions.get(session_id)
         if session is None or handoff.request_id in self.handoffs:
             return False
         try:
-            self.allocator.transfer(session.holder, handoff.holder, handoff.blocks)
+            self.pool.allocator.transfer(session.holder, handoff.holder, handoff.blocks)
         except KvpoolError:
             return False
-        self._park(handoff)  # addressed, it was to this session, which lives
-        mine = self._parked_by.get(handoff.from_session)
+        self.park(handoff)  # addressed, it was to this session, which lives
+        mine = self.parked_by.get(handoff.from_session)
         if mine is not None:
             mine.add(handoff.request_id)
-        self.counters.claims -= 1
-        if self.on_handoff is not None:
-            self.on_handoff(handoff.request_id)
+        self.pool.counters.claims -= 1
+        if self.pool.on_handoff is not None:
+            self.pool.on_handoff(handoff.request_id)
         return True
 
-    def _oldest_for(self, session_id: str) -> str | None:
+    def oldest_for(self, session_id: str) -> str | None:
         """The oldest handoff the session may claim without naming it: addressed to it, or to nobody, and not
         sealed (a sealed one addressed to it waits for a claim that names it)."""
-        mine = next(iter(self._addressed.get(session_id, ())), None)
-        anyones = next(iter(self._open), None)
+        mine = next(iter(self.addressed.get(session_id, ())), None)
+        anyones = next(iter(self.open), None)
         if mine is None or anyones is None:
             return mine or anyones
         return mine if self.handoffs[mine].seq < self.handoffs[anyones].seq else anyones
+
+    def expire(self, now: float) -> int:
+        """Release the handoffs to nobody that nobody claimed by ``now``; how many."""
+        stale = 0
+        heap = self.deadlines
+        while heap and heap[0][0] < now:
+            _, seq, rid = heapq.heappop(heap)
+            handoff = self.handoffs.get(rid)
+            if handoff is None or handoff.seq != seq or handoff.to is not None or handoff.expires_at >= now:
+                continue
+            self.unpark(handoff)
+            self.pool.counters.blocks_reclaimed += self.pool.allocator.release_holder(handoff.holder)
+            self.pool.counters.handoffs_expired += 1
+            stale += 1
+        return stale
+
+    def ended(self, session: Session) -> None:
+        """Refuse the handoffs addressed to a session that ended, and release their blocks (see
+        :meth:`Pool._ended`); what it parked stays parked, and counts against the pool's limit only."""
+        sid = session.session_id
+        self.parked_by.pop(sid, None)
+        orphaned = [*self.addressed.pop(sid, ()), *self.sealed_to.pop(sid, ())]
+        why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
+        for request_id in orphaned:
+            handoff = self.handoffs[request_id]
+            self.unpark(handoff)
+            self.pool.counters.blocks_reclaimed += self.pool.allocator.release_holder(handoff.holder)
+            self.pool.counters.handoffs_orphaned += 1
+            self.remember_refusal(request_id, why, "after it was parked")

@@ -45,9 +45,7 @@ class Books(Protocol):
     allocator: BlockAllocator
     host_tier: Any
     counters: Any
-
-    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int, num_full: int,
-               count: bool = True) -> Any: ...  # fmt: skip
+    prefix: Any  # its PrefixCache, which records what a copy brought over
 
 
 @dataclass
@@ -129,7 +127,7 @@ class PeerCopies:
             return []
         allocator.acquire(COPYING, src)  # cached sources stay put until they are read
         self._pending.append(Pending(source, src, arena, dst))
-        pool._index(dst, token_ids[: (k + len(dst)) * bs], salt, k, k + len(dst), count=False)
+        pool.prefix.record(dst, token_ids[: (k + len(dst)) * bs], salt, k, k + len(dst), count=False)
         for s, d in zip(src, dst, strict=True):
             self._link(s, d)
         c = pool.counters

@@ -1,4 +1,6 @@
-"""The pool's books: sessions with leases, block refs, the prefix index and parked handoffs.
+"""The pool's books: sessions with leases, block refs, and the parts it owns: the prefix cache
+(:mod:`~kvpool.server.books.prefixcache`), parked handoffs (:mod:`~kvpool.server.books.parking`), keyed names
+(:mod:`~kvpool.server.books.names`) and, with ``--slabs``, the slab books (:mod:`~kvpool.server.books.slabs`).
 
 This is the whole domain logic of the pool manager, with no HTTP and no torch: the server validates requests
 and calls these methods from one event loop, so they need no lock. Refs are held by *holders*: a session
@@ -8,49 +10,32 @@ block is never unowned and a crashed worker's refs are found and released when i
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import hmac
-import itertools
 import secrets
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from kvpool.errors import (
-    InvalidRequest,
-    LimitExceeded,
-    NameTaken,
-    StaleBlock,
-    UnknownSession,
-)
+from kvpool.errors import InvalidRequest, LimitExceeded, StaleBlock, UnknownSession
 from kvpool.layout import KVLayout
 from kvpool.server.books.allocator import BlockAllocator
 from kvpool.server.books.hosttier import HostTier
+from kvpool.server.books.names import NameKeys
 from kvpool.server.books.parking import Parking
 from kvpool.server.books.peers import PeerCopies, PeerCopy
 from kvpool.server.books.poolstats import PoolStats
 from kvpool.server.books.prefix import Digest, IndexListener, PrefixHasher, PrefixIndex
+from kvpool.server.books.prefixcache import PrefixCache
 from kvpool.server.books.processes import Peer
 from kvpool.server.books.quarantine import Quarantine
-from kvpool.server.books.records import (
-    NAMES_KEPT,
-    RESERVED,
-    SESSION_ID,
-    Clock,
-    CommitResult,
-    Counters,
-    Handoff,
-    Limits,
-    LookupResult,
-    Refusal,
-    Session,
-)
+from kvpool.server.books.records import RESERVED, SESSION_ID, Clock, Counters, Handoff, Limits, Session
+from kvpool.server.books.slabs import SlabBooks
 
 
 @dataclass
-class Pool(Parking, PoolStats):
+class Pool(PoolStats):
     """Everything the control plane manages: one arena of ``num_blocks`` blocks, or one per device (a list).
 
     Block ids are global across arenas; ``arena`` arguments pick where new blocks come from and which arena's
@@ -71,11 +56,6 @@ class Pool(Parking, PoolStats):
     digest: Digest | None = None
     on_handoff: Callable[[str], None] | None = None
     on_session_end: Callable[[Session], None] | None = None
-    #: called as a session ends, before its refs are released (its slab's handed blocks go to their consumers)
-    on_release: Callable[[Session], None] | None = None
-    on_exhausted: Callable[[str], None] | None = None  # an alloc found no room: ask slabs for idle blocks back
-    #: before a session's call gives up blocks (free, commit, handoff): what its slab handed must move first
-    on_gives_up: Callable[[str], None] | None = None
     limits: Limits = field(default_factory=Limits)
     index_listener: IndexListener | None = None  # told what the index finds (KV events)
     host_tier: HostTier | None = None  # where evicted prefix blocks go, if anywhere
@@ -116,25 +96,22 @@ class Pool(Parking, PoolStats):
             for i in range(len(self.arena_sizes))
         ]
         self.sessions: dict[str, Session] = {}
-        self.handoffs: dict[str, Handoff] = {}
-        self.refused: OrderedDict[str, Refusal] = OrderedDict()  # addressed handoffs refused lately, by request
+        self.slabs: SlabBooks | None = None  # the slab table's books, once opened (see open_slabs)
+        # the calls and books of the parts the pool owns, as its own: a caller names the pool, whichever part keeps them
+        self.prefix = prefix = PrefixCache(self)
+        self.commit, self.lookup, self.lookup_many = prefix.commit, prefix.lookup, prefix.lookup_many
+        self.parking = parking = Parking(self)
+        self.handoff, self.claim, self.unclaim = parking.handoff, parking.claim, parking.unclaim
+        self.refuse, self.remember_refusal = parking.refuse, parking.remember_refusal
+        self.handoffs, self.refused = parking.handoffs, parking.refused
         self.counters = Counters()
         self.limits_exceeded: Counter[str] = Counter()  # calls refused for a per-client limit, by limit
         # Indexes, so that no call and no sweep costs more than what it touches: an attacker's many idle sessions
         # or parked handoffs must not slow anyone else's call down, nor the sweep that expires them.
         self._by_name: dict[str, dict[str, None]] = {}
-        self._name_keys: dict[str, tuple[bytes, str | None]] = {}  # name -> its key's digest, the share that keyed it
-        self._names_of: dict[str | None, OrderedDict[str, None]] = {}  # share -> the names it keyed, least recent first
+        self.names = NameKeys(self.pins, self._by_name)
         self._sessions_of: Counter[str] = Counter()  # share -> its live sessions
-        self._handoffs_of: Counter[str] = Counter()  # share -> the handoffs its sessions parked, still parked
-        self._open: dict[str, None] = {}  # handoffs anyone may claim, oldest first
-        self._sealed: dict[str, None] = {}  # handoffs to nobody that only a claim naming them takes
-        self._addressed: dict[str, dict[str, None]] = {}  # addressee -> its handoffs, oldest first
-        self._sealed_to: dict[str, dict[str, None]] = {}  # addressee -> those of its handoffs it must name
-        self._parked_by: dict[str, set[str]] = {}  # live producer -> the handoffs it parked that are still parked
         self._session_deadlines: list[tuple[float, str]] = []  # a heap; an entry may be older than its lease
-        self._handoff_deadlines: list[tuple[float, int, str]] = []  # a heap of anyone's handoffs; stale entries ok
-        self._seq = 0
 
     def _heard(self) -> float:
         """The pool's time as it could hear its clients: the clock, less the pauses it slept through.
@@ -180,7 +157,7 @@ class Pool(Parking, PoolStats):
         share = self.share_of(peer)
         if share is not None and self._sessions_of[share] >= self.limits.max_sessions_per_peer:
             raise self.exceeded("max_sessions_per_peer", f"{share} has {self._sessions_of[share]} sessions open")
-        digest = self._name_digest(name, name_key, peer)
+        digest = self.names.check(name, name_key, peer)
         now = self.clock()
         sid = f"{self.epoch[:8]}-{secrets.token_hex(8)}"
         key = secrets.token_bytes(32) if inbox is not None else b""
@@ -191,61 +168,15 @@ class Pool(Parking, PoolStats):
         self._by_name.setdefault(name, {})[sid] = None
         heapq.heappush(self._session_deadlines, (session.expires_at, sid))
         if digest is not None:
-            self._keep_name(name, digest, peer.share if peer is not None else None)
+            self.names.keep(name, digest, peer.share if peer is not None else None)
         self.counters.sessions_opened += 1
         return session
-
-    def _name_digest(self, name: str, name_key: str | None, peer: Peer | None) -> bytes | None:
-        """The digest of ``name_key``, after checking that ``peer`` may open ``name`` with it (NameTaken if not)."""
-        pinned = self.pinned(name)
-        if pinned is not None and (peer is None or peer.address is not None or peer.uid != pinned):
-            raise NameTaken(
-                f"the name {name!r} is pinned to uid {pinned} by the pool's operator (--names, KVPOOL_NAMES): open "
-                "it from that user's processes over the pool's Unix socket, or use another name"
-            )
-        digest = None if name_key is None else hashlib.blake2b(name_key.encode(), digest_size=32).digest()
-        held, owner = self._name_keys.get(name, (None, None))
-        share = peer.share if peer is not None else None
-        if held is not None and owner is not None and share != owner:
-            raise NameTaken(
-                f"the name {name!r} is held under a name key by another peer ({owner}): open it from that peer's "
-                "processes, or under another name (an operator pins names to users with --names)"
-            )
-        if held is not None and (digest is None or not hmac.compare_digest(held, digest)):
-            raise NameTaken(
-                f"the name {name!r} is held under a name key, and this session gave "
-                f"{'another' if digest is not None else 'none'}: open it with the key of the worker it belongs to "
-                "(PoolClient name_key=, KVPOOL_NAME_KEY), or under another name"
-            )
-        return digest
 
     def share_of(self, peer: Peer | None) -> str | None:
         """Whose per-peer bounds a session of ``peer`` counts against; None: the pool-wide bounds only."""
         if peer is None or (peer.address is None and peer.uid == self.own_uid):
             return None
         return peer.share
-
-    def pinned(self, name: str) -> int | None:
-        """The uid the operator pinned ``name`` to, if any (a pin ending in ``*`` covers every name it starts)."""
-        pin = self.pins.get(name)
-        if pin is not None or not self.pins:
-            return pin
-        return next((uid for n, uid in self.pins.items() if n.endswith("*") and name.startswith(n[:-1])), None)
-
-    def _keep_name(self, name: str, digest: bytes, share: str | None) -> None:
-        """Remember ``name``'s key, as the share that keyed it first; past ``NAMES_KEPT`` names of that share,
-        forget its least recently opened name that no session holds."""
-        owner = self._name_keys.get(name, (b"", share))[1]
-        self._name_keys[name] = (digest, owner)
-        names = self._names_of.setdefault(owner, OrderedDict())
-        names[name] = None
-        names.move_to_end(name)
-        if len(names) <= NAMES_KEPT:
-            return
-        for old in names:
-            if old not in self._by_name:
-                del names[old], self._name_keys[old]
-                return
 
     def session(self, session_id: str) -> Session:
         """The live session, its lease extended by any call it makes."""
@@ -290,8 +221,8 @@ class Pool(Parking, PoolStats):
     def close_session(self, session_id: str) -> int:
         session = self.session(session_id)
         del self.sessions[session_id]
-        if self.on_release is not None:
-            self.on_release(session)
+        if self.slabs is not None:  # its slab's handed blocks go to their consumers before its refs are released
+            self.slabs.release(session)
         released = self.allocator.release_holder(session.holder)
         self._ended(session)
         return released
@@ -337,20 +268,29 @@ class Pool(Parking, PoolStats):
             blocks = self.allocator.allocate(holder, num_blocks, arena)
         except Exception:
             self.counters.alloc_exhausted += 1
-            if self.on_exhausted is not None:
-                self.on_exhausted(session_id)
+            if self.slabs is not None:  # ask slabs for their idle blocks back
+                self.slabs.want_back(exclude=session_id)
             raise
         self.counters.alloc_blocks += num_blocks
         return self.allocator.fenced(blocks)
 
     def free(self, session_id: str, block_ids: Sequence[int]) -> int:
         holder = self.session(session_id).holder
-        if self.on_gives_up is not None:
-            self.on_gives_up(session_id)
+        self.gives_up(session_id)
         self.allocator.drop(holder, self.unfence(block_ids, holder))
         self.counters.free_requests += 1
         self.counters.free_blocks += len(block_ids)
         return len(block_ids)
+
+    def gives_up(self, session_id: str) -> None:
+        """Before a session's call gives up blocks (free, commit, handoff): what its slab handed moves first."""
+        if self.slabs is not None:
+            self.slabs.settle_session(session_id)
+
+    def open_slabs(self, directory: Path, regions: int, slots: int, box_dir: Path | None) -> SlabBooks:
+        """Open the slab table (``--slabs``): from now on sessions may keep reservation slabs."""
+        self.slabs = SlabBooks(self, directory, regions, slots, box_dir)
+        return self.slabs
 
     def unfence(self, block_ids: Sequence[int], holder: str | None = None) -> list[int]:
         """The blocks that ids a caller sent name; StaleBlock (409) if one was freed or evicted since it was handed
@@ -363,124 +303,10 @@ class Pool(Parking, PoolStats):
             self.counters.stale_ids += len(exc.stale)
             raise
 
-    # -- prefix cache -----------------------------------------------------------------------------------
-
-    def commit(
-        self,
-        session_id: str,
-        block_ids: Sequence[int],
-        token_ids: Sequence[int],
-        salt: str | None = None,
-        start: int = 0,
-        release: bool = False,
-    ) -> CommitResult:
-        """Index the full blocks of ``token_ids``, held in ``block_ids`` (block i holds tokens i*bs..), under
-        ``salt``'s chains: only lookups with the same salt find them.
-
-        ``start``: the chain's first blocks are in the index already (a prefix the caller looked up), and
-        ``block_ids`` hold block ``start`` onwards; the pool checks that prefix instead of taking refs on it, and
-        commits nothing if part of it was evicted since (a chain cannot go on past a gap). ``release``: then drop
-        the caller's refs on ``block_ids``, as :meth:`free` does. A caller that saves a prompt after a hit thus
-        makes one call where it made three (lookup, commit, free).
-        """
-        holder = self.session(session_id).holder
-        if self.on_gives_up is not None:
-            self.on_gives_up(session_id)
-        num_full = len(token_ids) // self.layout.block_size
-        if start > num_full:
-            raise InvalidRequest(f"start {start} is past the {num_full} full blocks of token_ids")
-        if len(block_ids) < num_full - start:
-            raise InvalidRequest(
-                f"token_ids fill {num_full} blocks of {self.layout.block_size} tokens, {num_full - start} of them "
-                f"from block {start} on, but only {len(block_ids)} block ids were given"
-            )
-        if len(set(block_ids)) != len(block_ids):
-            raise InvalidRequest("block_ids lists a block twice: each block holds one span of tokens")
-        held = self.unfence(block_ids, holder)
-        result = self._index(held[: num_full - start], token_ids, salt, start, num_full)
-        if release:
-            self.allocator.drop(holder, held)
-            self.counters.free_blocks += len(held)
-        return result
-
     def _evicted(self, block: int) -> None:
         self._forget(block)
         if self.peers is not None:
             self.peers.evicted(block)
-
-    def _index(self, blocks: list[int], token_ids: Sequence[int], salt: str | None, start: int,
-               num_full: int, count: bool = True) -> CommitResult:  # fmt: skip
-        if not blocks:
-            return CommitResult(committed=0, duplicates=0, num_blocks=num_full)
-        arena = 0
-        if len(self.arena_sizes) > 1:
-            arenas = {self.allocator.arena_of[b] for b in blocks}
-            if len(arenas) > 1:
-                raise InvalidRequest("a committed prefix must sit in one arena: these blocks span several devices")
-            arena = arenas.pop()
-        chain = self.hashers[arena].blocks(token_ids, salt)
-        parent, missing = self.index.tail(itertools.islice(chain, start)) if start else (None, 0)
-        if missing:
-            return CommitResult(committed=0, duplicates=0, num_blocks=num_full, missing=missing)
-        new = self.index.plan(chain, blocks, parent)
-        self.allocator.mark_committed([node.block for node in new])
-        self.index.apply(new)
-        if not count:
-            return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
-        c = self.counters
-        c.commit_requests += 1
-        c.committed_blocks += len(new)
-        c.duplicate_blocks += len(blocks) - len(new)
-        return CommitResult(committed=len(new), duplicates=len(blocks) - len(new), num_blocks=num_full)
-
-    def lookup(
-        self, session_id: str, token_ids: Sequence[int], arena: int = 0, salt: str | None = None
-    ) -> LookupResult:
-        """The longest cached prefix of ``token_ids`` in ``arena`` committed with ``salt``, with a ref taken on each
-        block for the session."""
-        return self.lookup_many(session_id, [(token_ids, salt)], arena)[0]
-
-    def lookup_many(
-        self, session_id: str, lookups: Sequence[tuple[Sequence[int], str | None]], arena: int = 0
-    ) -> list[LookupResult]:
-        """:meth:`lookup` of each prompt in order. Blocks that other arenas copy over for all of them go in one copy
-        per pair of arenas once every prompt was looked up (a burst's prefixes in one large copy, which runs near
-        the link's speed, instead of one small copy each); a prompt that finds blocks an earlier one had copied
-        over in the same call hits them too. Where a copy fails, the prompts that named its blocks stop before
-        them."""
-        holder = self.session(session_id).holder
-        if self.peers is None:
-            return [self._hit(self._lookup(holder, t, arena, salt), t) for t, salt in lookups]
-        try:
-            found = [self._lookup(holder, t, arena, salt) for t, salt in lookups]
-        finally:
-            failed = self.peers.finish()
-        if failed:
-            for i, ids in enumerate(found):
-                cut = next((k for k, block in enumerate(ids) if block in failed), len(ids))
-                self.allocator.drop(holder, ids[cut:])
-                found[i] = ids[:cut]
-        return [self._hit(ids, t) for ids, (t, _) in zip(found, lookups, strict=True)]
-
-    def _lookup(self, holder: str, token_ids: Sequence[int], arena: int, salt: str | None) -> list[int]:
-        if not 0 <= arena < len(self.hashers):
-            raise InvalidRequest(f"no arena {arena}: the pool has {len(self.hashers)}")
-        blocks = self.hashers[arena].blocks(token_ids, salt)
-        if self.host_tier is not None:
-            ids, _ = self.host_tier.lookup(holder, blocks, arena)
-        else:
-            ids = self.index.match(blocks)
-            self.allocator.acquire(holder, ids)
-        if self.peers is not None and len(ids) < len(token_ids) // self.layout.block_size:
-            ids = ids + self.peers.extend(holder, token_ids, salt, arena, ids)
-        return ids
-
-    def _hit(self, ids: list[int], token_ids: Sequence[int]) -> LookupResult:
-        c = self.counters
-        c.lookup_requests += 1
-        c.lookup_blocks += len(token_ids) // self.layout.block_size
-        c.hit_blocks += len(ids)
-        return LookupResult(self.allocator.fenced(ids), len(ids) * self.layout.block_size)
 
     # -- reclaiming -------------------------------------------------------------------------------------
 
@@ -504,23 +330,12 @@ class Pool(Parking, PoolStats):
                 dead += 1
             else:  # it renewed its lease since this entry was made
                 heapq.heappush(heap, (session.expires_at, sid))
-        stale = 0
-        heap = self._handoff_deadlines
-        while heap and heap[0][0] < now:
-            _, seq, rid = heapq.heappop(heap)
-            handoff = self.handoffs.get(rid)
-            if handoff is None or handoff.seq != seq or handoff.to is not None or handoff.expires_at >= now:
-                continue
-            self._unpark(handoff)
-            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
-            self.counters.handoffs_expired += 1
-            stale += 1
-        return dead, stale
+        return dead, self.parking.expire(now)
 
     def _expire_session(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
-        if self.on_release is not None:
-            self.on_release(session)
+        if self.slabs is not None:
+            self.slabs.release(session)
         self._fence(session)
         self.counters.blocks_reclaimed += self.allocator.release_holder(session.holder)
         self.counters.sessions_expired += 1
@@ -571,14 +386,6 @@ class Pool(Parking, PoolStats):
             named.pop(sid, None)
             if not named:
                 del self._by_name[session.name]
-        self._parked_by.pop(sid, None)  # what it parked stays parked, and counts against the pool's limit only
-        orphaned = [*self._addressed.pop(sid, ()), *self._sealed_to.pop(sid, ())]
-        why = f"its addressee, session {session.name!r}, ended before it claimed it: closed, or its lease ran out"
-        for request_id in orphaned:
-            handoff = self.handoffs[request_id]
-            self._unpark(handoff)
-            self.counters.blocks_reclaimed += self.allocator.release_holder(handoff.holder)
-            self.counters.handoffs_orphaned += 1
-            self.remember_refusal(request_id, why, "after it was parked")
+        self.parking.ended(session)
         if self.on_session_end is not None:
             self.on_session_end(session)

@@ -42,10 +42,10 @@ from kvpool.server.books.records import sweep_period_s
 from kvpool.server.events.metrics import registry_for, time_operations
 from kvpool.server.plane import ControlPlane
 from kvpool.server.remote.api import remote_router
-from kvpool.server.slabs.api import slab_router
 from kvpool.server.transports.connections import request_peer
 from kvpool.server.transports.gates import BodyLimit, Receive, RequireToken
 from kvpool.server.transports.http_errors import ERRORS, error_response, http_error_response, validation_response
+from kvpool.server.transports.slab_api import slab_router
 
 log = logging.getLogger(__name__)
 

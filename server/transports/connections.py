@@ -1,5 +1,8 @@
 """What bounds the pool's connections: a cap per listener, a deadline on every request, and room under the fd limit.
 
+Past 400 lines on purpose: most of it is one asyncio protocol (the HTTP guard) that wraps uvicorn's whole, and
+halves of it would share its state.
+
 Any local user can reach the loopback TCP port, token or not, and uvicorn waits for ever for the rest of a request
 it has the start of. Without these bounds, whoever opens connections and sends half a request line holds a file
 descriptor each for as long as they like; at the process's fd limit the pool can accept nothing more, and the

@@ -1,5 +1,8 @@
 """The fast channel: the control plane's hot calls over a Unix socket, without HTTP.
 
+Past 400 lines on purpose: the listener, each connection's bounds and its frame reader are one state machine per
+connection.
+
 An HTTP round trip through an ASGI framework costs about a millisecond, more than moving a gigabyte of KV on
 the GPU; a length-prefixed frame on a kept-open Unix socket costs tens of microseconds. The channel carries
 the same calls with the same pydantic models and the same errors as the HTTP API, and ownership still moves
@@ -30,17 +33,20 @@ from pydantic import BaseModel, ValidationError
 from kvpool.channel import HEADER, decode, encode, frame
 from kvpool.errors import KvpoolError, LimitExceeded, PayloadTooLarge, Unauthorized, body_for, error_body
 from kvpool.ids import pack_ids
-from kvpool.protocol import (
-    AllocRequest,
-    ArenaFdRequest,
-    ClaimRequest,
-    CommitRequest,
-    FreeRequest,
-    HandoffRequest,
-    Hello,
-    LookupManyRequest,
-    LookupRequest,
-    SessionRef,
+from kvpool.protocol import ArenaFdRequest, Hello
+from kvpool.routes import (
+    ACCEPT,
+    ALLOC,
+    ARENA_FD,
+    CLAIM,
+    COMMIT,
+    FREE,
+    HANDOFF,
+    HEARTBEAT,
+    HELLO,
+    LOOKUP,
+    LOOKUPS,
+    Route,
 )
 from kvpool.server.books.processes import Peer, peer_of
 from kvpool.server.plane import ControlPlane
@@ -54,11 +60,13 @@ Handler = Callable[[Any], Any]
 #: a stranger holds no more memory than this, and no longer than the hello time-out
 HELLO_MAX = 16 << 10
 #: ops that may wait: they stop waiting when their connection closes
-WAITS = frozenset({b"claim", b"accept"})
+WAITS = frozenset({CLAIM.fast, ACCEPT.fast})
 #: ops whose handler also takes the connection's peer (a session opened over TCP takes the process that renews it)
-PEERED = frozenset({b"heartbeat"})
+PEERED = frozenset({HEARTBEAT.fast})
 #: ops whose handler takes attached ids as they came (an ``array('q')``): the books unfence them without a list
-PACKED = frozenset({b"free"})
+PACKED = frozenset({FREE.fast})
+#: ops the connection answers itself, before (hello) or beside (an fd attached) the control plane's handlers
+OWN = (HELLO, ARENA_FD)
 
 
 def _encode(status: int, body: bytes) -> bytes:
@@ -110,16 +118,20 @@ class FastChannel:
         self._open: set[_Reading] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._serving: dict[asyncio.Task[None], asyncio.StreamWriter] = {}  # connections being served, closed at stop
+        handlers: dict[Route, Handler] = {
+            ALLOC: plane.alloc,
+            FREE: plane.free,
+            COMMIT: plane.commit,
+            LOOKUP: plane.lookup,
+            LOOKUPS: plane.lookup_many,
+            HANDOFF: plane.handoff,
+            CLAIM: plane.claim,
+            ACCEPT: plane.accept,
+            HEARTBEAT: lambda req, peer: plane.heartbeat(req.session_id, peer),
+        }
+        #: op -> (request model, handler), as the route table names them
         self.ops: dict[bytes, tuple[type[BaseModel], Handler]] = {
-            b"alloc": (AllocRequest, plane.alloc),
-            b"free": (FreeRequest, plane.free),
-            b"commit": (CommitRequest, plane.commit),
-            b"lookup": (LookupRequest, plane.lookup),
-            b"lookups": (LookupManyRequest, plane.lookup_many),
-            b"handoff": (HandoffRequest, plane.handoff),
-            b"claim": (ClaimRequest, plane.claim),
-            b"accept": (ClaimRequest, plane.accept),
-            b"heartbeat": (SessionRef, lambda req, peer: plane.heartbeat(req.session_id, peer)),
+            r.fast: (r.request, handler) for r, handler in handlers.items() if r.fast and r.request
         }
 
     async def start(self) -> None:
@@ -197,12 +209,12 @@ class FastChannel:
                 try:
                     op, _, body = frame.partition(b"\n")
                     del frame
-                    if op == b"hello":
+                    if op == HELLO.fast:
                         reply = self._hello(body)
                         authorized = reply[HEADER.size : HEADER.size + 3] == b"200"
                     elif not authorized:
                         reply = _error(Unauthorized("say hello first (with the pool's token, if it has one)"))
-                    elif op == b"arena_fd":
+                    elif op == ARENA_FD.fast:
                         await self._arena_fd(body, writer)
                         continue
                     else:
@@ -334,7 +346,7 @@ class FastChannel:
             req, ids = decode(model, body, op in PACKED)
             if watch is not None:
                 result = handler(req, watch)
-            elif op == b"handoff":
+            elif op == HANDOFF.fast:
                 result = handler(req, ids)  # the ids as they came, for the delivery to an inbox
             elif op in PEERED:
                 result = handler(req, peer)
@@ -344,7 +356,7 @@ class FastChannel:
                 result = await result
             return _encode(200, _reply(result))
         except ValidationError as exc:
-            if op == b"handoff":
+            if op == HANDOFF.fast:
                 self._refused(body, exc)
             return _encode(422, _validation(exc))
         except KvpoolError as exc:

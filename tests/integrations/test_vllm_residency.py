@@ -361,7 +361,8 @@ def test_the_arena_a_resident_engine_writes_is_what_vllm_reads() -> None:
     from kvpool.arena import Arena
     from kvpool.protocol import ArenaDescriptor
 
-    desc = ArenaDescriptor(epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=N,
+    desc = ArenaDescriptor(epoch="t", backend="cpu", device=None, handle="", handle_kind="shm", nbytes=raw.numel(),
+                           num_blocks=N,
                            block_nbytes=LAYOUT.block_nbytes, layout=LAYOUT, owner_pid=0)  # fmt: skip
     arena = Arena(desc, raw)
     assert torch.equal(arena.k(1), vllm.permute(0, 2, 1, 3)[..., :8])

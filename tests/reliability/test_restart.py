@@ -20,6 +20,7 @@ import pytest
 from kvpool.arena import Arena
 from kvpool.client import PoolClient
 from kvpool.errors import ArenaClosed, PoolRestarted, PoolUnavailable
+from kvpool.routes import HEARTBEAT, Route
 from tests.conftest import PoolProcess, start_pool
 from tests.server.balance import assert_balanced
 from tests.server.procs import serve
@@ -222,11 +223,11 @@ def test_a_heartbeat_in_flight_across_reconnect_does_not_poison_the_new_session(
         send = client.transport.fetch
         in_flight, reconnected = threading.Event(), threading.Event()
 
-        def held_beats(method: str, path: str, *args: Any, **kwargs: Any) -> Any:
-            if path.endswith("/heartbeat") and not reconnected.is_set():
+        def held_beats(route: Route, *args: Any, **kwargs: Any) -> Any:
+            if route is HEARTBEAT and not reconnected.is_set():
                 in_flight.set()
                 reconnected.wait(10)
-            return send(method, path, *args, **kwargs)
+            return send(route, *args, **kwargs)
 
         client.transport.fetch = held_beats  # type: ignore[method-assign]
         pools.restart(pool)

@@ -94,13 +94,6 @@ def test_the_descriptor_names_the_kind_of_every_arena():
     assert again.handle_kind == "vmm" and again.part(1).handle_kind == "cuda_ipc"
 
 
-@pytest.mark.parametrize(("backend", "kind"), [("cpu", "shm"), ("cuda", "cuda_ipc")])
-def test_a_descriptor_without_a_kind_is_read_as_the_pools_before_vmm_wrote_them(backend, kind):
-    desc = describe("e1", [0], [FakeArena("vmm", 0)], [8], KVLayout(), "", None)  # type: ignore[list-item]
-    old = desc.model_dump(exclude={"handle_kind", "arenas"}) | {"backend": backend}
-    assert ArenaDescriptor.model_validate(old).handle_kind == kind
-
-
 def test_a_vmm_arena_is_not_mapped_without_the_pool_handing_its_fd():
     desc = describe("e2", [0], [FakeArena("vmm", 0)], [8], KVLayout(), "", None)  # type: ignore[list-item]
     with pytest.raises(InvalidRequest, match=r"PoolClient\.arena"):

@@ -13,7 +13,6 @@ from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
 from kvpool.server.books.hosttier import HostTier
 from kvpool.server.books.pool import Pool
-from kvpool.server.slabs.books import SlabBooks
 from kvpool.server.tiers.tiercopy import TierCopier, runs
 
 BS = 4
@@ -24,7 +23,7 @@ def make(order: str = "layer_major", gpu_blocks: int = 8, host_blocks: int = 16)
     gpu_blocks += layout.reserved_blocks  # a kv_packed arena's block 0 is no one's: room for as many others
     raw = torch.zeros(gpu_blocks * layout.block_nbytes, dtype=torch.uint8)
     desc = ArenaDescriptor(
-        epoch="t", backend="cpu", device=None, handle="", nbytes=raw.numel(), num_blocks=gpu_blocks,
+        epoch="t", backend="cpu", device=None, handle="", handle_kind="shm", nbytes=raw.numel(), num_blocks=gpu_blocks,
         block_nbytes=layout.block_nbytes, layout=layout, owner_pid=0,
     )  # fmt: skip
     arena = Arena(desc, raw)
@@ -204,7 +203,7 @@ def test_every_taker_of_blocks_copies_what_it_evicted_before_the_blocks_reach_an
     """An alloc, a slab's refill and a restore all take blocks through the allocator, which flushes what they
     evicted before it returns them: the taker's writes can never reach the host as the evicted prefix's KV."""
     pool, arena, tier = make(gpu_blocks=8, host_blocks=16)
-    books = SlabBooks(pool, tmp_path, regions=2, slots=8, box_dir=None)
+    books = pool.open_slabs(tmp_path, regions=2, slots=8, box_dir=None)
     try:
         a = pool.open_session("a", "other").session_id
         b = pool.open_session("b", "other").session_id

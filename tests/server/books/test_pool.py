@@ -326,9 +326,9 @@ def test_the_pool_forgets_the_oldest_keyed_names_nobody_holds_past_its_bound():
     live = pool.open_session("live", "decode", name_key=KEY)
     for i in range(NAMES_KEPT - 1):
         pool.close_session(pool.open_session(f"w{i}", "other", name_key=KEY).session_id)
-    assert len(pool._name_keys) == NAMES_KEPT
+    assert len(pool.names.keys) == NAMES_KEPT
     pool.open_session("one-more", "other", name_key=KEY)  # "live" is older, but held
-    assert len(pool._name_keys) == NAMES_KEPT and "w0" not in pool._name_keys and "live" in pool._name_keys
+    assert len(pool.names.keys) == NAMES_KEPT and "w0" not in pool.names.keys and "live" in pool.names.keys
     assert pool.open_session("w0", "other").name == "w0"  # forgotten: anyone may open it again
     with pytest.raises(NameTaken):
         pool.open_session("w1", "other")
@@ -599,7 +599,7 @@ def test_one_peer_cannot_take_the_pool_s_handoff_or_session_budget_from_the_othe
     pool.handoff(victim, "r", pool.alloc(victim, 1), 4, to="decode-0")  # the others' share is still theirs
     assert pool.limits_exceeded == {"max_sessions_per_peer": 1, "max_handoffs_per_peer": 1}
     pool.close_session(attacker[1])  # its handoffs are refused with it, and their share comes back
-    assert pool._handoffs_of[OTHER.share] == 10 and pool._sessions_of[OTHER.share] == 3
+    assert pool.parking.handoffs_of[OTHER.share] == 10 and pool._sessions_of[OTHER.share] == 3
 
 
 def test_another_peer_s_keyed_opens_never_flush_a_name_s_key():
@@ -613,7 +613,7 @@ def test_another_peer_s_keyed_opens_never_flush_a_name_s_key():
     with pytest.raises(NameTaken, match="another peer"):  # a key seen in a log is not enough either
         pool.open_session("decode-0", "decode", name_key=KEY, peer=OTHER)
     assert pool.open_session("decode-0", "decode", name_key=KEY, peer=ME).name == "decode-0"
-    assert len(pool._names_of[OTHER.share]) == NAMES_KEPT  # the attacker's own names are the ones forgotten
+    assert len(pool.names.of[OTHER.share]) == NAMES_KEPT  # the attacker's own names are the ones forgotten
 
 
 def test_a_name_pinned_by_the_operator_opens_only_for_its_user():

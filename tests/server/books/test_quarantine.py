@@ -21,7 +21,7 @@ from kvpool.layout import KVLayout
 from kvpool.server.books.pool import Pool
 from kvpool.server.books.processes import Peer
 from kvpool.server.books.quarantine import Quarantine, holder_of
-from kvpool.server.slabs.books import SlabBooks
+from kvpool.server.books.slabs import SlabBooks
 from tests.conftest import PoolProcess, start_pool
 
 
@@ -236,8 +236,7 @@ def test_a_lapse_found_by_the_session_s_own_late_call_fences_too() -> None:
 def slab_pool(tmp_path: Path) -> Iterator[tuple[Pool, SlabBooks, Clock, FakeProcesses]]:
     clock, procs = Clock(), FakeProcesses()
     pool = make_pool(clock, procs, n=32)
-    books = SlabBooks(pool, tmp_path, regions=4, slots=16, box_dir=tmp_path)
-    pool.on_release = books.release
+    books = pool.open_slabs(tmp_path, regions=4, slots=16, box_dir=tmp_path)
     yield pool, books, clock, procs
     books.close()
 

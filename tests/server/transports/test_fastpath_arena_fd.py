@@ -17,7 +17,8 @@ import pytest
 
 from kvpool.channel import FastConnection, frame
 from kvpool.errors import InvalidRequest, Unauthorized, UnknownSession
-from kvpool.protocol import AllocRequest, AllocResponse, ArenaFdRequest, SessionCreate
+from kvpool.protocol import AllocRequest, ArenaFdRequest, SessionCreate
+from kvpool.routes import ALLOC, ARENA_FD
 from kvpool.server.arenas import OwnedArena
 from kvpool.server.config import PoolSettings
 from kvpool.server.plane import ControlPlane
@@ -166,7 +167,7 @@ def test_the_client_transport_fetches_the_fd_on_a_connection_of_its_own(vmm_plan
     def client(path: str) -> bytes:
         transport = Transport("http://127.0.0.1:9", "s3cret", 10)
         try:
-            fd = transport.call_fd(b"arena_fd", ArenaFdRequest(session_id=sid), path)
+            fd = transport.call_fd(ARENA_FD, ArenaFdRequest(session_id=sid), path)
             try:
                 return os.pread(fd, len(SECRET), 0)
             finally:
@@ -181,7 +182,7 @@ def test_the_client_transport_raises_the_pool_s_refusal(vmm_plane, tmp_path):
     def client(path: str) -> None:
         transport = Transport("http://127.0.0.1:9", "wrong", 10)
         try:
-            transport.call_fd(b"arena_fd", ArenaFdRequest(session_id="x"), path)
+            transport.call_fd(ARENA_FD, ArenaFdRequest(session_id="x"), path)
         finally:
             transport.close()
 
@@ -225,12 +226,12 @@ def test_a_first_fd_fetch_says_hello_in_the_same_write_then_the_connection_carri
     def client(path: str) -> tuple[bytes, int, int]:
         transport = recording_transport(path, writes)
         try:
-            _, fd = transport.fetch_fd(b"arena_fd", req, path)
+            _, fd = transport.fetch_fd(ARENA_FD, req, path)
             try:
                 data = os.pread(fd, len(SECRET), 0)
             finally:
                 os.close(fd)
-            alloc, _ = transport.call(b"alloc", "/alloc", AllocRequest(session_id=sid, num_blocks=1), AllocResponse)
+            alloc, _ = transport.call(ALLOC, AllocRequest(session_id=sid, num_blocks=1))
             return data, len(alloc.block_ids), len(transport._conns)
         finally:
             transport.close()
@@ -249,9 +250,9 @@ def test_a_request_refused_after_an_accepted_hello_keeps_the_connection(vmm_plan
         transport = recording_transport(path, writes)
         try:
             with pytest.raises(UnknownSession):
-                transport.fetch_fd(b"arena_fd", ArenaFdRequest(session_id="00000000-0000000000000000"), path)
+                transport.fetch_fd(ARENA_FD, ArenaFdRequest(session_id="00000000-0000000000000000"), path)
             held = len(transport._conns)
-            _, fd = transport.fetch_fd(b"arena_fd", ArenaFdRequest(session_id=sid), path)
+            _, fd = transport.fetch_fd(ARENA_FD, ArenaFdRequest(session_id=sid), path)
             try:
                 return held, os.pread(fd, len(SECRET), 0)
             finally:
@@ -287,7 +288,7 @@ def test_work_given_to_a_fetch_runs_once_its_request_is_written_and_a_failure_in
         try:
             for work in (meanwhile, meanwhile, failing, meanwhile):
                 try:
-                    _, fd = transport.fetch_fd(b"arena_fd", req, path, work)
+                    _, fd = transport.fetch_fd(ARENA_FD, req, path, work)
                 except RuntimeError:
                     got.append(b"raised")
                     continue

@@ -18,7 +18,7 @@ from kvpool.errors import InvalidRequest, NotOwner, PoolExhausted, StaleBlock
 from kvpool.ids import BLOCK_MASK, GEN_MASK, GEN_STEP, block_of, fence
 from kvpool.layout import KVLayout
 from kvpool.server.books.pool import Pool
-from kvpool.server.slabs.books import SlabBooks
+from kvpool.server.books.slabs import SlabBooks
 from kvpool.slab.table import ALLOCATED, ENTRY, ENTRY_HEAD, HANDED, IDLE, RING
 
 
@@ -38,10 +38,7 @@ def clock() -> Clock:
 @pytest.fixture
 def books(tmp_path: Path, clock: Clock) -> Iterator[SlabBooks]:
     pool = Pool(32, KVLayout(block_size=4), lease_ttl_s=2.0, clock=clock)
-    books = SlabBooks(pool, tmp_path, regions=4, slots=16, box_dir=tmp_path)
-    pool.on_release = books.release
-    pool.on_exhausted = lambda sid: books.want_back(exclude=sid) and None
-    pool.on_gives_up = books.settle_session
+    books = pool.open_slabs(tmp_path, regions=4, slots=16, box_dir=tmp_path)
     yield books
     books.close()
 

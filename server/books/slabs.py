@@ -1,6 +1,9 @@
 """Reservation slabs and the slab table, the pool's side: what a session may do without a round trip, and how the
 pool stays the one authority over every block anyway.
 
+Past 400 lines, not yet split: a slab's grants and the settling of handoffs between slabs act on the same table and
+occupants; issue 47's split of the reservation from slab-to-slab handoffs is where it divides.
+
 A session's slab is blocks the pool allocated to that session in one call (``grant``): in the books they are the
 session's refs like any others (in use), so ``free + in_use + cached == num_blocks`` holds throughout. The session
 then allocates and frees them locally, recording each slot's state in its region of the slab table
@@ -41,11 +44,12 @@ import numpy as np
 
 from kvpool.errors import InvalidRequest, LimitExceeded, NotOwner, UnknownSession
 from kvpool.ids import BLOCK_BITS, BLOCK_MASK, GEN_BITS, GEN_MASK
-from kvpool.server.books.pool import Pool
 from kvpool.server.books.records import Handoff, Session, holder_of
-from kvpool.server.config import PoolSettings
 from kvpool.slab.table import ALLOCATED, EMPTY, ENTRY, ENTRY_HEAD, ENTRY_ROOM, HANDED, IDLE, RING, create_table, fence
 from kvpool.slab.wire import pair_key
+
+#: the :class:`kvpool.server.books.pool.Pool` that owns this part (it imports this module, so not the other way)
+Pool = Any
 
 log = logging.getLogger(__name__)
 
@@ -389,7 +393,8 @@ class SlabBooks:
         the pool would refuse that handoff (its request id taken, a limit)."""
         pool = self.pool
         meta_json = json.dumps(meta, separators=(",", ":")).encode() if meta else b""
-        waiting = pool._addressed.get(flight.consumer, ())
+        parking = pool.parking
+        waiting = parking.addressed.get(flight.consumer, ())
         if (
             request_id in pool.handoffs
             or len(pool.handoffs) >= pool.limits.max_handoffs
@@ -399,14 +404,14 @@ class SlabBooks:
         ):
             log.warning("freed slab handoff %r from an ended session: the pool cannot park it", request_id)
             return False
-        pool._seq += 1
+        parking.seq += 1
         handoff = Handoff(request_id=request_id, block_ids=ids, num_tokens=num_tokens, meta=meta,
                           from_session=occupant.session_id, expires_at=pool.clock() + pool.handoff_ttl_s,
-                          ttl_s=pool.handoff_ttl_s, to=flight.consumer, seq=pool._seq, meta_json=meta_json,
+                          ttl_s=pool.handoff_ttl_s, to=flight.consumer, seq=parking.seq, meta_json=meta_json,
                           blocks=[i & BLOCK_MASK for i in ids])  # fmt: skip
         pool.allocator.transfer(flight.holder, handoff.holder, handoff.blocks)
         pool.refused.pop(request_id, None)
-        pool._park(handoff)
+        parking.park(handoff)
         self.counters.handed_parked += len(ids)
         if pool.on_handoff is not None:
             pool.on_handoff(request_id)
@@ -513,17 +518,3 @@ class SlabBooks:
         with contextlib.suppress(BufferError):  # a view is still held somewhere: the map goes with it
             self._mm.close()
         self.path.unlink(missing_ok=True)
-
-
-def open_slab_table(settings: PoolSettings, pool: Pool) -> SlabBooks | None:
-    """The slab table of a pool that serves slabs (``--slabs``), hooked into its books; None if it does not."""
-    if not settings.slabs:
-        return None
-    sock = settings.fast_socket or settings.socket
-    books = SlabBooks(pool, settings.shm_dir, settings.slab_regions, settings.slab_max_blocks,
-                       sock.parent if sock is not None else None)  # fmt: skip
-    pool.on_release = books.release
-    pool.on_gives_up = books.settle_session
-    pool.on_exhausted = lambda session_id: books.want_back(exclude=session_id) and None
-    log.info("slab table at %s: %d regions of %d slots", books.path, len(books.table), books.slots)
-    return books

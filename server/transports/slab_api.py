@@ -1,5 +1,5 @@
 """The slab endpoints: a session's region of the slab table, its slab's refills and drains, pair keys, and the
-settling of handoffs between slabs. Control calls only; see :mod:`kvpool.server.slabs.books` for what they do.
+settling of handoffs between slabs. Control calls only; see :mod:`kvpool.server.books.slabs` for what they do.
 """
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from kvpool.errors import InvalidRequest
+from kvpool.server.books.slabs import SlabBooks
 from kvpool.server.plane import ControlPlane
-from kvpool.server.slabs.books import SlabBooks
 from kvpool.slab.protocol import (
     PairRequest,
     PairResponse,

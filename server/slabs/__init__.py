@@ -1,1 +1,0 @@
-"""Reservation slabs, the pool's side: the slab table's books and their endpoints."""
