@@ -33,7 +33,7 @@ from kvpool.errors import (
     UnknownSession,
 )
 from kvpool.ids import GEN_STEP, block_of, generation_of
-from kvpool.routes import FREE, Route
+from kvpool.routes import COMMIT, FREE, Route
 from kvpool.slab import SlabClient, SlabConfig, reservation, wire
 from kvpool.slab.table import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
 from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
@@ -347,11 +347,11 @@ def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_t
         other = c.alloc(1)
         call_many, asked, answer = c.transport.call_many, threading.Event(), threading.Event()
 
-        def slow(op: bytes, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits until the test lets it through
-            if op == b"commit":
+        def slow(route: Route, *args: Any, **kwargs: Any) -> Any:  # the pool's answer waits for the test
+            if route is COMMIT:
                 asked.set()
                 answer.wait(10)
-            return call_many(op, *args, **kwargs)
+            return call_many(route, *args, **kwargs)
 
         c.transport.call_many = slow  # type: ignore[method-assign]
         got: list[Any] = []
