@@ -338,6 +338,22 @@ def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool
     wait_idle(pool)
 
 
+def test_a_large_alloc_of_blocks_the_slab_holds_idle_is_served_by_the_slab(pool: PoolProcess) -> None:
+    """An engine is told ``num_idle`` blocks may be taken; a refill ahead for a burst can hold more than half the slab,
+    and an alloc of that many went to the pool, which may not have them (the engine's step then raised)."""
+    with SlabClient(pool.url, name="slab-large", slab=SMALL) as c:
+        region = c.slab
+        assert region is not None
+        n = region.capacity // 2 + 1
+        region.ensure_idle(n + SMALL.low)
+        before = region.num_idle
+        assert before >= n + SMALL.low
+        ids = c.alloc(n)
+        assert region.num_idle == before - n, "the alloc went to the pool, not the slab's idle blocks"
+        assert c.free(ids) == n
+    wait_idle(pool)
+
+
 def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_twice(pool: PoolProcess) -> None:
     """An engine commits a step's finished prompts on a thread of its own, and its scheduler frees and allocates in
     the same step: those wait for no round trip (they waited out every commit). A block on its way to the pool is

@@ -157,10 +157,12 @@ class Slab:
     # -- alloc and free ---------------------------------------------------------------------------------
 
     def alloc(self, n: int) -> list[int] | None:
-        """``n`` blocks from the slab (refilled first if it would fall below ``low``); None if it cannot hold them."""
+        """``n`` blocks from the slab (refilled first if it would fall below ``low``); None if it cannot hold them.
+        Idle blocks are always served: ``num_idle`` is what an engine is told it may take (a refill ahead for a
+        burst's prompts can hold more than half the slab), and a large ask it holds must not go to the pool."""
         with self.lock:
             self._answer_want()
-            if n > self.capacity // 2:
+            if n > self.capacity // 2 and n > self.top:
                 return None
             if self.top - n < self.config.low:
                 try:
