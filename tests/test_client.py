@@ -519,6 +519,7 @@ print(sorted(m for m in sys.modules if m.startswith("kvpool.slab")))
 """
 
 
+@pytest.mark.slow
 def test_a_client_without_a_slab_never_imports_the_slab_code(pool_process):
     """The slab stands on the client: a PoolClient is never a slab client, and its calls reach no slab module (none is
     even imported)."""
