@@ -524,6 +524,7 @@ def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(shm_dir: Path) ->
             after.stop()
     finally:
         live.stop()
+        killed.stop()  # where an assertion failed before the kill, it still runs
 
 
 def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: LocalPool) -> None:
