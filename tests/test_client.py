@@ -222,7 +222,10 @@ def test_claim_waits_for_the_handoff(pool_server):
 
         t = threading.Thread(target=wait)
         t.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # the claim waits in the pool before the handoff is parked
+        while pool_server.stats().get("claims_waiting") != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pool_server.stats().get("claims_waiting") == 1
         ids = prefill.alloc(2)
         prefill.handoff("late", ids, 5)
         t.join(5)
