@@ -274,16 +274,17 @@ def test_an_exact_read_leaves_what_follows_in_the_socket(tmp_path):
         thread.join(5)
 
 
+@pytest.mark.slow
 def test_batches_of_thousands_of_calls_complete_over_the_fast_channel() -> None:
     """Issue 46, finding 8: a batch sent in one write while its answers were read only after it deadlocked at about
     4,000 calls (the pool stops reading while its answers fill the socket), parking handoffs the client never learnt
     of. The batch is written while its answers are read: 4,000 commits, handoffs and claims each complete,
     and 16,000 claims of nothing each get their refusal."""
     from kvpool.client import PoolClient
-    from tests.conftest import start_pool
+    from tests.conftest import local_pool
 
     n = 4000
-    pool = start_pool("--num-blocks", "8192", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
+    pool = local_pool("--num-blocks", "8192", "--num-layers", "1", "--num-kv-heads", "1", "--head-dim", "8",
                       "--block-size", "4", "--dtype", "float16")  # fmt: skip
     try:
         with (

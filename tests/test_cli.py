@@ -103,6 +103,7 @@ def test_a_stop_with_fast_channel_clients_connected_logs_no_error(workdir: Path,
     assert f"stopped by {sig.name}" in log
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(cuda_available(), reason="the point is a machine without CUDA")
 def test_a_cuda_only_setting_on_a_machine_without_cuda_is_one_line_before_anything_starts(workdir: Path) -> None:
     """The README's "Running the pool" on a laptop: refused before the pool logs that it listens."""
@@ -115,6 +116,7 @@ def test_a_cuda_only_setting_on_a_machine_without_cuda_is_one_line_before_anythi
     assert "listening" not in done.stdout + done.stderr and not sock.exists()
 
 
+@pytest.mark.slow
 def test_a_bad_value_is_two_lines_naming_the_allowed_ones() -> None:
     for argv in (
         ["serve", "--dtype", "int4"],
@@ -130,6 +132,7 @@ def test_a_bad_value_is_two_lines_naming_the_allowed_ones() -> None:
     assert "'bf16'" in kvpool("serve", "--dtype", "int4").stderr
 
 
+@pytest.mark.slow
 def test_serve_help_comes_in_sections() -> None:
     done = kvpool("serve", "--help")
     assert done.returncode == 0
@@ -139,6 +142,7 @@ def test_serve_help_comes_in_sections() -> None:
     assert "--num-blocks N" in done.stdout and "[1024 when no size is given;" in " ".join(done.stdout.split())
 
 
+@pytest.mark.slow
 def test_bench_help_is_plain_text_with_the_suites() -> None:
     done = kvpool("bench", "--help")
     assert done.returncode == 0
@@ -185,6 +189,7 @@ def test_port_in_use_is_one_line(workdir: Path) -> None:
     assert not (workdir / "other.sock").exists()
 
 
+@pytest.mark.slow
 def test_a_socket_whose_directory_cannot_be_made_is_one_line(workdir: Path) -> None:
     (workdir / "file").write_text("")
     sock = workdir / "file" / "kvpool.sock"
@@ -202,6 +207,7 @@ def test_a_socket_whose_directory_cannot_be_made_is_one_line(workdir: Path) -> N
     ],
     ids=["arena", "host-tier"],
 )
+@pytest.mark.slow
 def test_an_arena_or_host_tier_larger_than_the_shm_dir_is_one_line_before_listening(
     workdir: Path, flags: list[str], names: str
 ) -> None:
@@ -213,6 +219,7 @@ def test_an_arena_or_host_tier_larger_than_the_shm_dir_is_one_line_before_listen
     assert "listening" not in done.stdout + done.stderr and not sock.exists()
 
 
+@pytest.mark.slow
 def test_a_shm_dir_that_does_not_exist_is_refused_not_created(workdir: Path) -> None:
     typo = workdir / "shm-typo"
     done = kvpool("serve", "--socket", str(workdir / "s.sock"), "--port", "0", "--backend", "cpu",
@@ -222,6 +229,7 @@ def test_a_shm_dir_that_does_not_exist_is_refused_not_created(workdir: Path) -> 
     assert not typo.exists()
 
 
+@pytest.mark.slow
 def test_a_shm_dir_on_disk_is_refused() -> None:
     with tempfile.TemporaryDirectory(prefix="kvp-cli-disk-", dir=SOURCE_ROOT) as tmp:
         kind = filesystem_of(Path(tmp))
@@ -250,6 +258,7 @@ def test_the_filesystem_of_a_path_is_its_longest_mount_point(tmp_path: Path) -> 
     assert filesystem_of(Path("/"), tmp_path / "none") is None
 
 
+@pytest.mark.slow
 def test_invalid_settings_are_one_line() -> None:
     done = kvpool("serve", "--num-blocks", "0", env={"KVPOOL_LEASE_TTL_S": "-1"})
     assert done.returncode == 2
@@ -258,6 +267,7 @@ def test_invalid_settings_are_one_line() -> None:
     assert "--num-blocks (KVPOOL_NUM_BLOCKS)" in line and "--lease-ttl-s (KVPOOL_LEASE_TTL_S)" in line
 
 
+@pytest.mark.slow
 def test_info_without_a_pool_is_one_line(workdir: Path) -> None:
     url = f"unix://{workdir / 'nobody.sock'}"
     done = kvpool("info", env={"KVPOOL_URL": url})

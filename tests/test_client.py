@@ -223,7 +223,10 @@ def test_claim_waits_for_the_handoff(pool_server):
 
         t = threading.Thread(target=wait)
         t.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # the claim waits in the pool before the handoff is parked
+        while pool_server.stats().get("claims_waiting") != 1 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert pool_server.stats().get("claims_waiting") == 1
         ids = prefill.alloc(2)
         prefill.handoff("late", ids, 5)
         t.join(5)
@@ -520,6 +523,7 @@ print(sorted(m for m in sys.modules if m.startswith("kvpool.slab")))
 """
 
 
+@pytest.mark.slow
 def test_a_client_without_a_slab_never_imports_the_slab_code(pool_process):
     """The slab stands on the client: a PoolClient is never a slab client, and its calls reach no slab module (none is
     even imported)."""

@@ -288,6 +288,7 @@ def test_the_commands_are_registered_by_their_components():
     }
 
 
+@pytest.mark.slow
 def test_a_built_wheel_adds_nothing_but_kvpool_to_site_packages(tmp_path):
     pytest.importorskip("setuptools")
     src = tmp_path / "src"  # a copy, so that the build leaves nothing in the checkout

@@ -41,6 +41,7 @@ def the_example() -> tuple[str, str, str]:
     return blocks[0][1], blocks[1][1], blocks[2][1]
 
 
+@pytest.mark.slow
 def test_the_worker_example_runs_as_written_against_the_pool_it_starts() -> None:
     serve, code, expected = the_example()
     (command,) = [line.split("#")[0].strip() for line in serve.splitlines() if line.split("#")[0].strip()]

@@ -36,25 +36,36 @@ from kvpool.ids import GEN_STEP, block_of, generation_of
 from kvpool.routes import COMMIT, FREE, Route
 from kvpool.slab import SlabClient, SlabConfig, reservation, wire
 from kvpool.slab.table import DONE, ENTRY, ENTRY_HEAD, HSEQ, RING, WAITING, WANT
-from tests.conftest import ROOT, SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import ROOT, SMALL_POOL, LocalPool, PoolProcess, local_pool, start_pool
 
 SMALL = SlabConfig(blocks=8, low=2, high=16)
 
 
+SLAB_POOL = (*SMALL_POOL, "--slabs", "--slab-max-blocks", "48", "--lease-ttl-s", "1")
+
+
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolProcess]:
-    server = start_pool(*SMALL_POOL, "--slabs", "--slab-max-blocks", "48", "--lease-ttl-s", "1")
+def pool() -> Iterator[LocalPool]:
+    server = local_pool(*SLAB_POOL)
     yield server
     server.stop()
 
 
-def stats(pool: PoolProcess) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def process() -> Iterator[PoolProcess]:
+    """The same pool as a process, for the tests whose other client is a process of its own (killed, or lied to)."""
+    server = start_pool(*SLAB_POOL)
+    yield server
+    server.stop()
+
+
+def stats(pool: PoolProcess | LocalPool) -> dict[str, Any]:
     s = pool.stats()
     assert s["free"] + s["in_use"] + s["cached"] == s["num_blocks"]
     return s
 
 
-def wait_idle(pool: PoolProcess, within_s: float = 10.0) -> dict[str, Any]:
+def wait_idle(pool: PoolProcess | LocalPool, within_s: float = 10.0) -> dict[str, Any]:
     """The pool's books once every session of this test has ended (closed, or expired after its lease)."""
     deadline = time.monotonic() + within_s
     while (s := stats(pool))["sessions"] and time.monotonic() < deadline:
@@ -74,7 +85,7 @@ def test_a_slab_config_comes_from_the_environment_and_bad_values_say_which(monke
     assert SlabConfig.from_env() is None
 
 
-def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProcess) -> None:
+def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-a", slab=SMALL) as a:
         first = a.alloc(1)
         before = stats(pool)
@@ -90,7 +101,7 @@ def test_alloc_and_free_come_from_the_slab_without_a_round_trip(pool: PoolProces
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
+def test_a_slab_refills_and_drains_in_bulk(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-b", slab=SMALL) as b:
         held = [b.alloc(1)[0] for _ in range(20)]  # runs below `low` now and then: a refill of several blocks each
         s = stats(pool)["slabs"]["counters"]
@@ -102,7 +113,7 @@ def test_a_slab_refills_and_drains_in_bulk(pool: PoolProcess) -> None:
     wait_idle(pool)
 
 
-def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_frees_go_on(pool: PoolProcess) -> None:
+def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_frees_go_on(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-ahead", slab=SMALL) as b:
         slab = b.slab
         assert slab is not None
@@ -134,7 +145,7 @@ def test_a_refill_ahead_of_need_runs_off_the_caller_s_thread_while_allocs_and_fr
 
 
 @pytest.mark.parametrize("n", [1, 2])
-def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: PoolProcess, n: int) -> None:
+def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: LocalPool, n: int) -> None:
     """An engine releases its refs on the pool's blocks off its scheduler's thread; the scheduler's own frees into
     the slab, and its allocs, go on meanwhile rather than wait out that round trip."""
     with SlabClient(pool.url, name="slab-release", slab=SMALL) as b:
@@ -165,7 +176,7 @@ def test_a_free_of_the_pool_s_blocks_holds_no_lock_while_the_pool_answers(pool: 
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProcess) -> None:
+def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-ahead-full", slab=SMALL) as b:
         slab = b.slab
         assert slab is not None
@@ -194,7 +205,7 @@ def test_a_full_pool_is_not_asked_ahead_of_need_again_every_step(pool: PoolProce
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balanced(pool: PoolProcess) -> None:
+def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balanced(pool: LocalPool) -> None:
     b = SlabClient(pool.url, name="slab-ahead-close", slab=SMALL)
     slab = b.slab
     assert slab is not None
@@ -214,7 +225,7 @@ def test_a_slab_closed_while_a_refill_ahead_is_on_its_way_leaves_the_books_balan
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: PoolProcess) -> None:
+def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-c", slab=SMALL) as c:
         ids = c.alloc(2)
         with pytest.raises(NotOwner):
@@ -236,7 +247,7 @@ def test_a_double_or_stale_free_in_a_slab_is_refused_and_changes_nothing(pool: P
     wait_idle(pool)
 
 
-def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_knows(pool: PoolProcess) -> None:
+def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_knows(pool: LocalPool) -> None:
     """An id kept past a free into the slab is refused in the slab and at the pool alike, whichever way it comes."""
     with SlabClient(pool.url, name="slab-gen", slab=SMALL) as c:
         old = c.alloc(1)
@@ -255,7 +266,7 @@ def test_a_block_freed_into_the_slab_and_taken_again_has_a_new_id_that_the_pool_
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess) -> None:
+def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: LocalPool) -> None:
     """Freed in the order they were allocated, a request's blocks go back so that the next alloc of as many is the
     same run of slots in the same order (a handoff of it is then checked as one run); the run's checks still refuse
     ids it does not hold, changing nothing."""
@@ -288,7 +299,7 @@ def test_a_run_freed_into_the_slab_comes_back_as_the_same_run(pool: PoolProcess)
     ),
     st.randoms(use_true_random=False),
 )
-def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, steps: list[Any], rnd: Any) -> None:
+def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: LocalPool, steps: list[Any], rnd: Any) -> None:
     """Runs and scattered slots alike: every id held is a distinct block, a free gives back exactly what it names,
     and the pool's view of the slab counts what the client holds."""
     with SlabClient(pool.url, name="slab-any", slab=SMALL) as c:
@@ -309,7 +320,7 @@ def test_allocs_and_frees_in_any_order_keep_the_slabs_books(pool: PoolProcess, s
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) -> None:
+def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-d", slab=SMALL) as d:
         ids = d.alloc(2)
         with pytest.raises(InvalidRequest):
@@ -322,7 +333,7 @@ def test_committed_slab_blocks_leave_the_slab_and_are_cached(pool: PoolProcess) 
     wait_idle(pool)
 
 
-def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool: PoolProcess) -> None:
+def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool: LocalPool) -> None:
     """A step's commits go in one write; the slab's blocks of each commit the pool took leave the slab, those of a
     commit it refused stay there (a free then puts them back into the slab, not through the pool)."""
     with SlabClient(pool.url, name="slab-m", slab=SMALL) as c:
@@ -338,7 +349,7 @@ def test_commits_sent_together_take_their_blocks_out_of_the_slab_one_by_one(pool
     wait_idle(pool)
 
 
-def test_a_large_alloc_of_blocks_the_slab_holds_idle_is_served_by_the_slab(pool: PoolProcess) -> None:
+def test_a_large_alloc_of_blocks_the_slab_holds_idle_is_served_by_the_slab(pool: LocalPool) -> None:
     """An engine is told ``num_idle`` blocks may be taken; a refill ahead for a burst can hold more than half the slab,
     and an alloc of that many went to the pool, which may not have them (the engine's step then raised)."""
     with SlabClient(pool.url, name="slab-large", slab=SMALL) as c:
@@ -354,7 +365,7 @@ def test_a_large_alloc_of_blocks_the_slab_holds_idle_is_served_by_the_slab(pool:
     wait_idle(pool)
 
 
-def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_twice(pool: PoolProcess) -> None:
+def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_twice(pool: LocalPool) -> None:
     """An engine commits a step's finished prompts on a thread of its own, and its scheduler frees and allocates in
     the same step: those wait for no round trip (they waited out every commit). A block on its way to the pool is
     refused to any other call meanwhile, changing nothing, and leaves the slab once the pool took it."""
@@ -396,7 +407,7 @@ def test_a_commit_s_round_trip_holds_no_lock_and_its_blocks_cannot_be_given_up_t
     wait_idle(pool)
 
 
-def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(pool: PoolProcess) -> None:
+def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(pool: LocalPool) -> None:
     config = SlabConfig(blocks=8, low=2, high=32, handoffs=False)
     with SlabClient(pool.url, name="slab-nh", slab=config) as c, PoolClient(pool.url, name="plain-p") as p:
         assert c.slab is not None and c.slab_box is None and c.slab_sender is None
@@ -410,7 +421,7 @@ def test_a_slab_without_handoffs_allocates_locally_and_claims_through_the_pool(p
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them(pool: PoolProcess) -> None:
+def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-k", slab=SMALL) as p, PoolClient(pool.url, name="slab-c") as q:
         ids = p.alloc(2)
         p.commit(ids, list(range(7200, 7208)))
@@ -424,7 +435,7 @@ def test_a_kept_handoff_shares_committed_slab_blocks_and_the_producer_keeps_them
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(pool: PoolProcess) -> None:
+def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-p", slab=SMALL) as p, SlabClient(pool.url, name="slab-q", slab=SMALL) as q:
         ids = p.alloc(3)
         sent = p.handoff("req-slab-1", ids, 10, {"first_token": 7}, to="slab-q")
@@ -438,7 +449,7 @@ def test_a_handoff_from_slab_to_slab_reaches_the_consumer_and_the_refs_follow(po
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -> None:
+def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: LocalPool) -> None:
     """From a slab to itself the refs would never leave the session: until its claim, an id it handed would still
     free, and the block would be freed under the claim's feet. Parked in the pool, the refs are the handoff's."""
     with SlabClient(pool.url, name="slab-self", slab=SMALL) as a:
@@ -453,7 +464,7 @@ def test_a_handoff_to_its_own_session_goes_through_the_pool(pool: PoolProcess) -
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: PoolProcess) -> None:
+def test_a_handoff_whose_datagram_cannot_leave_changes_nothing(pool: LocalPool) -> None:
     """The consumer's slab box is gone: the producer takes its slots back before the pool settles them, and the
     refusal says which blocks are still its own (all of them, unless the pool's sweep settled some in between)."""
     with SlabClient(pool.url, name="slab-s", slab=SMALL) as p, SlabClient(pool.url, name="slab-t", slab=SMALL) as q:
@@ -499,7 +510,7 @@ def recorded(producer: PoolClient, to: str) -> tuple[Recorder, str]:
 
 
 @pytest.mark.parametrize("ring", [True, False], ids=["ring", "datagrams"])
-def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: PoolProcess, ring: bool) -> None:
+def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: LocalPool, ring: bool) -> None:
     """Allocs one after another hand out consecutive slots, so a request's blocks from several allocs are checked
     and sent as one run; ids in another order are checked and sent one by one. The consumer takes both on its
     producer's word (no round trip to the pool), from the producer's ring once it watches it, else from datagrams."""
@@ -529,7 +540,7 @@ def test_a_run_of_slots_goes_as_its_first_slot_and_other_ids_slot_by_slot(pool: 
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(pool: PoolProcess) -> None:
+def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(pool: LocalPool) -> None:
     """A consumer that takes nothing for a while: the producer's ring fills (its entries are not overwritten before
     they are taken), the rest go as datagrams, and a claim takes them all, the ring's older ones before the
     datagrams that followed them (or the sequences would make the older ones look like replays)."""
@@ -551,6 +562,7 @@ def test_a_full_ring_falls_back_to_datagrams_and_every_handoff_arrives_in_order(
     assert wait_idle(pool)["in_use"] == 0
 
 
+@pytest.mark.slow
 def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(shm_dir: Path) -> None:
     """Issue 46, finding 8: a SIGKILLed pool left its slab table in the shm directory for good; the next pool there
     removes the tables of pools that are gone (and of no live one)."""
@@ -571,9 +583,10 @@ def test_a_killed_pools_slab_table_is_removed_by_the_next_pool(shm_dir: Path) ->
             after.stop()
     finally:
         live.stop()
+        killed.stop()  # where an assertion failed before the kill, it still runs
 
 
-def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) -> None:
+def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: LocalPool) -> None:
     """Issue 46, finding 8: a slab box's claim polled the pool with no wait, and its time-out said "within 0.0s"."""
     with SlabClient(pool.url, name="slab-wait", slab=SMALL) as q:
         assert q.slab_box is not None and q.slab_box.sock is not None
@@ -583,7 +596,7 @@ def test_a_slab_claim_that_times_out_says_how_long_it_waited(pool: PoolProcess) 
             q.claim(None, timeout_s=0.2)
 
 
-def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
+def test_a_ring_entry_the_producers_slots_do_not_vouch_for_is_dropped(pool: LocalPool) -> None:
     """The ring lies in the producer's region, which only it writes: an entry naming slots that its region does not
     show handed to this consumer under the entry's sequence (allocated still, or past the slab) is dropped."""
     with SlabClient(pool.url, name="slab-o", slab=SMALL) as p, SlabClient(pool.url, name="slab-n", slab=SMALL) as q:
@@ -621,7 +634,7 @@ def info_nonce(client: PoolClient) -> int:
     return client.slab.info.nonce
 
 
-def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: PoolProcess) -> None:
+def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: LocalPool) -> None:
     """A consumer past its spin sleeps on its box and says so in its region: a producer that rings its bell then
     sends it a wake-up datagram (which carries nothing: the claim reads the ring)."""
     with (
@@ -649,7 +662,7 @@ def test_a_claim_asleep_on_its_box_is_woken_by_a_handoff_through_the_ring(pool: 
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_stale_id_among_a_run_goes_to_the_pool_which_refuses_it(pool: PoolProcess) -> None:
+def test_a_stale_id_among_a_run_goes_to_the_pool_which_refuses_it(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-v", slab=SMALL) as p, SlabClient(pool.url, name="slab-w", slab=SMALL) as q:
         ids = p.alloc(3)
         assert p.free(ids[2:]) == 1
@@ -661,7 +674,7 @@ def test_a_stale_id_among_a_run_goes_to_the_pool_which_refuses_it(pool: PoolProc
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProcess) -> None:
+def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: LocalPool) -> None:
     """A producer holds the pair's key, so its seal proves nothing about the slots: a run that names blocks its
     region does not show handed to this consumer under this sequence (allocated still, or in other slots), or
     slots past the slab, is dropped."""
@@ -691,7 +704,7 @@ def test_a_run_its_producers_region_does_not_vouch_for_is_dropped(pool: PoolProc
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolProcess) -> None:
+def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: LocalPool) -> None:
     """The one lie a run's sequence, states and nonces cannot catch: other ids (held by the same producer) under the
     sequence of a handoff whose own datagram has not arrived yet. The ids' column differs, so it is dropped, and
     the real one is taken after it."""
@@ -721,7 +734,7 @@ def test_a_run_naming_other_ids_under_the_real_sequence_is_dropped(pool: PoolPro
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
+def test_ids_of_idle_slab_blocks_are_not_handed(pool: LocalPool) -> None:
     """Ids that name blocks idle in the slab, at their current generations (never returned by an alloc, or freed
     and read back from the slab's region), in consecutive slots: refused, and the slab as it was."""
     with SlabClient(pool.url, name="slab-i", slab=SMALL) as p, SlabClient(pool.url, name="slab-j", slab=SMALL) as q:
@@ -743,7 +756,7 @@ def test_ids_of_idle_slab_blocks_are_not_handed(pool: PoolProcess) -> None:
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProcess) -> None:
+def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: LocalPool) -> None:
     with SlabClient(pool.url, name="slab-f", slab=SMALL) as p, SlabClient(pool.url, name="slab-g", slab=SMALL) as q:
         recorder, path = recorded(p, "slab-g")
         ids = p.alloc(2)
@@ -767,7 +780,7 @@ def test_forged_tampered_and_replayed_slab_handoffs_are_refused(pool: PoolProces
     wait_idle(pool)
 
 
-def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: PoolProcess) -> None:
+def test_the_pools_flag_drains_a_slab_when_others_need_room(pool: LocalPool) -> None:
     big = SlabConfig(blocks=40, low=1, high=48)
     with SlabClient(pool.url, name="slab-h", slab=big) as hoarder, PoolClient(pool.url, name="plain") as b:
         mine = hoarder.alloc(1)
@@ -794,7 +807,9 @@ time.sleep(3600)
 """
 
 
-def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consumer(pool: PoolProcess) -> None:
+@pytest.mark.slow
+def test_a_killed_sessions_slab_comes_back_and_its_handed_blocks_reach_the_consumer(process: PoolProcess) -> None:
+    pool = process
     with SlabClient(pool.url, name="slab-heir", slab=SMALL) as heir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen([sys.executable, "-c", DOOMED, pool.url], stdout=subprocess.PIPE, text=True, env=env)
@@ -830,10 +845,12 @@ time.sleep(3600)
 """
 
 
-def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(pool: PoolProcess) -> None:
+@pytest.mark.slow
+def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(process: PoolProcess) -> None:
     """Handoffs written into a producer's ring that its consumer had not read when the producer was SIGKILLed: the
     ring goes with the producer's region, so the pool parks each for that consumer (it had given the blocks to the
     consumer, which never learnt their ids: 20 blocks held by a live session that knew nothing of them)."""
+    pool = process
     with SlabClient(pool.url, name="slab-ring-heir", slab=SMALL) as heir:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         proc = subprocess.Popen([sys.executable, "-c", RING_DOOMED, pool.url], stdin=subprocess.PIPE,
@@ -864,7 +881,7 @@ def test_a_killed_producers_ring_handoffs_reach_their_consumer_through_the_pool(
     assert wait_idle(pool)["in_use"] == 0
 
 
-def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> None:
+def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: LocalPool) -> None:
     big = SlabConfig(blocks=40, low=1, high=48)
     with SlabClient(pool.url, name="slab-i", slab=big) as idle, PoolClient(pool.url, name="plain-2") as b:
         idle.free(idle.alloc(1))  # a slab of 41 idle blocks, then nothing more from this client
@@ -877,7 +894,7 @@ def test_an_idle_client_answers_the_flag_at_its_heartbeat(pool: PoolProcess) -> 
     wait_idle(pool)
 
 
-def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(pool: PoolProcess) -> None:
+def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(pool: LocalPool) -> None:
     """The heartbeat's thread answers the pool's flag; the client may close its slab meanwhile (the view's memory
     released under the beat's feet raised in that thread)."""
     with SlabClient(pool.url, name="slab-closing", slab=SMALL) as c:
@@ -889,7 +906,7 @@ def test_a_heartbeat_that_comes_by_while_the_client_closes_finds_nothing_to_do(p
     wait_idle(pool)
 
 
-def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: PoolProcess) -> None:
+def test_a_client_paused_past_its_lease_hands_out_nothing_from_its_old_slab(pool: LocalPool) -> None:
     # over TCP, where the pool cannot know the process: its blocks are released at once, as the test needs (over the
     # Unix socket they would stay quarantined while this process lives: tests/server/books/test_quarantine.py)
     with SlabClient(pool.tcp_url, name="slab-z", slab=SMALL, heartbeat=False) as z:
@@ -924,11 +941,13 @@ with SlabClient(sys.argv[1], name="slab-lied-to", slab=SlabConfig(8, 2, 16)) as 
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lie", ["prev-is-itself", "prev-goes-up", "a-cycle"])
-def test_a_ring_entry_whose_chain_does_not_go_down_cannot_hang_its_consumer(pool: PoolProcess, lie: str) -> None:
+def test_a_ring_entry_whose_chain_does_not_go_down_cannot_hang_its_consumer(process: PoolProcess, lie: str) -> None:
     """Whatever a producer writes into its region is untrusted: a ring entry whose ``prev`` names itself, a later
     sequence, or a chain that comes back on itself must not keep its consumer's claim walking (it grew by a gigabyte in
     ten seconds and never returned): the claim drops it and answers within its time-out."""
+    pool = process
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     consumer = subprocess.Popen([sys.executable, "-c", LIED_TO, pool.url], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip

@@ -39,6 +39,7 @@ def test_options_are_read_and_a_bad_one_is_named() -> None:
             parse(text)
 
 
+@pytest.mark.slow
 def test_the_help_needs_neither_vllm_nor_a_gpu() -> None:
     done = subprocess.run([sys.executable, "-m", "kvpool.benchmarks", "vllm", "--help"], capture_output=True,
                           text=True, cwd=SOURCE_ROOT, env=child_env(), timeout=120, check=False)  # fmt: skip
@@ -48,6 +49,7 @@ def test_the_help_needs_neither_vllm_nor_a_gpu() -> None:
         assert f"\n  {name} " in done.stdout
 
 
+@pytest.mark.slow
 def test_without_a_gpu_it_stops_with_one_line() -> None:
     done = subprocess.run([sys.executable, "-m", "kvpool.benchmarks", "vllm", "--device", "cpu"], capture_output=True,
                           text=True, cwd=SOURCE_ROOT, env=child_env(), timeout=120, check=False)  # fmt: skip

@@ -252,6 +252,7 @@ def _compose_cli() -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 @FILE_SETS
 def test_docker_compose_config_agrees(files: tuple[str, ...]) -> None:
     cli = _compose_cli()

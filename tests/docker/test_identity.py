@@ -135,6 +135,7 @@ def test_the_rule_these_tests_ask_is_the_clients() -> None:
     assert trust.trusted_uids() >= {os.getuid(), 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("files", [GPU_FILES, LEGACY_FILES], ids=["compose", "compose+legacy"])
 def test_docker_compose_resolves_the_same_users(files: tuple[str, ...]) -> None:
     cli = _compose_cli()

@@ -141,6 +141,7 @@ def test_build_context_has_what_the_install_needs() -> None:
         assert _ignored(path, patterns), f"{path} should stay out of the build context"
 
 
+@pytest.mark.slow
 def test_hadolint_clean() -> None:
     hadolint = tool("hadolint")
     if hadolint is None:

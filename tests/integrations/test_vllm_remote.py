@@ -150,6 +150,7 @@ def test_a_prompt_missing_more_than_k_blocks_takes_the_longer_answer_and_gives_t
 # -- residency alone (no vLLM) --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_handoff_parked_on_one_pool_is_claimed_through_another_into_its_arena() -> None:
     with two_pools(RESIDENCY_POOL) as (a, b, peer):
         p, d = Engine(a.url, "prefill"), Engine(b.url, "decode")
@@ -172,6 +173,7 @@ def test_a_handoff_parked_on_one_pool_is_claimed_through_another_into_its_arena(
         assert books(a.url)["in_use"] == 1 and books(b.url)["in_use"] == 1  # the null blocks alone
 
 
+@pytest.mark.slow
 def test_a_handoff_a_peer_cannot_give_is_no_hit_and_the_read_s_blocks_go_back() -> None:
     with two_pools(RESIDENCY_POOL, kill_after_claim=True) as (a, b, peer):
         p, d = Engine(a.url, "prefill"), Engine(b.url, "decode")
@@ -193,6 +195,7 @@ def test_a_handoff_a_peer_cannot_give_is_no_hit_and_the_read_s_blocks_go_back() 
         assert books(b.url)["in_use"] == 1
 
 
+@pytest.mark.slow
 def test_a_remote_claim_with_no_room_here_is_no_hit_and_the_local_claims_beside_it_still_load() -> None:
     with two_pools(RESIDENCY_POOL) as (a, b, peer):
         p, d, local = Engine(a.url, "prefill"), Engine(b.url, "decode"), Engine(b.url, "prefill-here")

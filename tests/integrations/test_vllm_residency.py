@@ -18,7 +18,7 @@ from kvpool.errors import PoolExhausted
 from kvpool.integrations.vllm.residency import PoolGone, Residency
 from kvpool.layout import KVLayout
 from kvpool.slab import SlabClient, SlabConfig
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, PoolProcess, local_pool, start_pool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32", order="kv_packed")
 BS = LAYOUT.block_size
@@ -74,7 +74,7 @@ def holds(arena, blocks: list[int], tokens: list[int]) -> bool:
     )
 
 
-def held_by(pool: PoolProcess, engine: Engine) -> set[int]:
+def held_by(pool: PoolProcess | LocalPool, engine: Engine) -> set[int]:
     """The blocks the pool's books say the engine's session holds refs on."""
     with pool.http() as http:
         ids = http.get(f"/sessions/{engine.client.session_id}/blocks").json()["block_ids"]
@@ -89,13 +89,21 @@ def books(url: str) -> dict:
 
 
 @pytest.fixture
-def pool() -> Iterator[PoolProcess]:
+def pool() -> Iterator[LocalPool]:
+    proc = local_pool(*RESIDENT_POOL)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def pool_process() -> Iterator[PoolProcess]:
+    """The same pool as a process: a killed engine of another process reaches it only so."""
     proc = start_pool(*RESIDENT_POOL)
     yield proc
     proc.stop()
 
 
-def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: PoolProcess) -> None:
+def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:
         prompt = list(range(100, 100 + 5 * BS + 1))
@@ -126,7 +134,7 @@ def test_a_prefix_one_engine_computed_is_another_s_hit_in_the_same_blocks(pool: 
     assert books(pool.url)["in_use"] == 1  # only the null block
 
 
-def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: PoolProcess) -> None:
+def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:
         prompt = list(range(7, 7 + 4 * BS + 1))
@@ -159,7 +167,7 @@ def test_an_engine_holds_one_ref_per_block_however_many_requests_hit_it(pool: Po
         b.close()
 
 
-def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(pool: PoolProcess) -> None:
+def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(pool: LocalPool) -> None:
     """The pool's hit of a prompt of five full blocks whose request uses four (its last token is computed): the
     fifth ref goes back at the scheduler's next step, not from inside the install (a decode engine's handover)."""
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
@@ -182,7 +190,7 @@ def test_the_refs_a_hit_took_past_its_request_s_blocks_go_back_at_the_next_step(
     assert books(pool.url)["in_use"] == 1  # only the null block
 
 
-def test_a_step_asks_for_idle_blocks_ahead_of_need_so_that_later_allocs_find_them(pool: PoolProcess) -> None:
+def test_a_step_asks_for_idle_blocks_ahead_of_need_so_that_later_allocs_find_them(pool: LocalPool) -> None:
     a = Engine(pool.url, "a")
     try:
         blocks = a.res.take(6)  # the first alloc fills the slab: 8 idle after it
@@ -199,7 +207,7 @@ def test_a_step_asks_for_idle_blocks_ahead_of_need_so_that_later_allocs_find_the
     assert books(pool.url)["in_use"] == 1
 
 
-def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(pool: PoolProcess) -> None:
+def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(pool: LocalPool) -> None:
     p, d = Engine(pool.url, "prefill"), Engine(pool.url, "decode")
     try:
         prompt = list(range(3, 3 + 3 * BS + 2))
@@ -220,7 +228,7 @@ def test_a_prefill_is_parked_by_id_and_its_decode_engine_claims_the_same_blocks(
     assert books(pool.url)["in_use"] == 1
 
 
-def test_a_claim_is_checked_and_trimmed_as_its_answer_is_read(pool: PoolProcess) -> None:
+def test_a_claim_is_checked_and_trimmed_as_its_answer_is_read(pool: LocalPool) -> None:
     """The decode engine's handover does no per-block work the answer's thread could do: a handoff that holds
     another prompt's KV is released there, and so is the block of a prompt's last token, which vLLM computes."""
     p, d = Engine(pool.url, "prefill"), Engine(pool.url, "decode")
@@ -250,7 +258,7 @@ def test_a_claim_is_checked_and_trimmed_as_its_answer_is_read(pool: PoolProcess)
     assert books(pool.url)["in_use"] == 1  # only the null block
 
 
-def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
+def test_an_answer_for_a_request_that_left_goes_back(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     try:
         prompt = list(range(50, 50 + 2 * BS + 1))
@@ -267,7 +275,7 @@ def test_an_answer_for_a_request_that_left_goes_back(pool: PoolProcess) -> None:
         b.close()
 
 
-def test_answers_taken_or_given_back_leave_nothing_behind(pool: PoolProcess) -> None:
+def test_answers_taken_or_given_back_leave_nothing_behind(pool: LocalPool) -> None:
     """An engine keeps an answer, and a claim's time, only until its request is installed or leaves: a claim the
     pool had nothing for, and a lookup whose request left, leave no entry in a process that runs for weeks."""
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
@@ -294,7 +302,7 @@ def test_answers_taken_or_given_back_leave_nothing_behind(pool: PoolProcess) -> 
         b.close()
 
 
-def test_an_engine_learns_its_pool_stopped_from_its_heartbeat_with_no_call_of_its_own(pool: PoolProcess) -> None:
+def test_an_engine_learns_its_pool_stopped_from_its_heartbeat_with_no_call_of_its_own(pool: LocalPool) -> None:
     a = Engine(pool.url, "a")
     try:
         a.res.check()
@@ -308,7 +316,7 @@ def test_an_engine_learns_its_pool_stopped_from_its_heartbeat_with_no_call_of_it
         a.close()
 
 
-def test_an_engine_whose_pool_stopped_takes_no_new_work(pool: PoolProcess) -> None:
+def test_an_engine_whose_pool_stopped_takes_no_new_work(pool: LocalPool) -> None:
     a = Engine(pool.url, "a")
     try:
         a.res.take(2)
@@ -334,7 +342,8 @@ time.sleep(600)
 
 
 @pytest.mark.slow
-def test_a_killed_engine_s_blocks_come_back_within_its_lease(pool: PoolProcess) -> None:
+def test_a_killed_engine_s_blocks_come_back_within_its_lease(pool_process: PoolProcess) -> None:
+    pool = pool_process
     before = books(pool.url)["in_use"]
     proc = subprocess.Popen([sys.executable, "-c", ENGINE, pool.url], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))  # fmt: skip
@@ -401,7 +410,7 @@ def test_calls_that_come_while_one_is_under_way_go_together_in_the_next() -> Non
 def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena() -> None:
     """A pool of two arenas (one per GPU): an engine resident on the second takes its blocks from the second
     arena's slab (arena 1's block 0 is that arena's null block) and finds prefixes in that arena's chains."""
-    proc = start_pool(*RESIDENT_POOL, "--devices", "0,1")
+    proc = local_pool(*RESIDENT_POOL, "--devices", "0,1")
     try:
         made = []
         for name in ("a", "b"):
@@ -431,7 +440,7 @@ def test_an_engine_on_the_second_arena_takes_its_blocks_and_hits_from_that_arena
 def test_a_prefill_parked_in_another_gpu_s_arena_is_computed_by_its_decode_engine_not_installed() -> None:
     """Prefill on GPU 0, decode on GPU 1: the claimed blocks are not in the decode engine's arena, so it gives them
     back and computes the prompt (never installs ids that name another GPU's memory); the books balance."""
-    proc = start_pool(*RESIDENT_POOL, "--devices", "0,1")
+    proc = local_pool(*RESIDENT_POOL, "--devices", "0,1")
     try:
         made = []
         for name, device in (("p", 0), ("d", 1)):

@@ -18,7 +18,7 @@ from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY
 from kvpool.integrations.vllm.settings import ConnectorSettings, layerwise_for
 from kvpool.integrations.vllm.worker import WorkerSide
 from kvpool.layout import KVLayout
-from tests.conftest import SMALL_POOL, PoolProcess, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, local_pool
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float32")
 BS = LAYOUT.block_size
@@ -66,13 +66,13 @@ class Engine:
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[PoolProcess]:
-    proc = start_pool(*SMALL_POOL)
+def pool() -> Iterator[LocalPool]:
+    proc = local_pool(*SMALL_POOL)
     yield proc
     proc.stop()
 
 
-def stats(pool: PoolProcess) -> dict:
+def stats(pool: LocalPool) -> dict:
     with PoolClient(pool.url, name="probe") as c:
         return c.stats()
 
@@ -90,7 +90,7 @@ def serve(e: Engine, req_id: str, prompt: list[int], params: dict | None = None)
     return blocks, ext
 
 
-def test_second_engine_loads_the_prefix_the_first_computed(pool: PoolProcess) -> None:
+def test_second_engine_loads_the_prefix_the_first_computed(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a"), Engine(pool.url, "b")
     indexed = stats(pool)["indexed"]
     try:
@@ -112,7 +112,7 @@ def test_second_engine_loads_the_prefix_the_first_computed(pool: PoolProcess) ->
         b.close()
 
 
-def test_a_hit_stops_one_token_short_and_counts_only_past_local_blocks(pool: PoolProcess) -> None:
+def test_a_hit_stops_one_token_short_and_counts_only_past_local_blocks(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a2"), Engine(pool.url, "b2")
     try:
         prompt = prompt_of(4, 16)
@@ -125,7 +125,7 @@ def test_a_hit_stops_one_token_short_and_counts_only_past_local_blocks(pool: Poo
         b.close()
 
 
-def test_prefill_engine_hands_a_request_to_the_decode_engine(pool: PoolProcess) -> None:
+def test_prefill_engine_hands_a_request_to_the_decode_engine(pool: LocalPool) -> None:
     p, d = Engine(pool.url, "p"), Engine(pool.url, "d")
     try:
         prompt = prompt_of(5, 14)  # three full blocks and a partial one: the decode engine computes the last two
@@ -143,7 +143,7 @@ def test_prefill_engine_hands_a_request_to_the_decode_engine(pool: PoolProcess) 
         d.close()
 
 
-def test_a_handoff_for_another_prompt_is_never_loaded(pool: PoolProcess) -> None:
+def test_a_handoff_for_another_prompt_is_never_loaded(pool: LocalPool) -> None:
     p, d = Engine(pool.url, "p3"), Engine(pool.url, "d3")
     try:
         prompt = prompt_of(6, 10)
@@ -158,7 +158,7 @@ def test_a_handoff_for_another_prompt_is_never_loaded(pool: PoolProcess) -> None
         d.close()
 
 
-def test_blocks_of_a_restarted_pool_fail_over_to_recompute(pool: PoolProcess) -> None:
+def test_blocks_of_a_restarted_pool_fail_over_to_recompute(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a4"), Engine(pool.url, "b4")
     try:
         prompt = prompt_of(7, 9)
@@ -185,7 +185,7 @@ def test_an_unreachable_pool_means_no_hits_and_no_saves(tmp_path) -> None:
     e.close()
 
 
-def test_refs_of_loaded_blocks_outlive_the_request_by_the_delay(pool: PoolProcess) -> None:
+def test_refs_of_loaded_blocks_outlive_the_request_by_the_delay(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a5"), Engine(pool.url, "b5", free_delay_steps=2)
     try:
         prompt = prompt_of(9, 9)
@@ -205,7 +205,7 @@ def test_refs_of_loaded_blocks_outlive_the_request_by_the_delay(pool: PoolProces
         b.close()
 
 
-def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool: PoolProcess) -> None:
+def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a6"), Engine(pool.url, "b6")
     try:
         prompt = prompt_of(10, 13)
@@ -224,7 +224,7 @@ def test_a_lookup_started_on_arrival_gives_what_a_lookup_at_scheduling_does(pool
         b.close()
 
 
-def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool: PoolProcess) -> None:
+def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool: LocalPool) -> None:
     """The saver commits past the prefix the pool held at the match, in one call; if that prefix has gone since
     (its refs let go, then evicted), the chain has a gap: nothing is committed, and the new blocks go back."""
     with PoolClient(pool.url, name="probe") as c:
@@ -250,7 +250,7 @@ def test_a_save_past_a_prefix_evicted_meanwhile_commits_nothing_and_lets_go(pool
             saver.link.close()  # the saver's session is its owner's (the worker's) to close
 
 
-def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool: PoolProcess) -> None:
+def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool: LocalPool) -> None:
     """Parked prefills: the held prefixes looked up, all committed, all parked; one whose prefix is gone is not
     parked, and its blocks go back."""
     with PoolClient(pool.url, name="dec") as decode, PoolClient(pool.url, name="probe2") as c:
@@ -280,7 +280,7 @@ def test_a_steps_parked_prefills_go_in_a_write_each_and_a_gap_parks_nothing(pool
             saver.link.close()  # the saver's session is its owner's (the worker's) to close
 
 
-def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolProcess) -> None:
+def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: LocalPool) -> None:
     """Ids carry their block's generation once a block has been reused: the copies must index the arena with the
     block alone, or every load after the first reuse would fail."""
     with PoolClient(pool.url, name="churn") as c:
@@ -302,7 +302,7 @@ def test_blocks_of_a_later_generation_are_copied_to_the_right_place(pool: PoolPr
         b.close()
 
 
-def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: PoolProcess) -> None:
+def test_lookups_on_several_lanes_give_back_each_lanes_refs(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a9"), Engine(pool.url, "b9", lookup_threads=3, free_delay_steps=1)
     try:
         prompts = [prompt_of(20 + i, 13) for i in range(4)]
@@ -355,7 +355,7 @@ def arrive_together(e: Engine, prompts: list[list[int]], params: list[dict | Non
     return matched
 
 
-def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess) -> None:
+def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: LocalPool) -> None:
     a, b = Engine(pool.url, "a10"), Engine(pool.url, "b10")
     try:
         prompts = [prompt_of(30 + i, 13) for i in range(5)]
@@ -369,7 +369,7 @@ def test_the_lookups_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess) ->
         b.close()
 
 
-def test_an_engines_session_never_polls_for_answers(pool: PoolProcess, monkeypatch) -> None:
+def test_an_engines_session_never_polls_for_answers(pool: LocalPool, monkeypatch) -> None:
     """Polling would keep the GIL from vLLM's threads: the connector's sessions sleep, whatever the environment."""
     monkeypatch.setenv("KVPOOL_REPLY_SPIN_US", "500")
     link = PoolLink(pool.url, "no-spin")
@@ -394,7 +394,7 @@ def test_a_key_the_connector_does_not_know_is_refused_naming_those_it_does() -> 
             ConnectorSettings.parse({gone: 1})
 
 
-def test_the_claims_of_a_burst_go_to_the_pool_in_one_call(pool: PoolProcess) -> None:
+def test_the_claims_of_a_burst_go_to_the_pool_in_one_call(pool: LocalPool) -> None:
     p, d = Engine(pool.url, "p11"), Engine(pool.url, "d11", claim_timeout_s=0.2)
     try:
         prompts = [prompt_of(40 + i, 13) for i in range(4)]

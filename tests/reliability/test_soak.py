@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kvpool.benchmarks import soak, soak_client
-from tests.conftest import ROOT, SMALL_POOL, start_pool
+from tests.conftest import ROOT, SMALL_POOL, local_pool, start_pool
 
 
 def run_soak(*args: str, timeout_s: float = 180) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
@@ -144,7 +144,7 @@ def test_short_soak_with_slabs_and_a_host_tier_serves_no_client_anothers_kv() ->
 def test_live_books_flag_a_block_a_session_holds_that_its_client_does_not_know() -> None:
     """The soak's live check, shown to fire: a block the pool's books put in a client's session while the client
     does not know of it (here, allocated behind its back) is stranded, and found while the client lives."""
-    pool = start_pool(*SMALL_POOL)
+    pool = local_pool(*SMALL_POOL)
     tally = soak_client.Tally()
     shared = soak_client.Shared(tally, block_size=4, handoff_ttl_s=2.0, seed=0, verify_data=False)
     client = soak_client.Client(0, pool.url, False, shared)

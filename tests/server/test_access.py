@@ -22,7 +22,7 @@ from kvpool.channel import HEADER, FastConnection
 from kvpool.client import PoolClient
 from kvpool.errors import Unauthorized
 from kvpool.server.config import PoolSettings
-from tests.conftest import ROOT, SMALL_POOL, PoolProcess, free_port, start_pool
+from tests.conftest import ROOT, SMALL_POOL, LocalPool, PoolProcess, free_port, local_pool, start_pool
 from tests.server.balance import books
 from tests.server.procs import SMALL_LAYOUT, serve
 
@@ -78,6 +78,7 @@ def test_the_default_socket_is_in_the_users_runtime_directory_where_there_is_one
     assert default_socket().parent.name == f"kvpool-{os.getuid()}"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from /proc/net")
 def test_served_with_defaults_listens_on_loopback_and_a_private_socket() -> None:
     """No --host, no --socket: TCP on 127.0.0.1 only, the socket 0660 in a directory nobody else can write."""
@@ -105,6 +106,7 @@ def test_served_with_defaults_listens_on_loopback_and_a_private_socket() -> None
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_refuses_a_world_writable_socket_directory() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvp-ww-"))
     tmp.chmod(0o777)  # no sticky bit: anyone could rename a socket of theirs over the pool's
@@ -134,6 +136,7 @@ def test_never_takes_over_a_live_pools_socket() -> None:
         first.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another user")
 def test_refuses_a_socket_directory_owned_by_another_user() -> None:
     """The default path lives in /tmp: a directory squatted there by someone else must not be used."""
@@ -162,6 +165,17 @@ def token_pool() -> Iterator[PoolProcess]:
     pool.stop()
 
 
+@pytest.fixture(scope="module")
+def token_local() -> Iterator[LocalPool]:
+    """The same pool in this process, for what a client sees of the token (the listeners' own checks need
+    ``token_pool``)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("KVPOOL_TOKEN", TOKEN)
+        pool = local_pool(*SMALL_POOL)
+    yield pool
+    pool.stop()
+
+
 def _every_endpoint(pool: PoolProcess) -> list[tuple[str, str]]:
     with pool.http(TOKEN) as h:
         spec = h.get("/openapi.json")
@@ -176,6 +190,7 @@ def _every_endpoint(pool: PoolProcess) -> list[tuple[str, str]]:
     return routes + extra
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "uds"])
 def test_token_required_on_every_endpoint_but_health(token_pool: PoolProcess, transport: str) -> None:
     endpoints = _every_endpoint(token_pool)
@@ -206,6 +221,7 @@ def test_token_required_on_every_endpoint_but_health(token_pool: PoolProcess, tr
         c.close()
 
 
+@pytest.mark.slow
 def test_arena_handle_only_for_callers_with_the_token(token_pool: PoolProcess) -> None:
     with token_pool.http(TOKEN) as h:
         arena = h.get("/arena").json()
@@ -219,6 +235,7 @@ def test_arena_handle_only_for_callers_with_the_token(token_pool: PoolProcess) -
     assert r.status_code == 401 and arena["handle"] not in r.text
 
 
+@pytest.mark.slow
 def test_unauthorized_body_is_not_read(token_pool: PoolProcess) -> None:
     """The token is checked before the body: a stranger announcing 50 MB gets a 401 without sending a byte of it
     (not a 413, and no read that waits for the body)."""
@@ -229,35 +246,35 @@ def test_unauthorized_body_is_not_read(token_pool: PoolProcess) -> None:
     assert status_line.startswith(b"HTTP/1.1 401"), status_line
 
 
-def test_pool_client_needs_the_token(token_pool: PoolProcess, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pool_client_needs_the_token(token_local: LocalPool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
     with pytest.raises(Unauthorized, match="token"):
-        PoolClient(token_pool.url, name="no-token")
+        PoolClient(token_local.url, name="no-token")
     with pytest.raises(Unauthorized, match="token"):
-        PoolClient(token_pool.url, name="bad-token", token="guess")
-    before = books(token_pool.stats(TOKEN))
-    with PoolClient(token_pool.url, name="ok", token=TOKEN) as c:
+        PoolClient(token_local.url, name="bad-token", token="guess")
+    before = books(token_local.stats(TOKEN))
+    with PoolClient(token_local.url, name="ok", token=TOKEN) as c:
         assert c.transport.fast_path is not None, "the token must also open the fast channel (its hello)"
         ids = c.alloc(2)
         assert c.free(ids) == 2
         assert c.descriptor().handle
-    assert books(token_pool.stats(TOKEN)) == before
+    assert books(token_local.stats(TOKEN)) == before
 
 
 def test_pool_client_reads_the_token_from_the_environment(
-    token_pool: PoolProcess, monkeypatch: pytest.MonkeyPatch
+    token_local: LocalPool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVPOOL_TOKEN", TOKEN)
-    with PoolClient(token_pool.url, name="env-token") as c:
+    with PoolClient(token_local.url, name="env-token") as c:
         assert len(c.alloc(1)) == 1
 
 
-def test_fast_channel_hello_checks_the_token(token_pool: PoolProcess) -> None:
-    with PoolClient(token_pool.url, name="owner", token=TOKEN, fast=False) as owner:
+def test_fast_channel_hello_checks_the_token(token_local: LocalPool) -> None:
+    with PoolClient(token_local.url, name="owner", token=TOKEN, fast=False) as owner:
         heartbeat = json.dumps({"session_id": owner.session_id}).encode()
         alloc = json.dumps({"session_id": owner.session_id, "num_blocks": 1}).encode()
-        before = books(token_pool.stats(TOKEN))
-        conn = FastConnection(f"{token_pool.socket}.fast", timeout_s=10)
+        before = books(token_local.stats(TOKEN))
+        conn = FastConnection(f"{token_local.socket}.fast", timeout_s=10)
         try:
             status, reply = conn.call(b"alloc", alloc)
             assert status == 401 and "hello" in json.loads(reply)["detail"]
@@ -267,7 +284,7 @@ def test_fast_channel_hello_checks_the_token(token_pool: PoolProcess) -> None:
                 assert "token" in json.loads(reply)["detail"]
                 status, _ = conn.call(b"alloc", alloc)
                 assert status == 401, f"an op passed after a refused hello {hello!r}"
-            assert books(token_pool.stats(TOKEN)) == before
+            assert books(token_local.stats(TOKEN)) == before
             status, _ = conn.call(b"hello", json.dumps({"token": TOKEN}).encode())
             assert status == 200
             status, _ = conn.call(b"heartbeat", heartbeat)
@@ -277,7 +294,7 @@ def test_fast_channel_hello_checks_the_token(token_pool: PoolProcess) -> None:
 
 
 def test_token_from_the_command_line() -> None:
-    pool = start_pool(*SMALL_POOL, "--token", "from-the-flag")
+    pool = local_pool(*SMALL_POOL, "--token", "from-the-flag")
     try:
         with pool.http() as h:
             assert h.get("/stats").status_code == 401
@@ -302,6 +319,13 @@ def small_limit_pool() -> Iterator[PoolProcess]:
     pool.stop()
 
 
+@pytest.fixture(scope="module")
+def small_limit_local() -> Iterator[LocalPool]:
+    pool = local_pool(*SMALL_POOL, "--max-body-bytes", str(LIMIT))
+    yield pool
+    pool.stop()
+
+
 def _big_free(session_id: str, size: int) -> bytes:
     """A valid /free body of about ``size`` bytes (its ids are never reached: the size check comes first)."""
     head = b'{"session_id": "%s", "block_ids": [' % session_id.encode()
@@ -309,6 +333,7 @@ def _big_free(session_id: str, size: int) -> bytes:
     return head + ids + b"]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "uds"])
 @pytest.mark.parametrize("framing", ["content-length", "chunked"])
 def test_oversize_body_is_413(small_limit_pool: PoolProcess, transport: str, framing: str) -> None:
@@ -336,21 +361,21 @@ def test_oversize_body_is_413(small_limit_pool: PoolProcess, transport: str, fra
         assert books(small_limit_pool.stats()) == before
 
 
-def test_body_under_the_limit_is_served(small_limit_pool: PoolProcess) -> None:
-    with PoolClient(small_limit_pool.url, name="owner", fast=False) as owner:
+def test_body_under_the_limit_is_served(small_limit_local: LocalPool) -> None:
+    with PoolClient(small_limit_local.url, name="owner", fast=False) as owner:
         (block,) = owner.alloc(1)
         body = json.dumps({"session_id": owner.session_id, "block_ids": [block], "pad": "x" * (LIMIT - 200)})
         assert LIMIT - 200 < len(body) <= LIMIT
-        with small_limit_pool.http() as h:
+        with small_limit_local.http() as h:
             r = h.post("/free", content=body.encode(), headers={"content-type": "application/json"})
         assert r.status_code == 422 and "pad" in r.text  # read and parsed (refused for its unknown field)
         assert owner.free([block]) == 1
 
 
-def test_oversize_fast_channel_frame_is_413_and_closes(small_limit_pool: PoolProcess) -> None:
-    with PoolClient(small_limit_pool.url, name="owner") as owner:
-        before = books(small_limit_pool.stats())
-        conn = FastConnection(f"{small_limit_pool.socket}.fast", timeout_s=10)
+def test_oversize_fast_channel_frame_is_413_and_closes(small_limit_local: LocalPool) -> None:
+    with PoolClient(small_limit_local.url, name="owner") as owner:
+        before = books(small_limit_local.stats())
+        conn = FastConnection(f"{small_limit_local.socket}.fast", timeout_s=10)
         try:
             assert conn.call(b"hello", b"{}")[0] == 200
             status, reply = conn.call(b"free", _big_free(owner.session_id, LIMIT + 100))
@@ -364,14 +389,14 @@ def test_oversize_fast_channel_frame_is_413_and_closes(small_limit_pool: PoolPro
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         raw.settimeout(10)
         try:
-            raw.connect(f"{small_limit_pool.socket}.fast")
+            raw.connect(f"{small_limit_local.socket}.fast")
             raw.sendall(HEADER.pack(0xFFFFFFFF))
             size = HEADER.unpack(raw.recv(HEADER.size, socket.MSG_WAITALL))[0]
             status = raw.recv(size, socket.MSG_WAITALL).split(b"\n", 1)[0]
             assert status == b"413"
         finally:
             raw.close()
-        assert books(small_limit_pool.stats()) == before
+        assert books(small_limit_local.stats()) == before
         assert len(owner.alloc(1)) == 1  # the client's own connection was not disturbed
 
 

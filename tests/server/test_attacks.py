@@ -110,6 +110,7 @@ def group_pool() -> Iterator[PoolProcess]:
     pool.stop()
 
 
+@pytest.mark.slow
 def test_a_forged_delivery_never_reaches_a_claim(group_pool: PoolProcess) -> None:
     """Another user in the socket's group, with no session and no token, reads the epoch from the open /health,
     finds the consumer's inbox in the socket directory, and sends it block ids of its choosing, for a request
@@ -338,6 +339,7 @@ def test_a_stranger_holds_no_memory_and_no_connection_for_long_before_hello(tmp_
         pool.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("transport", ["http", "fast"])
 def test_a_claim_whose_caller_left_takes_nothing(pool_process: PoolProcess, transport: str) -> None:
     """A claim waits in the pool; its caller goes away (an HTTP client's time-out, a closed connection): the next
@@ -445,6 +447,7 @@ def unix_stats(pool: PoolProcess, token: str) -> dict[str, Any]:
         return stats
 
 
+@pytest.mark.slow
 def test_half_open_tcp_connections_are_capped_and_cut_off_and_never_starve_the_unix_socket() -> None:
     """Another local user holds half-sent requests open on the TCP port: past the TCP listener's cap each new one
     is refused at once, each held one is closed once the read deadline passes, the pool says so, and the token
@@ -496,6 +499,7 @@ def resident_bytes(pid: int) -> int:
     return 0
 
 
+@pytest.mark.slow
 def test_pipelined_requests_without_the_token_hold_no_memory_and_leave_the_unix_socket_served() -> None:
     """Issue 46, finding 4: one write of 7,000 pipelined ``GET /health`` a connection, from 20 connections that read
     no answer. The pool parses one request of a connection at a time (and one of its peer's at a time before the
@@ -525,6 +529,7 @@ def test_pipelined_requests_without_the_token_hold_no_memory_and_leave_the_unix_
         pool.stop()
 
 
+@pytest.mark.slow
 def test_every_pipelined_request_is_answered_in_order() -> None:
     """Parsing one request at a time loses none: requests pipelined across reads, split mid-head and with bodies
     (a body is parsed by its length, never past it), each get their answer, in order."""
@@ -550,6 +555,7 @@ def test_every_pipelined_request_is_answered_in_order() -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_what_needs_no_token_takes_no_body_and_no_long_head() -> None:
     """``/health`` (open to all) with a body is refused before the body is read (it was read up to
     --max-body-bytes, for anyone), and a request head over 16 KiB is refused before it is parsed whole."""
@@ -567,6 +573,7 @@ def test_what_needs_no_token_takes_no_body_and_no_long_head() -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_upgrade_requests_give_their_connection_back() -> None:
     """A WebSocket upgrade request (the pool serves none) is answered, and its connection, once closed, leaves room
     under the cap again, as any other does (an upgraded connection would leave its count behind for good)."""
@@ -590,6 +597,7 @@ def limit_open_files(soft: int, hard: int) -> Callable[[], None]:
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+@pytest.mark.slow
 def test_a_pool_allowed_few_files_keeps_room_for_the_unix_socket() -> None:
     """The issue's attack as it was: a pool that may open 400 files, another user holding 500 half-sent requests on
     the TCP port. Its caps fit under the limit, so the Unix socket's token holders are still answered."""
@@ -606,6 +614,7 @@ def test_a_pool_allowed_few_files_keeps_room_for_the_unix_socket() -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_the_pool_raises_its_soft_open_files_limit_to_the_hard_one() -> None:
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     pool = start_pool(*SMALL_POOL, preexec_fn=limit_open_files(256, hard))
@@ -618,6 +627,7 @@ def test_the_pool_raises_its_soft_open_files_limit_to_the_hard_one() -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_partial_fast_channel_frames_are_cut_off_and_the_token_holders_go_on() -> None:
     """Strangers that never finish their hello, and a token holder's connections that send part of a frame after
     it, are closed once their deadline passes; an idle connection between frames is not; the others are served."""
@@ -650,6 +660,7 @@ def test_partial_fast_channel_frames_are_cut_off_and_the_token_holders_go_on() -
         pool.stop()
 
 
+@pytest.mark.slow
 def test_wrong_hellos_one_after_another_do_not_keep_a_stranger_connected() -> None:
     """The hello deadline runs from the connection's start: a refused hello does not start it again."""
     pool = start_pool(*SMALL_POOL, env={"KVPOOL_TOKEN": TOKEN, "KVPOOL_HELLO_TIMEOUT_S": "1"})
@@ -665,6 +676,7 @@ def test_wrong_hellos_one_after_another_do_not_keep_a_stranger_connected() -> No
         pool.stop()
 
 
+@pytest.mark.slow
 def test_frames_being_read_share_one_budget() -> None:
     """The bytes of frames being read are bounded by --max-fast-buffer-bytes, whatever the number of connections:
     a frame past the budget is refused (429, "send it again"), while smaller ones go on."""
@@ -694,6 +706,7 @@ def test_frames_being_read_share_one_budget() -> None:
         pool.stop()
 
 
+@pytest.mark.slow
 def test_frames_that_stall_after_their_length_hold_no_budget() -> None:
     """Issue 46, finding 5: connections that send a frame's length and nothing more (four bytes each) took the
     whole budget, as the frame's size was reserved when its length came. The budget counts bytes as they come: 40
@@ -798,12 +811,14 @@ def test_a_planted_link_to_another_users_directory_gets_no_token(squatted: tuple
     assert fake.received == b""
 
 
+@pytest.mark.slow
 def test_a_socket_of_ours_in_a_private_directory_passes(pool_process: PoolProcess) -> None:
     assert stat.S_IMODE(pool_process.socket.parent.stat().st_mode) & 0o022 == 0
     with PoolClient(pool_process.url, name="fine") as ok:
         assert ok.health().status == "ok"
 
 
+@pytest.mark.slow
 def test_one_peer_s_kept_handoffs_leave_the_others_their_share(tmp_path: Path) -> None:
     """Finding 6: kept handoffs over one block, addressed to the attacker's own idle sessions, fill the attacker's
     share of --max-handoffs (and its sessions its share of --max-sessions), never the pool's: the workers (here the
@@ -835,6 +850,7 @@ def test_one_peer_s_kept_handoffs_leave_the_others_their_share(tmp_path: Path) -
         pool.stop()
 
 
+@pytest.mark.slow
 def test_a_pinned_name_is_its_user_s_from_the_pool_s_start_and_after_a_restart() -> None:
     """Finding 7: --names pins decode-0 to this user and prefill-* to another: nobody else opens them, with any key,
     over either listener, at the first moment the pool answers /health, nor after the pool restarts."""
@@ -855,6 +871,7 @@ def test_a_pinned_name_is_its_user_s_from_the_pool_s_start_and_after_a_restart()
             pool.stop()
 
 
+@pytest.mark.slow
 def test_a_keyed_name_is_bound_to_the_peer_that_keyed_it() -> None:
     """Finding 7: a second peer (here: over TCP, which the pool cannot tell apart from any other local user)
     cannot take a name keyed over the Unix socket while its worker is down, not even with its key."""

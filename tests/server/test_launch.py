@@ -10,6 +10,7 @@ import pytest
 from kvpool.server.launch import child_env, spawn
 
 
+@pytest.mark.slow
 def test_a_server_that_exits_at_start_says_why_and_its_work_directory_goes() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="kvp-launch-"))
     sock = workdir / "s.sock"

@@ -14,7 +14,7 @@ from kvpool.devices import DeviceSession
 from kvpool.errors import HandoffNotFound, HandoffRefused, StaleBlock, UnknownSession
 from kvpool.ids import block_of, pack_ids
 from kvpool.inbox import SEAL_BYTES, Outbox, decode_delivery, encode_delivery, seal_delivery
-from tests.conftest import SMALL_POOL, LocalPool, local_pool, start_pool
+from tests.conftest import SMALL_POOL, LocalPool, local_pool
 from tests.server.balance import books
 
 
@@ -135,7 +135,7 @@ def test_a_stale_direct_handoff_is_refused_and_its_claim_told(pool):
 
 
 def test_a_worker_that_resumes_after_its_lease_expired_is_refused():
-    server = start_pool(*SMALL_POOL, "--lease-ttl-s", "0.5")
+    server = local_pool(*SMALL_POOL, "--lease-ttl-s", "0.5")
     try:
         with (
             # over TCP, where the pool cannot know the process: its blocks go to others at once, as the test needs

@@ -115,6 +115,7 @@ def run(
 PROMPTS = [list(range(10 + 7 * i, 17 + 7 * i + i)) for i in range(6)]
 
 
+@pytest.mark.slow
 def test_preempted_requests_are_recomputed() -> None:
     records, pool = run(PROMPTS, [12, 9, 14, 6, 11, 8], num_blocks=18, send_prompt=True)
     assert [r["request_id"] for r in records] == [f"r{i}" for i in range(6)]
@@ -129,6 +130,7 @@ def test_preempted_requests_without_prompt_wait_with_their_blocks() -> None:
     assert sum(r["preemptions"] for r in records) > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("send_prompt", [False, True])
 def test_only_a_request_that_cannot_be_recomputed_is_dropped(send_prompt: bool) -> None:
     """Two prompts of two full blocks in a pool of four: both need a third block at their first step."""

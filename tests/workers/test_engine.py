@@ -22,6 +22,7 @@ CONFIG = LlamaConfig(
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_churning_batch_decodes_each_sequence_as_alone(device: str) -> None:
     model = LlamaModel.random(CONFIG, seed=4, device=device)
@@ -83,6 +84,7 @@ class CountingBlocks(LocalBlocks):
         return super().alloc(num_blocks)
 
 
+@pytest.mark.slow
 def test_growth_asks_the_pool_about_once_a_block() -> None:
     """Mixed lengths cross block boundaries at almost every step; the pool is asked once per block_size + 1."""
     model = LlamaModel.random(CONFIG, seed=4)

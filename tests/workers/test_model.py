@@ -89,6 +89,7 @@ def test_greedy_tokens_do_not_depend_on_paging() -> None:
     assert all(len(r) == 10 for r in runs[0])
 
 
+@pytest.mark.slow
 def test_prefill_with_cached_prefix_equals_full_prefill() -> None:
     model = LlamaModel.random(SMALL, seed=2)
     layout = layout_for(SMALL, 8, "float32", "block_major")

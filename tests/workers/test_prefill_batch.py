@@ -71,6 +71,7 @@ def test_packed_attention_matches_reference(backend: str, order: str, dtype: tor
     assert (out.double().cpu() - ref).abs().max().item() <= TOLERANCE[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device", DEVICES)
 def test_batched_chunked_prefill_equals_one_at_a_time(device: str) -> None:
     """Three prompts (one over a cached prefix) in one forward, then in chunks: same logits, same K/V (on CUDA

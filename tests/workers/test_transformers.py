@@ -4,6 +4,7 @@ logits, bf16 logits; on the CPU, and on CUDA (where the decode runs the Triton k
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -12,8 +13,6 @@ from kvpool.workers.kvcache import layout_for, private_kv_caches
 from kvpool.workers.model import LlamaModel
 from kvpool.workers.monolithic import greedy_generate
 from tests.workers.helpers import hf_greedy, tiny_hf_checkpoint
-
-transformers = pytest.importorskip("transformers")
 
 LLAMA3_ROPE = {
     "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -29,8 +28,14 @@ pytestmark = pytest.mark.slow  # deselect with -m 'not slow'
 BF16_LOGIT_TOLERANCE = 0.1
 
 
+@pytest.fixture(scope="module")
+def transformers() -> ModuleType:
+    """Imported when a test here runs, not when the module is collected: ``-m "not slow"`` pays nothing for it."""
+    return pytest.importorskip("transformers")
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_greedy_equals_transformers_generate(tmp_path: Path, device: str) -> None:
+def test_greedy_equals_transformers_generate(tmp_path: Path, device: str, transformers: ModuleType) -> None:
     path = tiny_hf_checkpoint(tmp_path)
     model = LlamaModel.from_pretrained(path, device)
     ours = greedy_generate(model, PROMPTS, 10, layout_for(model.config, 8, "float32", "block_major"))
@@ -38,7 +43,7 @@ def test_greedy_equals_transformers_generate(tmp_path: Path, device: str) -> Non
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_logits_within_tolerance(tmp_path: Path, device: str) -> None:
+def test_bf16_logits_within_tolerance(tmp_path: Path, device: str, transformers: ModuleType) -> None:
     """Teacher-forced: prefill, then decode steps fed the fp32 greedy tokens; every step's logits are compared."""
     path = tiny_hf_checkpoint(tmp_path)
     prompt = list(range(20, 80))
@@ -71,7 +76,9 @@ def test_bf16_logits_within_tolerance(tmp_path: Path, device: str) -> None:
     ],
     ids=["tied-bias", "llama3-rope", "mqa-head-dim"],
 )
-def test_logits_equal_transformers_for_variants(tmp_path: Path, overrides: dict[str, object]) -> None:
+def test_logits_equal_transformers_for_variants(
+    tmp_path: Path, overrides: dict[str, object], transformers: ModuleType
+) -> None:
     path = tiny_hf_checkpoint(tmp_path, seed=1, **overrides)
     hf = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model = LlamaModel.from_pretrained(path)

@@ -123,6 +123,7 @@ ops = st.lists(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(ops, st.sampled_from([[12], [5, 7], [3, 4, 5]]))
 def test_invariants_hold_under_any_sequence(seq, sizes):
@@ -192,6 +193,7 @@ def test_the_generation_wraps_within_its_31_bits():
     assert a.generation == [0]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(ops, st.sampled_from([[6], [3, 4]]))
 def test_generations_fence_exactly_the_ids_whose_blocks_were_recycled(seq, sizes):
@@ -258,3 +260,16 @@ def test_spare_blocks_are_evicted_first_oldest_first_and_the_others_after():
     assert a.allocate("t", 1) == [ids[3]]
     assert not any(a.spare[b] for b in a.held("t"))  # an evicted block is no one's copy any more
     a.check()
+
+
+# The two properties above for ``-m "not slow"``: a few examples each, where the whole suite runs the 300 as well.
+test_invariants_hold_in_a_few_sequences = settings(max_examples=30, deadline=None)(
+    given(ops, st.sampled_from([[12], [5, 7], [3, 4, 5]]))(
+        test_invariants_hold_under_any_sequence.hypothesis.inner_test
+    )
+)
+test_generations_fence_in_a_few_sequences = settings(max_examples=30, deadline=None)(
+    given(ops, st.sampled_from([[6], [3, 4]]))(
+        test_generations_fence_exactly_the_ids_whose_blocks_were_recycled.hypothesis.inner_test
+    )
+)

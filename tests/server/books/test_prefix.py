@@ -353,5 +353,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 assert a.fenced([block_of(b)]) == [b], "a held block's generation changed"
 
 
-PrefixCacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
-test_prefix_cache_matches_reference = PrefixCacheMachine.TestCase
+class test_prefix_cache_matches_reference(PrefixCacheMachine.TestCase):
+    pytestmark = pytest.mark.slow
+    settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class test_prefix_cache_matches_reference_in_a_few_runs(PrefixCacheMachine.TestCase):
+    """The same machine for ``-m "not slow"``: a few runs, where the whole suite runs the 150 above as well."""
+
+    settings = settings(max_examples=15, stateful_step_count=40, deadline=None)

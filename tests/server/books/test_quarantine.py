@@ -300,6 +300,7 @@ def engine(pool: PoolProcess) -> Iterator[tuple[subprocess.Popen[str], set[int]]
     proc.wait()
 
 
+@pytest.mark.slow
 def test_an_engine_stopped_past_its_lease_keeps_its_blocks_from_others_until_it_is_killed(pool, engine) -> None:
     proc, held = engine
     os.kill(proc.pid, signal.SIGSTOP)
@@ -319,6 +320,7 @@ def test_an_engine_stopped_past_its_lease_keeps_its_blocks_from_others_until_it_
         assert (fence["quarantines"], fence["released"], fence["killed"]) == (1, 1, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pool", ["kill"], indirect=True)
 def test_with_lapsed_sessions_kill_the_pool_kills_a_stopped_engine_and_takes_its_blocks_back(pool, engine) -> None:
     proc, _ = engine

@@ -27,6 +27,10 @@ try:
 except Exception as exc:  # whatever keeps NIXL from loading is the reason to skip
     pytest.skip(f"NIXL is not installed here ({exc})", allow_module_level=True)
 
+# Two pool processes whose NIXL agents read each other's arenas over UCX TCP, and peers killed or stopped by signals:
+# what only processes show, so the whole module is in the full suite only.
+pytestmark = pytest.mark.slow
+
 TOKEN = "t0ken-for-peers"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 ENV = {"UCX_TLS": "tcp", "KVPOOL_TOKEN": TOKEN}
