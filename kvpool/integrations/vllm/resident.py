@@ -29,7 +29,7 @@ from kvpool.integrations.vllm.identity import EngineIdentity
 from kvpool.integrations.vllm.plan import prompt_digest
 from kvpool.integrations.vllm.remote import PEER_KEY
 from kvpool.integrations.vllm.residency import Hit, PoolGone, Residency
-from kvpool.integrations.vllm.residentrequest import Phase
+from kvpool.integrations.vllm.residentrequest import Phase, ResidentRequest
 from kvpool.integrations.vllm.scheduler import DIGEST_KEY, FROM_KEY, HANDOFF_KEY  # copy mode's keys
 from kvpool.layout import KVLayout
 from kvpool.protocol import ArenaDescriptor
@@ -116,14 +116,14 @@ class ResidentSchedulerSide:
         self.block_size = block_size
         self.identity = identity
         self.load, self.save = load, save
-        #: the prompt blocks of each request that arrived and is not placed yet: what the slab is refilled for, off
-        #: the scheduler's thread, as a burst arrives and after each step
-        self.pending: dict[str, int] = {}
-        self._pending_lock = threading.Lock()  # written on vLLM's input thread, the answers' and the scheduler's
+        #: the records' ``demand`` summed: the new blocks of the requests that arrived and are not placed yet, which
+        #: the slab is refilled for off the scheduler's thread, as a burst arrives and after each step
+        self.demanded = 0
+        self._demand_lock = threading.Lock()  # demands are set on vLLM's input thread, the answers' and the scheduler's
         self._refill_ahead = slab.refill_ahead
         self.residency = Residency(
             client, block_size, descriptor.num_blocks, first_block=descriptor.first_block,
-            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=self._refill_for_pending, hold=slab.holding,
+            free_count=lambda: slab.num_idle, grow=slab.ensure_idle, ahead=self._refill_for_demand, hold=slab.holding,
             claim_timeout_s=claim_timeout_s, device=device, peer_prefix_blocks=peer_prefix_blocks,
             alive=lambda: _lapse(client),
         )  # fmt: skip
@@ -184,30 +184,36 @@ class ResidentSchedulerSide:
         waited for a refill round trip each, under the slab's lock, on the scheduler's thread (4 for 64 prompts of
         512 tokens and a 1,024-block slab). A request the pool answers for is counted once its answer is back, less
         its hit: its hit is held for it by then, and a refill that evicts cannot take it."""
-        rid = request.request_id
         blocks = len(request.prompt_token_ids or ()) // self.block_size + 1
-        with self._pending_lock:
-            if rid in self.pending:
+        rec = self.residency.request(request.request_id)
+        with self._demand_lock:
+            if rec.demand is not None:
                 return
-            self.pending[rid] = 0
-        rec = self.residency.requests.get(rid)
-        future = rec.future if rec is not None else None
+            rec.demand = 0
+        future = rec.future
         if future is None:
-            self._need(rid, blocks)
+            self._need(rec, blocks)
         else:
-            future.add_done_callback(lambda f: self._need(rid, blocks - len(f.result().ids)))
+            future.add_done_callback(lambda f: self._need(rec, blocks - len(f.result().ids)))
 
-    def _need(self, rid: str, blocks: int) -> None:
-        with self._pending_lock:
-            if rid not in self.pending:  # placed or gone meanwhile
+    def _need(self, rec: ResidentRequest, blocks: int) -> None:
+        with self._demand_lock:
+            if rec.demand is None:  # placed or gone meanwhile
                 return
-            self.pending[rid] = blocks
-        self._refill_for_pending()
+            self.demanded += blocks - rec.demand
+            rec.demand = blocks
+        self._refill_for_demand()
 
-    def _refill_for_pending(self) -> None:
-        with self._pending_lock:
-            want = sum(self.pending.values())
-        self._refill_ahead(want)
+    def _settle(self, rid: str) -> None:
+        """The request was placed or left: the slab is no longer refilled for it."""
+        rec = self.residency.requests.get(rid)
+        with self._demand_lock:
+            if rec is not None and rec.demand is not None:
+                self.demanded -= rec.demand
+                rec.demand = None
+
+    def _refill_for_demand(self) -> None:
+        self._refill_ahead(self.demanded)
 
     def _answer(self, request: Any) -> Hit | None:
         """What to install for ``request`` before vLLM searches its prefix cache: its hit, if it has one. The pool is
@@ -261,15 +267,13 @@ class ResidentSchedulerSide:
 
     def after_alloc(self, request: Any) -> None:
         """vLLM placed the request: its hits are vLLM's refs now, its pins go."""
-        with self._pending_lock:
-            self.pending.pop(request.request_id, None)
+        self._settle(request.request_id)
         self._leave(self.residency.placed(request.request_id))
 
     def finished(self, request: Any, block_ids: list[int]) -> dict[str, Any] | None:
         """Commit the request's computed full blocks (every step that wrote them has ended), or park them for the
         decode engine that ``do_remote_decode`` names; the blocks themselves go when vLLM frees them."""
-        with self._pending_lock:
-            self.pending.pop(request.request_id, None)
+        self._settle(request.request_id)
         self._leave(self.residency.finished(request.request_id))  # its record goes
         done = request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0)
         params = request.kv_transfer_params or {}

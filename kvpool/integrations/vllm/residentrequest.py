@@ -59,6 +59,9 @@ class ResidentRequest:
     #: vLLM is to leave it waiting this step, its answer not back yet; and since when it has waited
     later: bool = False
     since: float | None = None
+    #: the new blocks its prompt will take, which the slab is refilled for ahead while vLLM has not placed it: 0 until
+    #: its answer is back (then its prompt's blocks less its hit); None once placed, or before it arrived
+    demand: int | None = None
 
     def to(self, phase: Phase) -> None:
         """Move to ``phase``; a move the lifecycle does not have is a bug in the books."""
@@ -72,6 +75,8 @@ class ResidentRequest:
         rid, phase = self.req_id, self.phase
         if phase is not Phase.ARRIVED:
             assert not self.later, f"request {rid} is {phase.value} but left waiting"
+        if phase is Phase.RUNNING:
+            assert self.demand is None, f"request {rid} is running but the slab is still refilled for it"
         if phase is not Phase.ANSWERED:
             assert self.pins is None, f"request {rid} is {phase.value} but pins blocks"
             assert self.installed is None, f"request {rid} is {phase.value} but has a hit installed"
