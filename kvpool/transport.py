@@ -82,15 +82,14 @@ class LocalTransport(httpx.BaseTransport):
 def http_client(url: str, token: str | None, timeout_s: float) -> httpx.Client:
     """A client of the pool's HTTP API; for a Unix socket, only once it is known to be the pool's own
     (:func:`kvpool.trust.check_socket`): a token is never sent to a socket another user could have put there."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
     if url.startswith(LOCAL):
         local = LocalTransport.served.get(url[len(LOCAL) :])
         if local is None:
             raise PoolUnavailable(f"no pool is served in this process at {url}: start it, or name a pool's socket")
-        headers = {"authorization": f"Bearer {token}"} if token else {}
         return httpx.Client(transport=local, base_url="http://kvpool", headers=headers, timeout=timeout_s)
     if url.startswith("unix://"):
         check_socket(url[len("unix://") :])
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     limits = httpx.Limits(max_keepalive_connections=4, keepalive_expiry=15)
     # No TLS on a Unix socket or plain http: skip building an SSL context (tens of ms per client).
     verify = url.startswith("https://")
@@ -145,7 +144,7 @@ class Transport:
     def attach(self, route: Route, block_ids: Any) -> memoryview | None:
         """``block_ids`` packed to go attached to ``route``'s request, where it goes over the fast channel (then the
         request's own ``block_ids`` is empty); None: they go in the request."""
-        return pack_ids(block_ids) if route.fast is not None and self.fast_path is not None else None
+        return pack_ids(block_ids) if self.goes_fast(route) else None
 
     def request(
         self,
