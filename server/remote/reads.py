@@ -103,8 +103,13 @@ class RemotePeers:
         pool = self.pool()
         hit = pool.lookup(session_id, token_ids, 0, salt)
         n = len(hit.block_ids)
-        hashes = pool.hashers[0].block_hashes(token_ids[: n * pool.layout.block_size], salt)
-        return ChainResponse(block_ids=hit.block_ids, num_tokens=hit.num_tokens, hashes=[h.hex() for h in hashes])
+        hashes = self._hashes(token_ids[: n * pool.layout.block_size], salt)
+        return ChainResponse(block_ids=hit.block_ids, num_tokens=hit.num_tokens, hashes=hashes)
+
+    def _hashes(self, tokens: Sequence[int], salt: str | None) -> list[str]:
+        """The chain hashes of ``tokens``' full blocks as this pool computes them (its first arena's), as the wire
+        carries them: what a peer's chain is checked against."""
+        return [h.hex() for h in self.pool().hashers[0].block_hashes(tokens, salt)]
 
     # -- what consumers ask ---------------------------------------------------------------------------------
 
@@ -135,7 +140,7 @@ class RemotePeers:
         tokens = list(req.token_ids or [])[: len(mine) * bs]
         if len(tokens) < bs:
             return 0
-        want = [h.hex() for h in pool.hashers[0].block_hashes(tokens, req.salt)]
+        want = self._hashes(tokens, req.salt)
         try:
             got = await self._call(peer, "POST", "/remote/chain", {"session_id": sid, "token_ids": tokens,
                                                                     "salt": req.salt})  # fmt: skip
@@ -168,7 +173,7 @@ class RemotePeers:
         ids, errors = list(hit.block_ids), {}
         if len(ids) == full:
             return RemoteLookupResponse(block_ids=ids, num_tokens=hit.num_tokens)
-        want = [h.hex() for h in pool.hashers[0].block_hashes(tokens[: full * bs], req.salt)]
+        want = self._hashes(tokens[: full * bs], req.salt)
         for url in req.peers or self.settings.peer_list:
             k = len(ids)
             try:
